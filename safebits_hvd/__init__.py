@@ -1,0 +1,1 @@
+"""SafeBits: safety-constrained global bit budgeting with error feedback for Horovod."""
