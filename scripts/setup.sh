@@ -10,8 +10,7 @@
 #     for PyTorch >= 2.1 and CMake >= 4 (C++17; CMAKE_POLICY_VERSION_MINIMUM=3.5). The built wheel is cached in
 #     $SAFEBITS_CACHE (default ~/.cache/safebits), keyed by Python and torch versions, so only the first setup on a
 #     machine pays the ~7 minute build.
-#   * With SAFEBITS_CUDA_TOOLS=1 (CI sets it): cupy-cuda12x and nvidia-cuda-nvrtc-cu12, so CUDA kernel sources can be
-#     compiled with NVRTC without a GPU.
+#   * cupy-cuda12x and nvidia-cuda-nvrtc-cu12, so the CUDA kernel sources are compiled with NVRTC even without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +24,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 log() { printf '[setup] %s\n' "$*"; }
 
 # Everything that changes what gets installed goes into the stamp, so an edit re-runs setup.
-stamp_inputs="$(cat scripts/setup.sh pyproject.toml setup.cfg 2>/dev/null) cuda=${SAFEBITS_CUDA_TOOLS:-0} $TORCH_SPEC"
+stamp_inputs="$(cat scripts/setup.sh pyproject.toml setup.cfg 2>/dev/null) $TORCH_SPEC"
 stamp="$VENV/.safebits-setup-$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   exit 0
@@ -87,15 +86,16 @@ if ! "$VENV/bin/python" -c "import horovod.torch" 2>/dev/null; then
   "${PIP[@]}" install --no-deps "$wheel_dir"/horovod-*.whl
 fi
 
-# --- optional CUDA compile tools, then this package --------------------------------------------------------
-if [ "${SAFEBITS_CUDA_TOOLS:-0}" = "1" ]; then
-  log "installing cupy-cuda12x and nvidia-cuda-nvrtc-cu12 (kernel compile checks without a GPU)"
-  "${PIP[@]}" install cupy-cuda12x nvidia-cuda-nvrtc-cu12
-fi
+# --- CUDA compile tools, then this package ----------------------------------------------------------------
+# CuPy and NVRTC install without a GPU; the tests use them to prove every CUDA kernel compiles.
+log "installing cupy-cuda12x and nvidia-cuda-nvrtc-cu12 (kernel compile checks; no GPU needed)"
+"${PIP[@]}" install cupy-cuda12x nvidia-cuda-nvrtc-cu12
 "${PIP[@]}" install -e ".[dev]"
 
-"$VENV/bin/horovodrun" --check-build | grep -E '\[X\] (PyTorch|MPI|Gloo)' | wc -l | grep -qx 3 \
-  || { "$VENV/bin/horovodrun" --check-build; echo "Horovod lacks PyTorch, MPI or Gloo" >&2; exit 1; }
+check=$("$VENV/bin/horovodrun" --check-build)
+for want in PyTorch MPI Gloo; do
+  grep -q "\[X\] $want" <<<"$check" || { echo "$check"; echo "Horovod was built without $want" >&2; exit 1; }
+done
 rm -f "$VENV"/.safebits-setup-*
 touch "$stamp"
 log "ready: $VENV"

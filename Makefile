@@ -1,0 +1,41 @@
+# SafeBits. `make demo` and `make test` set everything up themselves (scripts/setup.sh, idempotent).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export SAFEBITS_REQUIRE_NVRTC := 1
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup test demo demo-full lint unit mpi bench bench-smoke clean
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup lint unit mpi bench-smoke
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+unit: setup
+	$(PY) -m pytest tests -q
+
+mpi: setup
+	$(PY) -m pytest mpi_tests -q
+
+bench-smoke: setup
+	$(PY) -m pytest bench -q --benchmark-enable --benchmark-min-rounds=3 --benchmark-max-time=0.05 \
+	  --benchmark-json=results/bench.json -m "not full"
+	$(PY) bench/check_regression.py results/bench.json bench/baseline.json
+
+bench: setup
+	$(PY) -m pytest bench -q --benchmark-enable --benchmark-json=results/bench-full.json
+
+demo: setup
+	$(PY) bench/demo.py
+
+demo-full: setup
+	$(PY) bench/demo.py --full
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .ruff_cache

@@ -1,0 +1,189 @@
+"""Global bit allocation (DESIGN section 1, steps 4-5): a multiple-choice knapsack.
+
+Choose one admissible action per tensor to minimise the total squared error ``sum_i err_i(a_i)`` subject to
+``sum_i cost_i(a_i) <= budget`` (bits). :func:`allocate` is the production path, :func:`allocate_exact` the oracle.
+
+Production path: **convex-hull greedy** (the Lagrangian relaxation made integral).
+
+1. Start every tensor at its cheapest admissible action (ties: smaller error, then menu order).
+   If that already exceeds the budget the problem is infeasible: return it (the fallback) with ``feasible=False``.
+2. For each tensor, walk the lower convex hull of its admissible ``(cost, error)`` points upward; each hull edge
+   is an upgrade with a gain per bit (slope). Slopes decrease along a hull, so upgrades of one tensor come in order.
+3. Take upgrades in order of decreasing slope while they fit; an upgrade that does not fit blocks the rest of its
+   tensor's chain (the remaining budget only shrinks), other tensors go on.
+
+Bound (tested against the oracle): the result is never over budget when a feasible assignment exists, and its
+error exceeds the optimum by at most the largest single hull-edge gain, ``max_i max_edge (err_from - err_to)``:
+the LP relaxation is solved exactly by the hull prefix and differs from the integral greedy by one split edge.
+
+Everything is deterministic and uses only its inputs (no rank, no randomness): ties go by slope, then tensor
+index, then position along the hull, then menu order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Allocation:
+    """The allocator's answer.
+
+    Attributes:
+        choice: action index (into the menu) per tensor, int64.
+        cost_bits: modeled bits of ``choice``.
+        squared_error: its total squared error (inf if it uses an inadmissible action, which never happens).
+        budget_bits: the budget it was asked to fit.
+        min_cost_bits: bits of the cheapest admissible configuration.
+        feasible: ``min_cost_bits <= budget_bits``; if False, ``choice`` is that cheapest configuration.
+    """
+
+    choice: np.ndarray
+    cost_bits: int
+    squared_error: float
+    budget_bits: float
+    min_cost_bits: int
+    feasible: bool
+
+
+def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    costs = np.asarray(costs, dtype=np.int64)
+    errors = np.asarray(errors, dtype=np.float64)
+    admissible = np.asarray(admissible, dtype=bool)
+    if costs.ndim != 2 or costs.shape != errors.shape or costs.shape != admissible.shape:
+        raise ValueError(f"costs, errors and admissible must share one (tensors, actions) shape, got "
+                         f"{costs.shape}, {errors.shape}, {admissible.shape}")
+    if costs.shape[0] and not admissible.any(axis=1).all():
+        raise ValueError("every tensor needs at least one admissible action (the lossless one)")
+    if (costs < 0).any():
+        raise ValueError("costs must be >= 0 bits")
+    return costs, np.where(admissible, errors, np.inf)
+
+
+def cheapest_admissible(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> np.ndarray:
+    """Per tensor, the admissible action of least cost (ties: least error, then menu order)."""
+    costs, err = _check(costs, errors, admissible)
+    big = np.iinfo(np.int64).max
+    masked_cost = np.where(np.isfinite(err), costs, big)
+    tensors, actions = costs.shape
+    if tensors == 0:
+        return np.zeros(0, dtype=np.int64)
+    # lexsort: last key is primary. Sort each row by (cost, error, index) and take the first.
+    order = np.lexsort((np.broadcast_to(np.arange(actions), costs.shape), err, masked_cost), axis=1)
+    return order[:, 0].astype(np.int64)
+
+
+def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budget_bits: float) -> Allocation:
+    """Convex-hull greedy allocation (see the module docstring). Arrays are ``(tensors, actions)``."""
+    costs, err = _check(costs, errors, admissible)
+    tensors = costs.shape[0]
+    rows = np.arange(tensors)
+    choice = cheapest_admissible(costs, err, np.isfinite(err))
+    min_cost = int(costs[rows, choice].sum())
+    if min_cost > budget_bits or tensors == 0:
+        return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost,
+                          feasible=min_cost <= budget_bits)
+
+    # Hull edges, found for all tensors at once by gift wrapping from the cheapest point.
+    edge_t, edge_to, edge_dcost, edge_gain, edge_seq = [], [], [], [], []
+    current = choice.copy()
+    active = np.ones(tensors, dtype=bool)
+    cost_f = costs.astype(np.float64)
+    for seq in range(costs.shape[1]):
+        cur_cost = cost_f[rows, current][:, None]
+        cur_err = err[rows, current][:, None]
+        better = (cost_f > cur_cost) & (err < cur_err) & active[:, None]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            slope = np.where(better, (cur_err - err) / (cost_f - cur_cost), -np.inf)
+        best_slope = slope.max(axis=1)
+        has = np.isfinite(best_slope) & (best_slope > -np.inf)
+        if not has.any():
+            break
+        # Among equal best slopes take the nearest (cheapest) point, then menu order.
+        on_best = (slope == best_slope[:, None]) & has[:, None]
+        nearest_cost = np.where(on_best, cost_f, np.inf)
+        nxt = np.argmin(nearest_cost, axis=1)
+        t = rows[has]
+        edge_t.append(t)
+        edge_to.append(nxt[has])
+        edge_dcost.append(costs[t, nxt[has]] - costs[t, current[has]])
+        edge_gain.append(err[t, current[has]] - err[t, nxt[has]])
+        edge_seq.append(np.full(t.size, seq))
+        current = np.where(has, nxt, current)
+        active &= has
+    if not edge_t:
+        return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost, True)
+    t = np.concatenate(edge_t)
+    to = np.concatenate(edge_to)
+    dcost = np.concatenate(edge_dcost)
+    gain = np.concatenate(edge_gain)
+    seq = np.concatenate(edge_seq)
+    order = np.lexsort((seq, t, -(gain / dcost)))
+    t, to, dcost, seq = t[order], to[order], dcost[order], seq[order]
+
+    remaining = budget_bits - min_cost
+    # The longest prefix that fits is taken at once (it respects every chain: slopes fall along a hull) ...
+    taken = int(np.searchsorted(np.cumsum(dcost), remaining, side="right"))
+    remaining -= int(dcost[:taken].sum())
+    next_seq = np.zeros(tensors, dtype=np.int64)        # edges taken so far, per tensor
+    np.add.at(next_seq, t[:taken], 1)
+    hull_to = np.empty((tensors, costs.shape[1]), dtype=np.int64)
+    hull_to[t, seq] = to
+    moved = next_seq > 0
+    choice[moved] = hull_to[moved, next_seq[moved] - 1]
+    # ... then the rest one by one, skipping any edge whose predecessor on its chain was not taken.
+    for k in np.flatnonzero(dcost[taken:] <= remaining) + taken:
+        tk = t[k]
+        if seq[k] == next_seq[tk] and dcost[k] <= remaining:
+            choice[tk] = to[k]
+            remaining -= int(dcost[k])
+            next_seq[tk] += 1
+        elif seq[k] == next_seq[tk]:
+            next_seq[tk] = -1     # blocked: this edge no longer fits, so none after it may be taken
+    used = int(costs[rows, choice].sum())
+    return Allocation(choice, used, float(err[rows, choice].sum()), budget_bits, min_cost, True)
+
+
+def greedy_error_bound(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> float:
+    """The largest single-tensor error range over admissible actions: an upper bound on ``allocate``'s gap to
+    the optimum (looser than the largest hull edge, and cheap to compute)."""
+    _, err = _check(costs, errors, admissible)
+    if err.shape[0] == 0:
+        return 0.0
+    finite = np.where(np.isfinite(err), err, np.nan)
+    return float(np.nanmax(np.nanmax(finite, axis=1) - np.nanmin(finite, axis=1)))
+
+
+def allocate_exact(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray,
+                   budget_bits: float) -> Allocation:
+    """Exact multiple-choice knapsack by dynamic programming over Pareto frontiers (the test oracle).
+
+    Exponential in the worst case; meant for small instances (tens of tensors, a handful of actions).
+    """
+    costs, err = _check(costs, errors, admissible)
+    tensors = costs.shape[0]
+    rows = np.arange(tensors)
+    floor_choice = cheapest_admissible(costs, err, np.isfinite(err))
+    min_cost = int(costs[rows, floor_choice].sum())
+    if min_cost > budget_bits or tensors == 0:
+        return Allocation(floor_choice, min_cost, float(err[rows, floor_choice].sum()), budget_bits,
+                          min_cost, feasible=min_cost <= budget_bits)
+    # frontier: list of (cost, error, choices) with strictly decreasing error as cost grows.
+    frontier: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
+    for i in range(tensors):
+        candidates = []
+        for c0, e0, ch in frontier:
+            for a in np.flatnonzero(np.isfinite(err[i])):
+                c = c0 + int(costs[i, a])
+                if c <= budget_bits:
+                    candidates.append((c, e0 + float(err[i, a]), (*ch, int(a))))
+        candidates.sort(key=lambda x: (x[0], x[1]))
+        frontier = []
+        for cand in candidates:
+            if not frontier or cand[1] < frontier[-1][1]:
+                frontier.append(cand)
+    best = min(frontier, key=lambda x: (x[1], x[0]))
+    choice = np.array(best[2], dtype=np.int64)
+    return Allocation(choice, best[0], best[1], budget_bits, min_cost, True)

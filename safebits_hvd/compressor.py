@@ -1,0 +1,523 @@
+"""The Horovod compressor: :class:`SafeBits`, the one state object of SCGB-EF.
+
+From the Horovod hook to the wire, for each gradient ``g`` of parameter ``i`` at step ``t``:
+
+1. ``compress(g)`` finds ``i`` by identity (``p.grad is g``), and on the first gradient of a step computes the
+   step's allocation from the previous step's reduced statistics (:mod:`.allocator`).
+2. ``kernels.screen`` measures every menu action on ``v = g + e`` over a sample of whole buckets
+   (all buckets for small tensors); :mod:`.screen` turns that into the admissible set.
+3. The allocated action is sent if admissible; otherwise the tensor *escalates* to its cheapest admissible action.
+   ``kernels.quantize_ef`` writes ``q = Q(v)`` to a fresh float32 wire tensor and ``e <- v - q`` in one pass
+   and returns the exact statistics of ``q``; if they fail the screen, the next cheapest candidate is tried, and
+   the lossless action always passes. So every sent tensor satisfies the screen exactly, whatever the sample said.
+4. When every parameter of the step has been compressed, the step's statistics are exchanged (:mod:`.sync`),
+   finished at the first ``decompress``; every rank then holds the same :class:`~.telemetry.StepRecord` and
+   will compute the same next allocation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from . import kernels
+from .actions import DEFAULT_MENU, Menu, make_menu
+from .allocator import Allocation, allocate
+from .errors import SafeBitsConsistencyError, SafeBitsNonFiniteError
+from .memory import ErrorFeedback
+from .rng import stream_key
+from .schedules import as_schedule
+from .screen import ACCEPT_MARGIN, admissible, distortion_cosine
+from .sync import LocalExchange, allocation_digest, digest_words, make_exchange
+from .telemetry import JsonlWriter, RateLimitedWarning, StepRecord, logger
+
+try:  # Subclass Horovod's interface when Horovod is there; the object also works without it.
+    from horovod.torch.compression import Compressor
+except ImportError:  # pragma: no cover - exercised only without Horovod
+    class Compressor:  # type: ignore[no-redef]
+        """Stand-in for ``horovod.torch.compression.Compressor``."""
+
+STATE_FORMAT = 1
+
+
+class _Context(NamedTuple):
+    step: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value > high or value < low or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    return float(value)
+
+
+class SafeBits(Compressor):
+    r"""Safety-Constrained Global Bit Budgeting with Error Feedback, as a Horovod compressor.
+
+    Every step, every gradient tensor gets one action from ``menu`` (fp32, fp16, bf16, QSGD 8/4/2-bit,
+    TernGrad, scaled sign, top-k) under one global budget of ``budget_bits`` bits per parameter:
+
+    * **Error feedback**: the compressor quantizes ``v = g + e`` and keeps ``e <- v - sent``.
+    * **Screen**: an action is admissible only if, on the values really sent, ``||q - v||^2 / ||v||^2 <=
+      max_distortion`` and ``cos(q, v) >= min_cosine``; fp32 always is. This is the EF contraction with
+      ``alpha = max_distortion`` that the convergence analysis needs, enforced exactly for what is sent.
+    * **Global allocation**: a multiple-choice knapsack minimising the total squared error subject to the budget,
+      computed from the previous step's statistics (Horovod sends each gradient as soon as it is ready, so the
+      allocation cannot wait for all of them). At send time the current screen decides: an allocated action that is
+      not admissible now *escalates* to the tensor's cheapest admissible action, and the step records it.
+    * **Fallback**: when even the cheapest admissible action of every tensor exceeds the budget, that
+      configuration is used and the step records a budget *violation* (safety is never traded for budget).
+    * **Start policy** (step 0, no statistics yet): each tensor is allocated the costliest action whose modeled
+      cost fits ``budget_bits`` per element (the cheapest action if none fits); the screen then applies as usual.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs (``model.named_parameters()``); gradients are matched to
+            parameters by identity. Parameters with ``requires_grad=False`` are ignored, as Horovod ignores them.
+        budget_bits: average bits per parameter per step (32 = no compression; 4.4 is about 7.2x), or a schedule,
+            any callable ``step -> bits`` (see :mod:`safebits_hvd.schedules`). Default 4.0.
+        max_distortion: ``d_bar`` in (0, 1]. Default 0.5.
+        min_cosine: ``c_min`` in [-1, 1]. Default 0.8.
+        menu: a :class:`~safebits_hvd.actions.Menu` or action names. Default :data:`~safebits_hvd.DEFAULT_MENU`.
+        seed: seed of the counter-based stochastic-rounding RNG. Default 0.
+        log_path: JSON-lines telemetry, one :class:`StepRecord` per step. With several ranks only rank 0 writes,
+            unless the path contains ``{rank}``. Default None (no file).
+        sample_buckets: buckets per tensor on which the screen estimates every action (tensors with fewer buckets
+            are screened exactly). Default 64.
+        consistency_check_every: compare allocation digests across ranks every this many steps and raise
+            :class:`~safebits_hvd.SafeBitsConsistencyError` on a mismatch; 0 disables. Default 1 (it rides on the
+            statistics exchange, so it costs 64 bytes).
+        nonfinite: ``"raise"`` (default): a NaN/Inf gradient raises :class:`~safebits_hvd.SafeBitsNonFiniteError`;
+            ``"skip"``: that tensor sends zeros for the step, its residual is kept, and the record lists it.
+        screen: False switches the screen off (the unscreened global-budgeting ablation; no guarantee).
+        name: Horovod tensor name of the statistics exchange (distinct per compressor object). Default "safebits".
+        max_history: records kept in :attr:`history`. Default 10000.
+
+    Attributes:
+        last_step: the :class:`StepRecord` of the last completed step (None before the first).
+        history: list of recent :class:`StepRecord`.
+    """
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                 budget_bits: float | Callable[[int], float] = 4.0, max_distortion: float = 0.5,
+                 min_cosine: float = 0.8, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
+                 log_path: str | os.PathLike[str] | None = None, *, sample_buckets: int = 64,
+                 consistency_check_every: int = 1, nonfinite: str = "raise", screen: bool = True,
+                 name: str = "safebits", max_history: int = 10000) -> None:
+        if isinstance(named_parameters, torch.nn.Module):
+            raise TypeError("pass model.named_parameters(), not the model")
+        pairs = list(named_parameters)
+        names, params = [], []
+        seen_names: set[str] = set()
+        seen_params: set[int] = set()
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                    and isinstance(pair[1], torch.Tensor)):
+                raise TypeError("named_parameters must yield (name, parameter) pairs, as model.named_parameters()")
+            pname, p = pair
+            if pname in seen_names:
+                raise ValueError(f"duplicate parameter name {pname!r} in named_parameters")
+            if id(p) in seen_params:
+                raise ValueError(f"parameter {pname!r} is registered twice under different names")
+            seen_names.add(pname)
+            seen_params.add(id(p))
+            if p.requires_grad:
+                names.append(pname)
+                params.append(p)
+        if not params:
+            raise ValueError("named_parameters holds no parameter with requires_grad=True")
+        self.names: list[str] = names
+        self._params: list[torch.nn.Parameter] = params
+        self.numels = np.array([p.numel() for p in params], dtype=np.int64)
+
+        self.schedule = as_schedule(budget_bits)
+        if not callable(budget_bits):
+            self.schedule(0)    # a constant is checked now
+        self.max_distortion = _number("max_distortion", max_distortion, 0.0, 1.0, low_open=True)
+        self.min_cosine = _number("min_cosine", min_cosine, -1.0, 1.0)
+        self.menu = make_menu(menu)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.seed = seed
+        if isinstance(sample_buckets, bool) or not isinstance(sample_buckets, int) or sample_buckets < 1:
+            raise ValueError(f"sample_buckets must be an int >= 1, got {sample_buckets!r}")
+        self.sample_buckets = sample_buckets
+        if (isinstance(consistency_check_every, bool) or not isinstance(consistency_check_every, int)
+                or consistency_check_every < 0):
+            raise ValueError(f"consistency_check_every must be an int >= 0, got {consistency_check_every!r}")
+        self.consistency_check_every = consistency_check_every
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.screen_enabled = bool(screen)
+        self.exchange_name = name
+        self.max_history = max_history
+        self.log_path = os.fspath(log_path) if log_path is not None else None
+
+        menu_size = len(self.menu)
+        self.costs = np.array([self.menu.costs(int(n)) for n in self.numels], dtype=np.int64).reshape(-1, menu_size)
+        self.lossless = np.array([a.lossless for a in self.menu], dtype=bool)
+        # Per tensor, menu indices in ascending (cost, menu order): escalation order and the exchange's encoding.
+        self._by_cost = np.lexsort((np.broadcast_to(np.arange(menu_size), self.costs.shape), self.costs), axis=1)
+        self._rank_of = np.argsort(self._by_cost, axis=1)
+        self.total_elements = int(self.numels.sum())
+
+        self.memory = ErrorFeedback()
+        self.history: list[StepRecord] = []
+        self.last_step: StepRecord | None = None
+        self._step = 0
+        # Reduced statistics of the last finished step: the allocator's input (None before the first step).
+        self._prev_distortion: np.ndarray | None = None
+        self._prev_cosine: np.ndarray | None = None
+        self._prev_v2: np.ndarray | None = None
+        self._in_step = False
+        self._pending: tuple[int, Any, Any] | None = None
+        self._exchange: Any = None
+        self._writer: JsonlWriter | None = None
+        self._index_by_id: dict[int, int] = {}
+        self._cursor = 0
+        self._samples: dict[int, torch.Tensor | None] = {}
+        self._violation_warning = RateLimitedWarning("budget violations")
+        self._escalation_warning = RateLimitedWarning("steps with escalations")
+
+    # ------------------------------------------------------------------ Horovod's interface
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
+        """Quantize one gradient (with error feedback) for the wire.
+
+        Returns a flat float32 tensor of ``tensor.numel()`` elements holding the dequantized values (the modeled
+        wire format is what the budget counts), and the context :meth:`decompress` needs.
+        """
+        index = self._lookup(tensor)
+        if self._in_step and self._done[index]:
+            # A parameter came twice: the previous step never compressed some registered parameters.
+            missing = [self.names[i] for i in np.flatnonzero(~self._done)]
+            logger.warning("SafeBits step %d closed with %d registered parameters never compressed (e.g. %s); "
+                           "pass SafeBits the same parameters as the optimizer", self._step, len(missing),
+                           missing[:3])
+            self._close_step()
+        if not self._in_step:
+            self._begin_step()
+        out = self._send(index, tensor)
+        self._done[index] = True
+        self._remaining -= 1
+        ctx = _Context(self._step, tensor.shape, tensor.dtype)
+        if self._remaining == 0:
+            self._close_step()
+        return out, ctx
+
+    def decompress(self, tensor: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        """The reduced wire tensor back in the gradient's shape and dtype (finishes the step's exchange)."""
+        if self._pending is not None and self._pending[0] == ctx.step:
+            self._finish_exchange()
+        if tensor.dtype != ctx.dtype:
+            tensor = tensor.to(ctx.dtype)
+        return tensor.view(ctx.shape)
+
+    # ------------------------------------------------------------------ parameter lookup
+    def _lookup(self, tensor: torch.Tensor) -> int:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"SafeBits.compress takes a gradient tensor, got {type(tensor).__name__}")
+        index = self._index_by_id.get(id(tensor))
+        if index is not None and self._params[index].grad is tensor:
+            return index
+        count = len(self._params)
+        for k in range(count):   # backward visits parameters in reverse order: scan down from the last hit
+            j = (self._cursor - 1 - k) % count
+            if self._params[j].grad is tensor:
+                self._index_by_id[id(tensor)] = j
+                self._cursor = j
+                return j
+        # Horovod's sparse_as_dense hands over grad.to_dense(): match the one pending sparse gradient of that shape.
+        pending = ~self._done if self._in_step else np.ones(count, dtype=bool)
+        sparse = [j for j in np.flatnonzero(pending) if self._params[j].grad is not None
+                  and self._params[j].grad.is_sparse and self._params[j].shape == tensor.shape]
+        if len(sparse) == 1:
+            return int(sparse[0])
+        raise ValueError(
+            f"SafeBits.compress got a tensor of shape {tuple(tensor.shape)} that is not the .grad of any "
+            f"registered parameter. Pass SafeBits the same model.named_parameters() as hvd.DistributedOptimizer, "
+            f"and call compress(p.grad) with the gradient tensor itself, not a copy.")
+
+    # ------------------------------------------------------------------ one step
+    def _budget_now(self) -> float:
+        bits = self.schedule(self._step)
+        if isinstance(bits, bool) or not isinstance(bits, int | float) or not math.isfinite(bits) or bits <= 0:
+            raise ValueError(f"budget schedule {self.schedule!r} returned {bits!r} at step {self._step}; "
+                             f"it must return a finite number of bits per parameter > 0")
+        return float(bits)
+
+    def _begin_step(self) -> None:
+        if self._pending is not None:
+            self._finish_exchange()
+        self._budget_total = self._budget_now() * self.total_elements
+        self._allocation = self._allocate(self._budget_total)
+        self._digest = allocation_digest(self._step, self._budget_total, self._allocation.choice)
+        tensors, actions = self.costs.shape
+        self._done = np.zeros(tensors, dtype=bool)
+        self._remaining = tensors
+        self._est_distortion = np.full((tensors, actions), np.inf)
+        self._est_cosine = np.full((tensors, actions), -np.inf)
+        self._est_distortion[:, self.lossless] = 0.0
+        self._est_cosine[:, self.lossless] = 1.0
+        self._v2 = np.zeros(tensors)
+        self._sent = np.full(tensors, -1, dtype=np.int64)
+        self._escalated = np.zeros(tensors, dtype=bool)
+        self._skipped = np.zeros(tensors, dtype=bool)
+        self._sent_distortion = np.zeros(tensors)
+        self._sent_cosine = np.ones(tensors)
+        self._in_step = True
+
+    def _allocate(self, budget_total: float) -> Allocation:
+        tensors = self.costs.shape[0]
+        rows = np.arange(tensors)
+        if self._prev_distortion is None:
+            # Start policy: the costliest action within budget_bits per element, else the cheapest.
+            fits = self.costs <= (budget_total / self.total_elements) * self.numels[:, None]
+            ranked = np.where(fits, self._rank_of, -1)
+            best_rank = ranked.max(axis=1)
+            choice = np.where(best_rank >= 0, self._by_cost[rows, np.maximum(best_rank, 0)], self._by_cost[:, 0])
+            cost = int(self.costs[rows, choice].sum())
+            return Allocation(choice, cost, float("nan"), budget_total, cost, cost <= budget_total)
+        errors = self._prev_distortion * self._prev_v2[:, None]
+        if self.screen_enabled:
+            ok = admissible(self._prev_distortion, self._prev_cosine, self.lossless,
+                            self.max_distortion, self.min_cosine)
+        else:
+            ok = np.isfinite(errors) | self.lossless
+        errors = np.where(self.lossless, 0.0, errors)
+        return allocate(self.costs, errors, ok & (np.isfinite(errors) | self.lossless), budget_total)
+
+    def _sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:
+        sample = self._samples.get(index, 0)
+        if sample == 0:
+            buckets = -(-n // self.menu.bucket_size)
+            if buckets <= self.sample_buckets:
+                sample = None
+            else:   # evenly spaced whole buckets: unbiased for the per-bucket quantizers, same RNG draws
+                sample = ((torch.arange(self.sample_buckets, dtype=torch.float64) + 0.5)
+                          * (buckets / self.sample_buckets)).floor().to(torch.int64).to(device)
+            self._samples[index] = sample
+        return sample
+
+    def _send(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        name = self.names[index]
+        if tensor.is_sparse:
+            raise TypeError(f"SafeBits got a sparse gradient for {name!r}; use "
+                            f"hvd.DistributedOptimizer(..., sparse_as_dense=True)")
+        if not tensor.dtype.is_floating_point:
+            raise TypeError(f"gradient of {name!r} has dtype {tensor.dtype}; SafeBits compresses floating point")
+        n = tensor.numel()
+        if n != self.numels[index]:
+            raise ValueError(f"gradient of {name!r} has {n} elements, its parameter {self.numels[index]}")
+        g = tensor.detach().reshape(-1)
+        if g.dtype != torch.float32:
+            g = g.to(torch.float32)
+        g = g.contiguous()
+        e = self.memory.residual(name, n, g.device)
+        out = torch.empty(n, dtype=torch.float32, device=g.device)
+        if n and not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
+            if self.nonfinite == "raise":
+                raise SafeBitsNonFiniteError(f"gradient of {name!r} holds NaN or Inf at step {self._step}; "
+                                             f"nothing was sent and its error-feedback residual is unchanged "
+                                             f"(SafeBits(nonfinite='skip') sends zeros instead)")
+            out.zero_()
+            self._skipped[index] = True
+            self._v2[index] = np.nan
+            return out
+
+        key = stream_key(self.seed, self._step, index)
+        estimate = kernels.screen(g, e, self.menu, key, self._sample_of(index, n, g.device)).cpu().numpy()
+        distortion, cosine = distortion_cosine(estimate)
+        self._est_distortion[index] = distortion
+        self._est_cosine[index] = cosine
+        allocated = int(self._allocation.choice[index])
+        if self.screen_enabled:
+            ok = admissible(distortion, cosine, self.lossless, self.max_distortion, self.min_cosine)
+            by_cost = self._by_cost[index]
+            candidates = [allocated] if ok[allocated] else []
+            candidates += [int(a) for a in by_cost if ok[a] and a != allocated and not self.lossless[a]]
+            candidates.append(int(self.menu.lossless_index))
+        else:
+            candidates = [allocated]
+
+        source: torch.Tensor | None = g
+        for attempt, action_index in enumerate(candidates):
+            if attempt:
+                e.add_(out)          # e held v - q: restore v (to float rounding) and quantize it again
+                source = None
+            stats = kernels.quantize_ef(source, e, out, self.menu[action_index], key).cpu().numpy()
+            d, c = distortion_cosine(stats)
+            if (not self.screen_enabled or self.lossless[action_index]
+                    or admissible(d, c, False, self.max_distortion, self.min_cosine, ACCEPT_MARGIN)):
+                break
+        self._sent[index] = action_index
+        self._escalated[index] = action_index != allocated
+        self._sent_distortion[index] = float(d)
+        self._sent_cosine[index] = float(c)
+        self._est_distortion[index, action_index] = float(d)   # the exact figure beats the estimate
+        self._est_cosine[index, action_index] = float(c)
+        self._v2[index] = stats[3]
+        return out
+
+    def _close_step(self) -> None:
+        """All of the step's gradients are on their way: start the statistics exchange."""
+        tensors = len(self.names)
+        rank_sent = np.where(self._sent >= 0, self._rank_of[np.arange(tensors), np.maximum(self._sent, 0)], -1)
+        words = digest_words(self._digest)
+        local = np.concatenate([
+            self._est_distortion.ravel(), -self._est_cosine.ravel(),
+            np.where(np.isfinite(self._v2), self._v2, np.inf),
+            rank_sent, self._escalated, self._sent_distortion, -self._sent_cosine, self._skipped,
+            words, -words]).astype(np.float64)
+        local = np.where(np.isnan(local), np.inf, local)    # NaN would poison MAX; inf is the safe side
+        if self._exchange is None:
+            self._exchange = make_exchange(self.exchange_name)
+        self._pending = (self._step, self._exchange.start(local), self._budget_total)
+        self._in_step = False
+        self._step += 1
+        if isinstance(self._exchange, LocalExchange):
+            self._finish_exchange()
+
+    def _finish_exchange(self) -> None:
+        step, handle, budget_total = self._pending
+        self._pending = None
+        reduced = self._exchange.wait(handle)
+        tensors, actions = self.costs.shape
+        parts = np.split(reduced, np.cumsum([tensors * actions, tensors * actions, tensors, tensors, tensors,
+                                             tensors, tensors, tensors, 4]))
+        distortion = parts[0].reshape(tensors, actions)
+        cosine = -parts[1].reshape(tensors, actions)
+        v2, rank_sent = parts[2], parts[3].astype(np.int64)
+        escalated, sent_distortion, sent_cosine = parts[4] > 0, parts[5], -parts[6]
+        skipped, words_max, words_min = parts[7] > 0, parts[8], -parts[9]
+
+        rows = np.arange(tensors)
+        sent = np.where(rank_sent >= 0, self._by_cost[rows, np.maximum(rank_sent, 0)], -1)
+        used = int(np.where(sent >= 0, self.costs[rows, np.maximum(sent, 0)], 0).sum())
+        allocated = self._allocation.choice
+        names = self.menu.names
+        record = StepRecord(
+            step=step, budget_bits_total=budget_total, used_bits_total=used,
+            compression_ratio=(32.0 * self.total_elements / used) if used else math.inf,
+            violation=used > budget_total, excess_bits=max(0.0, used - budget_total),
+            escalations=[self.names[i] for i in np.flatnonzero(escalated)],
+            actions={self.names[i]: names[sent[i]] if sent[i] >= 0 else "skipped" for i in rows},
+            distortion={self.names[i]: float(sent_distortion[i]) for i in rows},
+            cosine={self.names[i]: float(sent_cosine[i]) for i in rows},
+            allocation_digest=self._digest,
+            allocated={self.names[i]: names[allocated[i]] for i in rows},
+            skipped=[self.names[i] for i in np.flatnonzero(skipped)],
+            infeasible=not self._allocation.feasible)
+        # The next allocation's input. A skipped tensor has no statistics: only the lossless action is known safe.
+        distortion[skipped] = np.where(self.lossless, 0.0, np.inf)
+        v2 = np.where(np.isfinite(v2), v2, 0.0)
+        self._prev_distortion, self._prev_cosine, self._prev_v2 = distortion, cosine, v2
+        self._record(record)
+        if (self.consistency_check_every and step % self.consistency_check_every == 0
+                and not np.array_equal(words_max, words_min)):
+            raise SafeBitsConsistencyError(
+                f"ranks disagree on the allocation of step {step} (this rank's digest {self._digest}); every rank "
+                f"must build SafeBits with the same parameters, menu, budget and thresholds")
+
+    def _record(self, record: StepRecord) -> None:
+        self.last_step = record
+        self.history.append(record)
+        if len(self.history) > self.max_history:
+            del self.history[: len(self.history) - self.max_history]
+        if self.log_path is not None:
+            if self._writer is None:
+                rank = self._rank()
+                if "{rank}" in self.log_path or rank == 0:
+                    self._writer = JsonlWriter(self.log_path.format(rank=rank))
+            if self._writer is not None:
+                self._writer.write(record)
+        observe = getattr(self.schedule, "observe", None)
+        if observe is not None:
+            observe(record)
+        if record.violation:
+            self._violation_warning(
+                "SafeBits step %d: budget violation, %d bits used for a budget of %.0f (excess %.0f)%s",
+                record.step, record.used_bits_total, record.budget_bits_total, record.excess_bits,
+                ": no safe assignment fits" if record.infeasible else "")
+        if record.escalations:
+            self._escalation_warning("SafeBits step %d: %d tensors escalated (e.g. %s)", record.step,
+                                     len(record.escalations), record.escalations[:3])
+
+    def _rank(self) -> int:
+        exchange = self._exchange
+        if exchange is None or isinstance(exchange, LocalExchange):
+            return 0
+        import horovod.torch as hvd
+
+        return hvd.rank()
+
+    def flush(self) -> None:
+        """Finish a pending statistics exchange (``decompress`` does this; call it if you only ``compress``)."""
+        if self._pending is not None:
+            self._finish_exchange()
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically, as plain tensors, numbers and strings.
+
+        Call between optimizer steps. Under Horovod each rank saves its own (the residuals are per rank).
+        """
+        if self._in_step:
+            raise RuntimeError("SafeBits.state_dict() called in the middle of a step; call it between steps")
+        self.flush()
+        schedule_state = getattr(self.schedule, "state_dict", None)
+        prev = self._prev_distortion is not None
+        return {
+            "format": STATE_FORMAT,
+            "step": self._step,
+            "seed": self.seed,
+            "names": list(self.names),
+            "numels": [int(n) for n in self.numels],
+            "menu": self.menu.names,
+            "residuals": self.memory.state_dict(),
+            "prev_distortion": torch.from_numpy(self._prev_distortion.copy()) if prev else None,
+            "prev_cosine": torch.from_numpy(self._prev_cosine.copy()) if prev else None,
+            "prev_v2": torch.from_numpy(self._prev_v2.copy()) if prev else None,
+            "schedule": schedule_state() if schedule_state is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raises ``ValueError`` if it was saved for another model or menu."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a SafeBits state (format {STATE_FORMAT}): got keys {sorted(state)[:8]}"
+                             if isinstance(state, dict) else "not a SafeBits state dict")
+        if state["names"] != self.names or state["numels"] != [int(n) for n in self.numels]:
+            raise ValueError(f"this SafeBits state was saved for a different model: {len(state['names'])} "
+                             f"parameters (first {state['names'][:3]}) vs {len(self.names)} here "
+                             f"(first {self.names[:3]}), or different sizes")
+        if state["menu"] != self.menu.names:
+            raise ValueError(f"state saved with menu {state['menu']}, this object has {self.menu.names}")
+        unknown = set(state["residuals"]) - set(self.names)
+        if unknown:
+            raise ValueError(f"state holds residuals of unknown parameters {sorted(unknown)[:3]}")
+        if self._in_step or self._pending is not None:
+            raise RuntimeError("load_state_dict() must be called between steps")
+        self.memory.load_state_dict(state["residuals"])
+        self._step = int(state["step"])
+        self.seed = int(state["seed"])
+        if state["prev_distortion"] is None:
+            self._prev_distortion = self._prev_cosine = self._prev_v2 = None
+        else:
+            self._prev_distortion = state["prev_distortion"].numpy().copy()
+            self._prev_cosine = state["prev_cosine"].numpy().copy()
+            self._prev_v2 = state["prev_v2"].numpy().copy()
+        if state["schedule"] is not None and hasattr(self.schedule, "load_state_dict"):
+            self.schedule.load_state_dict(state["schedule"])
+
+    @property
+    def step(self) -> int:
+        """Index of the next step to be compressed (the number of steps begun and closed)."""
+        return self._step

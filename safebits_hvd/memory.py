@@ -1,0 +1,43 @@
+"""Error feedback (DESIGN section 1, steps 1 and 6): the per-parameter residual ``e``.
+
+Each step the compressor sends ``q = Q(v)`` for ``v = g + e`` and keeps ``e <- v - q``, where ``q`` is exactly what
+went on the wire, so nothing is lost, only delayed: over any number of steps
+``sum(sent) + e_final = sum(gradients)`` (up to float32 rounding of the additions).
+
+The arithmetic itself is fused into the quantization kernel (``kernels.quantize_ef``) to touch memory once;
+this module owns the residual buffers: creation, lookup and checkpointing. Under Horovod every rank keeps (and
+checkpoints) its own residuals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ErrorFeedback:
+    """Residual buffers: one flat float32 tensor per parameter name, created as zeros on first use."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def residual(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """The residual of ``name`` (flat float32, ``numel`` elements, on ``device``), created as zeros."""
+        e = self.residuals.get(name)
+        if e is None or e.numel() != numel:
+            e = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.residuals[name] = e
+        elif e.device != device:
+            e = e.to(device)
+            self.residuals[name] = e
+        return e
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: e.detach().clone() for name, e in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, e in state.items():
+            if not isinstance(e, torch.Tensor) or e.dtype != torch.float32 or e.dim() != 1:
+                raise ValueError(f"residual {name!r} must be a flat float32 tensor")
+            if not torch.isfinite(e).all():
+                raise ValueError(f"residual {name!r} holds non-finite values")
+        self.residuals = {name: e.detach().clone() for name, e in state.items()}

@@ -1,0 +1,42 @@
+"""The safety screen (DESIGN section 1, step 3).
+
+An action ``a`` is admissible for the EF-corrected update ``v`` when, on the values ``q = Q_a(v)`` that would
+really be sent,
+
+* normalized distortion ``||q - v||^2 / ||v||^2 <= max_distortion``, and
+* cosine ``<q, v> / (||q|| ||v||) >= min_cosine``.
+
+The lossless action is always admissible. A zero ``v`` is admissible at any action that sends zeros
+(distortion 0, cosine 1). Non-finite statistics (an fp16 overflow, say) are never admissible.
+
+Statistics arrive as the kernels' sums ``[sum (q-v)^2, sum q v, sum q^2, sum v^2]`` (float64).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ACCEPT_MARGIN = 1e-4
+"""Relative margin applied when a tensor is *sent*: the sent distortion must be <= max_distortion * (1 - margin)
+and the cosine >= min_cosine + margin * (1 - min_cosine). The screen computes in float64; the margin keeps the
+invariant true for anyone who recomputes it in float32."""
+
+
+def distortion_cosine(stats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Normalized distortion and cosine from ``(..., 4)`` sum statistics (zero-vector conventions above)."""
+    stats = np.asarray(stats, dtype=np.float64)
+    err2, qv, q2, v2 = stats[..., 0], stats[..., 1], stats[..., 2], stats[..., 3]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        distortion = np.where(v2 > 0, err2 / v2, np.where(err2 == 0, 0.0, np.inf))
+        denominator = np.sqrt(q2) * np.sqrt(v2)     # two square roots: q2 * v2 may overflow float64
+        cosine = np.where(denominator > 0, qv / denominator, np.where((q2 == 0) & (v2 == 0), 1.0, 0.0))
+    distortion = np.where(np.isfinite(distortion), distortion, np.inf)
+    cosine = np.where(np.isfinite(cosine), cosine, -np.inf)
+    return distortion, cosine
+
+
+def admissible(distortion: np.ndarray, cosine: np.ndarray, lossless: np.ndarray,
+               max_distortion: float, min_cosine: float, margin: float = 0.0) -> np.ndarray:
+    """Boolean mask of admissible actions; ``lossless`` marks the always-admissible action(s)."""
+    ok = (distortion <= max_distortion * (1.0 - margin)) & (cosine >= min_cosine + margin * (1.0 - min_cosine))
+    return ok | np.asarray(lossless, dtype=bool)

@@ -1,0 +1,117 @@
+"""Rank synchronisation without a coordinator (DESIGN section 3).
+
+Once per step every rank contributes one float64 vector of statistics to one element-wise MAX allreduce.
+Quantities that must be combined conservatively in the other direction (cosines) are sent negated. After the
+reduction every rank holds identical inputs and runs the same deterministic allocator, so all ranks choose the
+same actions without anyone deciding for them.
+
+Transport, chosen when the first exchange starts (``hvd.init()`` may come after the compressor is built):
+
+* one process, or Horovod not initialized: nothing is sent;
+* Horovod on MPI (``hvd.mpi_enabled()``) and an MPI with ``MPI_THREAD_MULTIPLE``: mpi4py's non-blocking
+  ``Iallreduce`` on a duplicate of ``COMM_WORLD`` (its own context, so it never matches Horovod's messages);
+* otherwise (Gloo): Horovod's own ``allreduce_async`` with ``op=hvd.Max`` under a fixed name.
+
+Where in the step (see ``compressor.SafeBits``): the exchange is *started* without blocking when a rank has
+compressed every parameter of the step, i.e. after it has handed every gradient to Horovod, and *finished* at
+the first ``decompress`` of that step (or the next step's first ``compress``, or ``flush()``). Starting needs
+nothing from other ranks, so it cannot deadlock; it never delays a gradient's allreduce, so Horovod's overlap of
+communication with backward is untouched; and it has the whole gradient allreduce to complete in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class LocalExchange:
+    """One process: the reduction of one vector is the vector."""
+
+    size = 1
+
+    def start(self, values: np.ndarray) -> Any:
+        return values
+
+    def wait(self, handle: Any) -> np.ndarray:
+        return handle
+
+
+class HorovodExchange:
+    """MAX-allreduce through Horovod (works under Gloo and MPI)."""
+
+    def __init__(self, name: str) -> None:
+        import horovod.torch as hvd
+
+        self._hvd = hvd
+        self.name = name
+        self.size = hvd.size()
+
+    def start(self, values: np.ndarray) -> Any:
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        return self._hvd.allreduce_async(tensor, op=self._hvd.Max, name=self.name)
+
+    def wait(self, handle: Any) -> np.ndarray:
+        return self._hvd.synchronize(handle).numpy()
+
+
+class MPIExchange:
+    """MAX-allreduce through mpi4py's non-blocking ``Iallreduce`` on a private communicator."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.comm = MPI.COMM_WORLD.Dup()        # collective: every rank creates it at the same first exchange
+        self.size = self.comm.Get_size()
+
+    def start(self, values: np.ndarray) -> Any:
+        send = np.ascontiguousarray(values, dtype=np.float64)
+        recv = np.empty_like(send)
+        request = self.comm.Iallreduce(send, recv, op=self._mpi.MAX)
+        return request, send, recv            # keep the buffers alive until the request completes
+
+    def wait(self, handle: Any) -> np.ndarray:
+        request, _, recv = handle
+        request.Wait()
+        return recv
+
+
+def make_exchange(name: str) -> LocalExchange | HorovodExchange | MPIExchange:
+    """The transport for the current process (see the module docstring)."""
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return LocalExchange()
+    try:
+        if not hvd.is_initialized() or hvd.size() == 1:
+            return LocalExchange()
+    except ValueError:                        # Horovod raises this when not initialized
+        return LocalExchange()
+    if hvd.mpi_enabled():
+        try:
+            from mpi4py import MPI
+
+            if MPI.Query_thread() >= MPI.THREAD_MULTIPLE and MPI.COMM_WORLD.Get_size() == hvd.size():
+                return MPIExchange()
+        except ImportError:
+            pass
+    return HorovodExchange(name)
+
+
+def allocation_digest(step: int, budget_bits_total: float, choice: np.ndarray) -> str:
+    """16 hex digits identifying one step's allocation (step, budget and every tensor's action)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(np.array([step], dtype=np.int64).tobytes())
+    h.update(np.array([budget_bits_total], dtype=np.float64).tobytes())
+    h.update(np.ascontiguousarray(choice, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def digest_words(digest: str) -> np.ndarray:
+    """The digest as four 16-bit integers in float64 (exact), for the MAX exchange."""
+    value = int(digest, 16)
+    return np.array([(value >> (16 * k)) & 0xFFFF for k in range(4)], dtype=np.float64)
