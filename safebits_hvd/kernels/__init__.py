@@ -1,0 +1,117 @@
+"""SafeBits quantization kernels: the screen (statistics of every action) and the fused sending pass.
+
+Backends, chosen by the device of ``e``:
+
+* CPU: the compiled C backend (``cpu.c`` + ``safebits_math.h``, OpenMP, cached shared object) when a C
+  compiler is available, else the PyTorch reference (with one warning).
+* CUDA: the CuPy backend (``cuda_kernels.cu`` + ``safebits_math.h`` through NVRTC).
+
+All backends produce bit-identical ``out`` and ``e``; statistics agree to float64 rounding.
+Statistics columns: ``[sum (q-v)^2, sum q*v, sum q^2, sum v^2]`` (see :data:`STAT_COLUMNS`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..actions import Action, Menu
+from . import reference
+
+__all__ = ["STAT_COLUMNS", "backend_name", "quantize_ef", "screen"]
+
+STAT_COLUMNS = ("err2", "qv", "q2", "v2")
+
+_log = logging.getLogger(__name__)
+_cpu_ok: bool | None = None
+
+
+def _cpu_backend():
+    global _cpu_ok
+    from . import cpu
+
+    if _cpu_ok is None:
+        try:
+            cpu.load()
+            _cpu_ok = True
+        except (RuntimeError, OSError) as exc:
+            _cpu_ok = False
+            _log.warning("SafeBits: C kernels unavailable (%s); using the slow PyTorch reference", exc)
+    return cpu if _cpu_ok else reference
+
+
+def _backend(device: torch.device):
+    if device.type == "cpu":
+        return _cpu_backend()
+    if device.type == "cuda":
+        from . import cuda
+
+        return cuda
+    raise TypeError(f"SafeBits kernels support CPU and CUDA tensors, not {device.type!r}")
+
+
+def backend_name(device: torch.device | str = "cpu") -> str:
+    """``'c'``, ``'reference'`` or ``'cuda'``: the backend that serves tensors on ``device``."""
+    mod = _backend(torch.device(device))
+    return {"cpu": "c", "reference": "reference", "cuda": "cuda"}[mod.__name__.rsplit(".", 1)[-1]]
+
+
+def _check(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if like is not None:
+        if t.numel() != like.numel():
+            raise ValueError(f"{name} has {t.numel()} elements, e has {like.numel()}")
+        if t.device != like.device:
+            raise ValueError(f"{name} is on {t.device}, e is on {like.device}")
+
+
+def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
+           buckets: torch.Tensor | None = None) -> torch.Tensor:
+    """Statistics of every action of ``menu`` on ``v = g + e``, restricted to the listed buckets.
+
+    Args:
+        g: gradient (1-D contiguous float32) or None (then ``v = e``).
+        e: error-feedback residual, same shape/device. Nothing is written.
+        menu: the actions (one shared bucket size).
+        key: ``safebits_hvd.rng.stream_key(seed, step, tensor_index)``.
+        buckets: int64 1-D ascending bucket indices, or None for all buckets.
+
+    Returns:
+        float64 tensor ``(len(menu), 4)``: ``[sum (q-v)^2, sum q*v, sum q^2, sum v^2]`` per action.
+    """
+    _check("e", e)
+    if g is not None:
+        _check("g", g, e)
+    if not isinstance(menu, Menu):
+        raise TypeError(f"menu must be a safebits_hvd.actions.Menu, got {type(menu).__name__}")
+    if buckets is not None:
+        if not isinstance(buckets, torch.Tensor) or buckets.dtype != torch.int64 or buckets.dim() != 1:
+            raise TypeError("buckets must be a 1-D int64 tensor of bucket indices (or None)")
+        nb = -(-e.numel() // menu.bucket_size)
+        buckets = buckets.to(e.device).contiguous()
+        if buckets.numel() and (int(buckets.min()) < 0 or int(buckets.max()) >= nb):
+            raise ValueError(f"bucket indices must be in [0, {nb}), got range "
+                             f"[{int(buckets.min())}, {int(buckets.max())}]")
+    return _backend(e.device).screen(g, e, menu, int(key), buckets)
+
+
+def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action, key: int) -> torch.Tensor:
+    """The fused sending pass: ``v = g + e``; ``out = Q_action(v)``; ``e = v - out`` (in place).
+
+    Returns float64 ``(4,)`` statistics ``[sum (q-v)^2, sum q*v, sum q^2, sum v^2]`` over all elements.
+    """
+    _check("e", e)
+    _check("out", out, e)
+    if g is not None:
+        _check("g", g, e)
+    if not isinstance(action, Action):
+        raise TypeError(f"action must be a safebits_hvd.actions.Action, got {type(action).__name__}")
+    return _backend(e.device).quantize_ef(g, e, out, action, int(key))

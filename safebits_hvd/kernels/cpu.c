@@ -1,0 +1,281 @@
+/* SafeBits CPU backend: OpenMP loops over buckets calling the per-element math of safebits_math.h.
+ *
+ * The Python loader (cpu.py) compiles c_defines() + safebits_math.h + this file as ONE translation unit with
+ * `cc -O3 -fopenmp -ffp-contract=off -fPIC -shared` (no -ffast-math, no -march=native: bit-identical to the
+ * PyTorch reference). Hot per-bucket functions are also built for AVX2 with target_clones (runtime dispatch);
+ * AVX2 changes the vector width, never an IEEE result (no FMA: -ffp-contract=off).
+ *
+ * Every bucket is processed by one thread: pass 1 reads g and e into a bucket buffer (L1) and reduces max|v| or
+ * the lane sums, pass 2 quantizes into `out`, pass 3 writes e = v - q and accumulates the float64 statistics in
+ * SB_SUM_LANES lanes. Per-bucket statistics go to a scratch array that is summed in ascending bucket order, so
+ * results do not depend on the thread count.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef SB_PAR_MIN
+#define SB_PAR_MIN 32768 /* elements below which the loops stay serial (OpenMP fork costs more) */
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(SB_NO_CLONES)
+#define SB_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SB_CLONES
+#endif
+
+typedef struct {
+    int kind, levels, stochastic, topk;
+} sb_action;
+
+/* k-th largest (k in 1..n) of a[0..n) by quickselect (Hoare partition, median of three); reorders a. */
+static sb_u32 sb_select_kth_largest(sb_u32 *a, int n, int k) {
+    int lo = 0, hi = n - 1, target = k - 1;
+    while (hi > lo) {
+        sb_u32 x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi];
+        sb_u32 p = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > p) i++;
+            while (a[j] < p) j--;
+            if (i <= j) {
+                sb_u32 t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        /* a[lo..j] >= p, a[i..hi] <= p, a[j+1..i-1] == p */
+        if (target <= j) hi = j;
+        else if (target >= i) lo = i;
+        else return p;
+    }
+    return a[lo];
+}
+
+/* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words. */
+SB_CLONES void sb_quant_bucket(const sb_action *act, const float *restrict v, float *restrict q, int len,
+                               sb_i64 j0, sb_u32 key, sb_u32 *restrict kb) {
+    int i;
+    switch (act->kind) {
+    case SB_FLOAT32:
+        memcpy(q, v, (size_t)len * sizeof(float));
+        return;
+    case SB_FLOAT16:
+        for (i = 0; i < len; i++) q[i] = sb_fp16_rne(v[i]);
+        return;
+    case SB_BFLOAT16:
+        for (i = 0; i < len; i++) q[i] = sb_bf16_rne(v[i]);
+        return;
+    case SB_QUANT: {
+        sb_u32 mk = 0;
+        for (i = 0; i < len; i++) {
+            sb_u32 k = sb_abs_key(v[i]);
+            mk = k > mk ? k : mk;
+        }
+        if (mk == 0) {
+            for (i = 0; i < len; i++) q[i] = 0.0f;
+            return;
+        }
+        float scale = sb_u2f(mk), s = (float)act->levels;
+        if (act->stochastic) {
+            sb_u32 j32 = (sb_u32)j0;
+            for (i = 0; i < len; i++) q[i] = sb_quant(v[i], scale, s, sb_uniform(key, (sb_i64)(j32 + (sb_u32)i)));
+        } else {
+            for (i = 0; i < len; i++) q[i] = sb_quant(v[i], scale, s, 0.5f);
+        }
+        return;
+    }
+    case SB_SIGN: {
+        double lane[SB_SUM_LANES] = {0};
+        int l;
+        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
+            for (l = 0; l < SB_SUM_LANES; l++) {
+                float x = v[i + l];
+                lane[l] += (double)(x < 0.0f ? -x : x);
+            }
+        for (l = 0; i + l < len; l++) {
+            float x = v[i + l];
+            lane[l] += (double)(x < 0.0f ? -x : x);
+        }
+        double total = lane[0];
+        for (l = 1; l < SB_SUM_LANES; l++) total += lane[l];
+        float scale = (float)(total / (double)len);
+        for (i = 0; i < len; i++) q[i] = sb_sign(v[i], scale);
+        return;
+    }
+    case SB_TOPK: {
+        int kk = act->topk < len ? act->topk : len;
+        if (kk >= len) {
+            for (i = 0; i < len; i++) q[i] = sb_bf16_rne(v[i]);
+            return;
+        }
+        for (i = 0; i < len; i++) kb[i] = sb_abs_key(v[i]);
+        sb_u32 t = sb_select_kth_largest(kb, len, kk);
+        int gt = 0;
+        for (i = 0; i < len; i++) {
+            sb_u32 k = sb_abs_key(v[i]);
+            gt += k > t;
+            q[i] = k > t ? sb_bf16_rne(v[i]) : 0.0f;
+        }
+        int eq_left = kk - gt; /* >= 1: t is the kk-th largest; ties are kept lowest index first */
+        for (i = 0; i < len && eq_left > 0; i++) {
+            if (sb_abs_key(v[i]) == t) {
+                q[i] = sb_bf16_rne(v[i]);
+                eq_left--;
+            }
+        }
+        return;
+    }
+    default:
+        for (i = 0; i < len; i++) q[i] = 0.0f;
+        return;
+    }
+}
+
+/* acc[0..4) = [sum (q-v)^2, sum q v, sum q^2, sum v^2] in float64, lane-ordered. If e != NULL also e = v - q. */
+SB_CLONES void sb_bucket_stats(const float *restrict q, const float *restrict v, float *restrict e, int len,
+                               double *acc) {
+    double s0[SB_SUM_LANES] = {0}, s1[SB_SUM_LANES] = {0}, s2[SB_SUM_LANES] = {0}, s3[SB_SUM_LANES] = {0};
+    int i, l;
+    if (e)
+        for (i = 0; i < len; i++) e[i] = v[i] - q[i];
+    for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
+        for (l = 0; l < SB_SUM_LANES; l++) {
+            double qd = (double)q[i + l], vd = (double)v[i + l], d = qd - vd;
+            s0[l] += d * d;
+            s1[l] += qd * vd;
+            s2[l] += qd * qd;
+            s3[l] += vd * vd;
+        }
+    for (l = 0; i + l < len; l++) {
+        double qd = (double)q[i + l], vd = (double)v[i + l], d = qd - vd;
+        s0[l] += d * d;
+        s1[l] += qd * vd;
+        s2[l] += qd * qd;
+        s3[l] += vd * vd;
+    }
+    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (l = 0; l < SB_SUM_LANES; l++) {
+        a0 += s0[l];
+        a1 += s1[l];
+        a2 += s2[l];
+        a3 += s3[l];
+    }
+    acc[0] = a0;
+    acc[1] = a1;
+    acc[2] = a2;
+    acc[3] = a3;
+}
+
+/* vb = g + e (or e when g is NULL). */
+SB_CLONES void sb_load_v(const float *restrict g, const float *restrict e, float *restrict vb, int len) {
+    int i;
+    if (g)
+        for (i = 0; i < len; i++) vb[i] = g[i] + e[i];
+    else
+        memcpy(vb, e, (size_t)len * sizeof(float));
+}
+
+static void sb_sum_partials(const double *part, sb_i64 m, int stride, int col, double *res) {
+    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (sb_i64 b = 0; b < m; b++) {
+        const double *p = part + (size_t)b * stride + 4 * col;
+        a0 += p[0];
+        a1 += p[1];
+        a2 += p[2];
+        a3 += p[3];
+    }
+    res[0] = a0;
+    res[1] = a1;
+    res[2] = a2;
+    res[3] = a3;
+}
+
+/* The fused sending pass. Returns 0, or -1 when out of memory. */
+int sb_quantize_ef(const float *g, float *e, float *out, sb_i64 n, sb_i64 bucket, int kind, int levels,
+                   int stochastic, int topk, sb_u32 key, double *stats, int nthreads) {
+    sb_action act = {kind, levels, stochastic, topk};
+    sb_i64 nb = (n + bucket - 1) / bucket;
+    int fail = 0;
+    memset(stats, 0, 4 * sizeof(double));
+    if (n <= 0) return 0;
+    double *part = (double *)malloc((size_t)nb * 4 * sizeof(double));
+    if (!part) return -1;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads) if (n > SB_PAR_MIN)
+    {
+        float *vb = (float *)malloc((size_t)bucket * sizeof(float));
+        sb_u32 *kb = (sb_u32 *)malloc((size_t)bucket * sizeof(sb_u32));
+        int ok = vb && kb;
+        if (!ok) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#pragma omp for schedule(static)
+        for (sb_i64 b = 0; b < nb; b++) {
+            if (!ok) continue;
+            sb_i64 j0 = b * bucket;
+            int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
+            sb_load_v(g ? g + j0 : NULL, e + j0, vb, len);
+            sb_quant_bucket(&act, vb, out + j0, len, j0, key, kb);
+            sb_bucket_stats(out + j0, vb, e + j0, len, part + 4 * b);
+        }
+        free(vb);
+        free(kb);
+    }
+    if (!fail) sb_sum_partials(part, nb, 4, 0, stats);
+    free(part);
+    return fail ? -1 : 0;
+}
+
+/* Statistics of every action on the listed buckets (all when buckets is NULL). stats: nact x 4. */
+int sb_screen(const float *g, const float *e, sb_i64 n, sb_i64 bucket, const sb_i64 *buckets, sb_i64 nsel,
+              int nact, const int *kinds, const int *levels, const int *stochastic, const int *topks, sb_u32 key,
+              double *stats, int nthreads) {
+    sb_i64 nb = (n + bucket - 1) / bucket;
+    int fail = 0, a;
+    memset(stats, 0, (size_t)nact * 4 * sizeof(double));
+    if (n <= 0) return 0;
+    if (!buckets) nsel = nb;
+    if (nsel <= 0) return 0;
+    double *part = (double *)malloc((size_t)nsel * nact * 4 * sizeof(double));
+    if (!part) return -1;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads) if (nsel * bucket * nact > SB_PAR_MIN)
+    {
+        float *vb = (float *)malloc((size_t)bucket * sizeof(float));
+        float *qb = (float *)malloc((size_t)bucket * sizeof(float));
+        sb_u32 *kb = (sb_u32 *)malloc((size_t)bucket * sizeof(sb_u32));
+        int ok = vb && qb && kb;
+        if (!ok) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (sb_i64 ib = 0; ib < nsel; ib++) {
+            if (!ok) continue;
+            sb_i64 b = buckets ? buckets[ib] : ib;
+            double *p = part + (size_t)ib * nact * 4;
+            if (b < 0 || b >= nb) { /* out of range: contributes nothing (the Python side validates) */
+                memset(p, 0, (size_t)nact * 4 * sizeof(double));
+                continue;
+            }
+            sb_i64 j0 = b * bucket;
+            int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
+            sb_load_v(g ? g + j0 : NULL, e + j0, vb, len);
+            for (int ia = 0; ia < nact; ia++) {
+                sb_action act = {kinds[ia], levels[ia], stochastic[ia], topks[ia]};
+                sb_quant_bucket(&act, vb, qb, len, j0, key, kb);
+                sb_bucket_stats(qb, vb, NULL, len, p + 4 * ia);
+            }
+        }
+        free(vb);
+        free(qb);
+        free(kb);
+    }
+    if (!fail)
+        for (a = 0; a < nact; a++) sb_sum_partials(part, nsel, nact * 4, a, stats + 4 * a);
+    free(part);
+    return fail ? -1 : 0;
+}

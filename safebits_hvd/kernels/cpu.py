@@ -1,0 +1,132 @@
+"""CPU backend: compiles ``cpu.c`` (with ``safebits_math.h``) once per source version and calls it via ctypes.
+
+The shared object lives in ``${SAFEBITS_CACHE:-~/.cache/safebits}/kernels/<sha256>.so``, where the hash covers
+the full source text (RNG defines + header + cpu.c), the compiler path and the flags. It is built under a
+temporary name and moved into place with :func:`os.replace`, so concurrent processes (two Horovod ranks) never
+load a half-written file. Needs a C compiler with OpenMP: ``$CC``, else ``cc``, else ``gcc``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .. import rng
+from ..actions import Action, Menu
+
+HERE = Path(__file__).resolve().parent
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def compiler() -> str | None:
+    """The C compiler to use, or None when there is none."""
+    cc = os.environ.get("CC")
+    if cc and shutil.which(cc):
+        return shutil.which(cc)
+    for name in ("cc", "gcc"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def source() -> str:
+    """The exact C translation unit: RNG defines, ``safebits_math.h``, ``cpu.c``."""
+    return (rng.c_defines() + (HERE / "safebits_math.h").read_text() + '\n#line 1 "cpu.c"\n'
+            + (HERE / "cpu.c").read_text())
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SAFEBITS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "safebits")
+    return Path(root) / "kernels"
+
+
+def build() -> Path:
+    """Compile (if not cached) and return the path of the shared object. Raises RuntimeError on failure."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC or install cc/gcc)")
+    src = source()
+    digest = hashlib.sha256("\0".join([src, cc, *CFLAGS]).encode()).hexdigest()
+    out_dir = cache_dir()
+    target = out_dir / f"{digest}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+        c_path = Path(tmp) / "safebits_cpu.c"
+        c_path.write_text(src)
+        so_tmp = Path(tmp) / f"{digest}.so"
+        proc = subprocess.run([cc, *CFLAGS, "-o", str(so_tmp), str(c_path)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling the SafeBits CPU kernels with {cc} failed:\n{proc.stderr}")
+        os.replace(so_tmp, target)
+    return target
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library (built on first use)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(str(build()))
+            p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
+            lib.sb_quantize_ef.argtypes = [p, p, p, i64, i64, i32, i32, i32, i32, u32, p, i32]
+            lib.sb_quantize_ef.restype = i32
+            lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, u32, p, i32]
+            lib.sb_screen.restype = i32
+            _lib = lib
+        return _lib
+
+
+def available() -> bool:
+    try:
+        load()
+    except (RuntimeError, OSError):
+        return False
+    return True
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _action_args(a: Action) -> tuple[int, int, int, int]:
+    topk = a.topk_per_bucket if a.kind == 5 else 0
+    return int(a.kind), int(a.levels), int(bool(a.stochastic)), int(topk)
+
+
+def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action, key: int) -> torch.Tensor:
+    lib = load()
+    stats = torch.zeros(4, dtype=torch.float64)
+    rc = lib.sb_quantize_ef(_ptr(g), e.data_ptr(), out.data_ptr(), e.numel(), action.bucket_size,
+                            *_action_args(action), key & 0xFFFFFFFF, stats.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("sb_quantize_ef: out of memory")
+    return stats
+
+
+def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
+           buckets: torch.Tensor | None = None) -> torch.Tensor:
+    lib = load()
+    args = [_action_args(a) for a in menu]
+    arrays = [torch.tensor([x[c] for x in args], dtype=torch.int32) for c in range(4)]
+    stats = torch.zeros((len(menu), 4), dtype=torch.float64)
+    nsel = 0 if buckets is None else buckets.numel()
+    rc = lib.sb_screen(_ptr(g), e.data_ptr(), e.numel(), menu.bucket_size, _ptr(buckets), nsel, len(menu),
+                       *(a.data_ptr() for a in arrays), key & 0xFFFFFFFF, stats.data_ptr(),
+                       torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("sb_screen: out of memory")
+    return stats
