@@ -13,6 +13,8 @@ import torch
 from .. import rng
 from ..actions import Action, ActionKind, Menu
 
+_SIGN_BIT = -(2**31)
+
 SUM_LANES = 8
 """Lanes of the float64 SIGN-scale sum (``SB_SUM_LANES`` in ``safebits_math.h``)."""
 
@@ -55,12 +57,13 @@ def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, acti
             u = rng.uniform(key, j)
         else:
             u = torch.full_like(vp, 0.5)
-        r = (torch.where(vp < 0, -vp, vp) / scale) * s
+        bits = vp.view(torch.int32)
+        r = ((bits & 0x7FFFFFFF).view(f32) / scale) * s               # |v| / scale * s
         t = r + u
         t = torch.where(t < s, t, s)                                 # min(., s); NaN -> s, as the C clamp
         c = torch.trunc(t)                                           # t >= 0: truncation is floor
         m = c * (scale / s)
-        q = torch.where(vp < 0, -m, m)
+        q = (m.view(torch.int32) | (bits & _SIGN_BIT)).view(f32)     # the sign bit of v
         return torch.where(scale == 0, zero, q)
     if kind == ActionKind.SIGN:
         a = torch.where(vp < 0, -vp, vp).double()

@@ -107,14 +107,16 @@ SB_HD float sb_bf16_rne(float x) {
 
 /* QUANT element: scale = max|v| of the bucket (> 0; the caller writes 0 for a zero bucket), s = levels as
  * float, u = the uniform draw (stochastic) or 0.5f (nearest). c = min(floor(|v|/scale*s + u), s) computed as a
- * clamp then a truncation (t >= 0, so truncation is floor; a NaN t clamps to s). */
+ * clamp then a truncation (t >= 0, so truncation is floor; a NaN t clamps to s); q = c * (scale / s) carrying
+ * the sign bit of v (so -0.0 gives -0.0). Sign handling by bit operations keeps the loop branch-free (gcc does
+ * not if-convert two float selects on one condition). */
 SB_HD float sb_quant(float v, float scale, float s, float u) {
-    float r = ((v < 0.0f ? -v : v) / scale) * s;
+    sb_u32 b = sb_f2u(v);
+    float r = (sb_u2f(b & 0x7fffffffu) / scale) * s;
     float t = r + u;
     t = t < s ? t : s;
     float c = (float)(int)t;
-    float m = c * (scale / s);
-    return v < 0.0f ? -m : m;
+    return sb_u2f(sb_f2u(c * (scale / s)) | (b & 0x80000000u));
 }
 
 /* SIGN element: scale = (float)(lane-ordered double sum of |v| / len). sign(0) = +1. */

@@ -1,0 +1,161 @@
+"""The C CPU kernels against the PyTorch reference: bit-identical ``out``/``e``, statistics to ~1e-12."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from safebits_hvd import actions as A
+from safebits_hvd import kernels as K
+from safebits_hvd import rng
+from safebits_hvd.kernels import cpu
+from safebits_hvd.kernels import reference as R
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
+
+ACTIONS = [*A.DEFAULT_MENU, A.ACTIONS["int8_nearest"], A.ACTIONS["int4_nearest"], A.ACTIONS["int2_nearest"],
+           A.ternary(bucket_size=512)]
+SIZES = [1, 7, 511, 512, 513, 5000, 100_003]
+KEY = rng.stream_key(7, 3, 11)
+
+
+def make(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=gen) * torch.logspace(-4, 4, n) if n > 1 else torch.randn(n, generator=gen)
+    e = torch.randn(n, generator=gen) * 0.1
+    if n > 1200:
+        g[:512] = 0.0                                   # an exact zero bucket
+        e[:512] = 0.0
+        g[600:610], e[600:610] = 1e-30, 0.0             # tiny
+        g[700:720], e[700:720] = 1e30, 0.0              # fp16 overflow
+        g[800:900], e[800:900] = 3.0, 0.0               # ties
+        g[1100:1200], e[1100:1200] = 2.0**-140, 0.0     # float32 subnormal
+        g[1030:1034] = -0.0
+        e[1030:1034] = -0.0
+    if n > 5000:
+        g[-700:], e[-700:] = 0.0, 0.0                   # zero last buckets (one partial)
+        g[-513:-500] = 6e-8                             # fp16 subnormal range
+    return g, e
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def assert_stats_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.allclose(a, b, rtol=1e-12, atol=1e-300, equal_nan=True), (a, b)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("action", ACTIONS, ids=lambda a: a.name)
+@pytest.mark.parametrize("with_g", [True, False])
+def test_quantize_ef_matches_reference(n, action, with_g):
+    g, e = make(n)
+    if not with_g:
+        e = g + e
+        g = None
+    e1, e2 = e.clone(), e.clone()
+    o1, o2 = torch.full((n,), 7.0), torch.full((n,), 7.0)
+    s1 = K.quantize_ef(g, e1, o1, action, KEY)
+    s2 = R.quantize_ef(g, e2, o2, action, KEY)
+    assert torch.equal(bits(o1), bits(o2))
+    assert torch.equal(bits(e1), bits(e2))
+    assert s1.dtype == torch.float64 and s1.shape == (4,)
+    assert_stats_close(s1, s2)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_screen_matches_reference(n):
+    g, e = make(n, seed=1)
+    menu = A.make_menu([*A.DEFAULT_MENU.names, "int4_nearest"])
+    nb = -(-n // menu.bucket_size)
+    for buckets in (None, torch.arange(0, nb, 3), torch.tensor([nb - 1])):
+        e0 = e.clone()
+        s1 = K.screen(g, e, menu, KEY, buckets)
+        assert torch.equal(bits(e), bits(e0))                       # the screen writes nothing
+        s2 = R.screen(g, e, menu, KEY, buckets)
+        assert s1.shape == (len(menu), 4)
+        assert_stats_close(s1, s2)
+
+
+def test_screen_all_buckets_equals_quantize_ef_stats():
+    g, e = make(5000, seed=2)
+    s = K.screen(g, e, A.DEFAULT_MENU, KEY)
+    for i, a in enumerate(A.DEFAULT_MENU):
+        st = K.quantize_ef(g, e.clone(), torch.empty(5000), a, KEY)
+        assert_stats_close(s[i], st)
+
+
+def test_rng_matches_reference():
+    # stochastic int2 on constant 0.5*scale values: c = floor(0.5 + u) reveals u >= 0.5 element by element
+    n = 4096
+    v = torch.full((n,), 0.5)
+    v[::512] = 1.0
+    out = torch.empty(n)
+    K.quantize_ef(None, v.clone(), out, A.ternary(), KEY)
+    u = rng.uniform(KEY, torch.arange(n))
+    expect = torch.where(u >= 0.5, 1.0, 0.0)
+    expect[::512] = 1.0
+    assert torch.equal(out, expect)
+
+
+def test_deterministic_across_threads():
+    g, e = make(100_003, seed=3)
+    old = torch.get_num_threads()
+    res = []
+    try:
+        for th in (1, 2):
+            torch.set_num_threads(th)
+            e1, o = e.clone(), torch.empty_like(e)
+            res.append((K.quantize_ef(g, e1, o, A.ACTIONS["int4"], KEY), o, K.screen(g, e, A.DEFAULT_MENU, KEY)))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert torch.equal(res[0][2], res[1][2])
+
+
+def test_fp16_bf16_bit_exact_on_special_values():
+    specials = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 6e-8, 2.98e-8, 2.99e-8, 1e-45,
+                             6.1e-5, 6.103515625e-05, 3.4e38, -3.4e38, float("inf"), float("-inf"), 1.0 + 2**-11,
+                             1.0 + 3 * 2**-11, 1.0 + 2**-8, 1.0 + 3 * 2**-8])
+    n = specials.numel()
+    for action, cast in ((A.FP16, torch.float16), (A.BF16, torch.bfloat16)):
+        out = torch.empty(n)
+        K.quantize_ef(None, specials.clone(), out, action, KEY)
+        assert torch.equal(bits(out), bits(specials.to(cast).float())), action.name
+
+
+def test_nonfinite_gives_nonfinite_stats():
+    g = torch.randn(1000)
+    g[3] = float("nan")
+    for a in A.DEFAULT_MENU:
+        s = K.quantize_ef(g, torch.zeros(1000), torch.empty(1000), a, KEY)
+        assert not torch.isfinite(s).all(), a.name
+
+
+def test_empty_and_validation():
+    e = torch.zeros(0)
+    assert torch.equal(K.quantize_ef(None, e, torch.zeros(0), A.FP32, 0), torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(K.screen(None, e, A.DEFAULT_MENU, 0), torch.zeros(len(A.DEFAULT_MENU), 4,
+                                                                         dtype=torch.float64))
+    with pytest.raises(TypeError):
+        K.quantize_ef(None, torch.zeros(4, dtype=torch.float64), torch.zeros(4), A.FP32, 0)
+    with pytest.raises(ValueError):
+        K.quantize_ef(None, torch.zeros(4), torch.zeros(5), A.FP32, 0)
+    with pytest.raises(ValueError):
+        K.quantize_ef(torch.zeros(3), torch.zeros(4), torch.zeros(4), A.FP32, 0)
+    with pytest.raises(ValueError):
+        K.quantize_ef(None, torch.zeros(4, 2)[:, 0], torch.zeros(4), A.FP32, 0)
+    with pytest.raises(ValueError):
+        K.screen(None, torch.zeros(1024), A.DEFAULT_MENU, 0, torch.tensor([2]))
+    with pytest.raises(TypeError):
+        K.screen(None, torch.zeros(1024), A.DEFAULT_MENU, 0, torch.tensor([0], dtype=torch.int32))
+
+
+def test_cache_file_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAFEBITS_CACHE", str(tmp_path))
+    p1 = cpu.build()
+    mtime = p1.stat().st_mtime_ns
+    assert cpu.build() == p1 and p1.stat().st_mtime_ns == mtime
+    assert p1.parent == tmp_path / "kernels" and p1.suffix == ".so"
+    assert [p.name for p in p1.parent.iterdir()] == [p1.name]       # no leftover temporary files
