@@ -296,8 +296,7 @@ class SafeBits(Compressor):
         return allocate(self.costs, errors, ok & (np.isfinite(errors) | self.lossless), budget_total)
 
     def _sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:
-        sample = self._samples.get(index, 0)
-        if sample == 0:
+        if index not in self._samples:
             buckets = -(-n // self.menu.bucket_size)
             if buckets <= self.sample_buckets:
                 sample = None
@@ -305,7 +304,7 @@ class SafeBits(Compressor):
                 sample = ((torch.arange(self.sample_buckets, dtype=torch.float64) + 0.5)
                           * (buckets / self.sample_buckets)).floor().to(torch.int64).to(device)
             self._samples[index] = sample
-        return sample
+        return self._samples[index]
 
     def _send(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         name = self.names[index]

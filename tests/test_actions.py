@@ -1,0 +1,73 @@
+"""The action menu and its modeled-cost formulas."""
+
+import math
+
+import pytest
+
+import safebits_hvd as sb
+from safebits_hvd.actions import ACTIONS, ActionKind, qsgd, scaled_sign, ternary, topk
+
+
+@pytest.mark.parametrize("n", [0, 1, 511, 512, 513, 100_000])
+def test_cost_formulas(n: int) -> None:
+    buckets = math.ceil(n / 512)
+    assert ACTIONS["fp32"].cost(n) == 32 * n
+    assert ACTIONS["fp16"].cost(n) == 16 * n
+    assert ACTIONS["bf16"].cost(n) == 16 * n
+    assert ACTIONS["int8"].cost(n) == 8 * n + 32 * buckets
+    assert ACTIONS["int4"].cost(n) == 4 * n + 32 * buckets
+    assert ACTIONS["int2"].cost(n) == 2 * n + 32 * buckets
+    assert ACTIONS["ternary"].cost(n) == math.ceil(math.log2(3) * n) + 32 * buckets
+    assert ACTIONS["sign"].cost(n) == n + 32 * buckets
+    # top-k 10%: 51 per full bucket, min(51, rest) in the last; 9 index bits + 16 value bits each.
+    full, rest = divmod(n, 512)
+    assert ACTIONS["topk10"].cost(n) == (51 * full + min(51, rest)) * (9 + 16)
+    assert ACTIONS["topk1"].cost(n) == (5 * full + min(5, rest)) * 25
+
+
+def test_bucket_size_changes_scale_overhead() -> None:
+    assert qsgd(4, bucket_size=128).cost(1024) == 4 * 1024 + 32 * 8
+    assert scaled_sign(bucket_size=64).cost(100) == 100 + 32 * 2
+    assert ternary(bucket_size=1024).cost(2048) == math.ceil(math.log2(3) * 2048) + 64
+    assert topk(0.5, bucket_size=16).cost(40) == (8 + 8 + 8) * (4 + 16)
+
+
+def test_qsgd_levels_and_names() -> None:
+    assert qsgd(8).levels == 127 and qsgd(4).levels == 7 and qsgd(2).levels == 1
+    assert qsgd(4, stochastic=False).name == "int4_nearest"
+    assert ACTIONS["int4"].kind == ActionKind.QUANT and ACTIONS["int4"].stochastic
+
+
+def test_default_menu_covers_the_field() -> None:
+    names = sb.DEFAULT_MENU.names
+    for wanted in ["fp32", "fp16", "bf16", "int8", "int4", "int2", "ternary", "sign", "topk10"]:
+        assert wanted in names
+    assert sb.DEFAULT_MENU[sb.DEFAULT_MENU.lossless_index].name == "fp32"
+
+
+def test_make_menu_validates() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        sb.make_menu([])
+    with pytest.raises(ValueError, match="lossless"):
+        sb.make_menu(["int4", "sign"])
+    with pytest.raises(ValueError, match="unknown action"):
+        sb.make_menu(["fp32", "int5"])
+    with pytest.raises(ValueError, match="duplicate"):
+        sb.make_menu(["fp32", "fp32"])
+    with pytest.raises(ValueError, match="bucket_size"):
+        sb.make_menu([sb.FP32, qsgd(4, bucket_size=128), qsgd(8, bucket_size=256)])
+    with pytest.raises(TypeError):
+        sb.make_menu("fp32")
+    menu = sb.make_menu(["fp32", "int4"], bucket_size=256)
+    assert menu.bucket_size == 256 and menu[1].cost(512) == 4 * 512 + 64
+
+
+def test_action_validation() -> None:
+    with pytest.raises(ValueError, match="topk_fraction"):
+        topk(0.0)
+    with pytest.raises(ValueError, match="bits"):
+        qsgd(1)
+    with pytest.raises(ValueError, match="bucket_size"):
+        qsgd(4, bucket_size=1)
+    with pytest.raises(ValueError):
+        ACTIONS["fp32"].cost(-1)

@@ -1,0 +1,221 @@
+"""SafeBits in one process: the screen invariant, conservation, budget, determinism, records, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import safebits_hvd as sb
+from safebits_hvd.telemetry import StepRecord
+
+from .helpers import many_tensor_params, random_grads, run_steps
+
+BUDGETS = [1.0, 2.0, 4.4, 8.0, 32.0]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_screen_invariant_on_what_is_sent(budget: float) -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=budget, max_distortion=0.3, min_cosine=0.85)
+    for step in run_steps(c, params, 6, capture=True):
+        for name, _, v, sent in step:
+            v, q = v.double(), sent.double()
+            if torch.equal(q, v):
+                continue                                    # lossless
+            v2 = float((v * v).sum())
+            distortion = float(((q - v) ** 2).sum()) / v2
+            cosine = float((q * v).sum()) / math.sqrt(float((q * q).sum()) * v2)
+            assert distortion <= 0.3, (name, distortion)
+            assert cosine >= 0.85, (name, cosine)
+            assert c.last_step is not None
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_error_feedback_conserves_the_gradient_sum(budget: float) -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=budget)
+    total_grad = {name: torch.zeros(p.numel(), dtype=torch.float64) for name, p in params}
+    total_sent = {name: torch.zeros(p.numel(), dtype=torch.float64) for name, p in params}
+    for step in run_steps(c, params, 12, capture=True):
+        for name, g, _, sent in step:
+            total_grad[name] += g.reshape(-1).double()
+            total_sent[name] += sent.double()
+    for name, _ in params:
+        residual = c.memory.residuals[name].double()
+        scale = float(total_grad[name].abs().max())
+        assert torch.allclose(total_sent[name] + residual, total_grad[name], rtol=0, atol=1e-5 * scale), name
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_budget_respected_or_violation_recorded(budget: float) -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=budget)
+    run_steps(c, params, 8)
+    total = sum(p.numel() for _, p in params)
+    assert len(c.history) == 8
+    for record in c.history:
+        assert record.budget_bits_total == pytest.approx(budget * total)
+        assert record.violation == (record.used_bits_total > record.budget_bits_total)
+        assert record.excess_bits == pytest.approx(max(0, record.used_bits_total - record.budget_bits_total))
+        assert record.compression_ratio == pytest.approx(32 * total / record.used_bits_total)
+    if budget >= 32:
+        assert all(set(r.actions.values()) == {"fp32"} and not r.violation for r in c.history[1:])
+    if budget >= 8:   # enough for int8 everywhere: after step 0 the allocation fits and is safe
+        assert not any(r.violation for r in c.history[2:])
+
+
+def test_tight_budget_falls_back_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=0.3, max_distortion=0.1, min_cosine=0.95)
+    with caplog.at_level("WARNING", logger="safebits_hvd"):
+        run_steps(c, params, 4)
+    assert all(r.violation and r.excess_bits > 0 for r in c.history)
+    assert any(r.infeasible for r in c.history[1:])
+    assert "budget violation" in caplog.text
+
+
+def test_determinism_across_objects_with_the_same_seed() -> None:
+    outs = []
+    for _ in range(2):
+        params = many_tensor_params()
+        c = sb.SafeBits(params, budget_bits=3.0, seed=7)
+        outs.append(([[s for *_, s in step] for step in run_steps(c, params, 5, capture=True)],
+                     [r.allocation_digest for r in c.history]))
+    (sent_a, digests_a), (sent_b, digests_b) = outs
+    assert digests_a == digests_b
+    for step_a, step_b in zip(sent_a, sent_b, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_seed_changes_stochastic_rounding() -> None:
+    sent = []
+    for seed in (0, 1):
+        params = many_tensor_params()
+        c = sb.SafeBits(params, budget_bits=4.4, seed=seed, menu=["fp32", "int4"])
+        sent.append(run_steps(c, params, 1, capture=True)[0])
+    assert any(not torch.equal(a[3], b[3]) for a, b in zip(sent[0], sent[1], strict=True))
+
+
+def test_step_record_fields() -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=4.4)
+    run_steps(c, params, 2)
+    record = c.last_step
+    assert isinstance(record, StepRecord) and record.step == 1 and c.history[0].step == 0
+    names = {name for name, _ in params}
+    for field in ["step", "budget_bits_total", "used_bits_total", "compression_ratio", "violation",
+                  "excess_bits", "escalations", "actions", "distortion", "cosine", "allocation_digest"]:
+        assert hasattr(record, field)
+    assert set(record.actions) == set(record.distortion) == set(record.cosine) == names
+    assert set(record.actions.values()) <= set(sb.DEFAULT_MENU.names)
+    assert isinstance(record.escalations, list) and set(record.escalations) <= names
+    assert len(record.allocation_digest) == 16
+    expected_bits = sum(sb.ACTIONS[record.actions[n]].cost(p.numel()) for n, p in params)
+    assert record.used_bits_total == expected_bits
+
+
+def test_log_path_writes_one_json_line_per_step(tmp_path) -> None:
+    params = many_tensor_params()
+    path = tmp_path / "log" / "safebits.jsonl"
+    c = sb.SafeBits(params, budget_bits=2.0, log_path=path)
+    run_steps(c, params, 3)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    first = json.loads(lines[0])
+    assert first["step"] == 0 and first["allocation_digest"] == c.history[0].allocation_digest
+
+
+def test_escalation_when_allocated_action_is_not_admissible() -> None:
+    # Step 0 gives everything 'sign' (the costliest action within 1.1 bits); a sparse gradient makes sign inadmissible.
+    p = torch.nn.Parameter(torch.zeros(4096))
+    c = sb.SafeBits([("w", p)], budget_bits=1.1, menu=["fp32", "int8", "sign"])
+    g = torch.zeros(4096)
+    g[::97] = torch.arange(1, 44, dtype=torch.float32)
+    p.grad = g
+    sent, ctx = c.compress(g)
+    c.decompress(sent, ctx)
+    record = c.last_step
+    assert record.allocated["w"] == "sign" and record.actions["w"] != "sign"
+    assert record.escalations == ["w"] and record.violation
+
+
+def test_checkpoint_restore_continues_bit_identically(tmp_path) -> None:
+    def make():
+        params = many_tensor_params()
+        return params, sb.SafeBits(params, budget_bits=sb.ConvergenceRamp(1.5, 6.0, 10), seed=3)
+
+    params, straight = make()
+    full = run_steps(straight, params, 8, capture=True)
+    params, first = make()
+    run_steps(first, params, 4)
+    torch.save(first.state_dict(), tmp_path / "sb.pt")
+    params, resumed = make()
+    resumed.load_state_dict(torch.load(tmp_path / "sb.pt", weights_only=True))
+    assert resumed.step == 4
+    rest = []
+    for step in range(4, 8):                                # continue the same gradient stream
+        random_grads(params, step)
+        row = []
+        for name, p in reversed(params):
+            sent, ctx = resumed.compress(p.grad)
+            row.append(sent.clone())
+            resumed.decompress(sent, ctx)
+        rest.append(row)
+    for step_full, step_rest in zip(full[4:], rest, strict=True):
+        for (_, _, _, a), b in zip(step_full, step_rest, strict=True):
+            assert torch.equal(a, b)
+    assert [r.allocation_digest for r in straight.history[4:]] == [r.allocation_digest for r in resumed.history]
+
+
+def test_state_for_another_model_is_rejected() -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params)
+    run_steps(c, params, 1)
+    other = sb.SafeBits(many_tensor_params(sizes=(10, 20)))
+    with pytest.raises(ValueError, match="different model"):
+        other.load_state_dict(c.state_dict())
+    with pytest.raises(ValueError, match="menu"):
+        sb.SafeBits(many_tensor_params(), menu=["fp32", "int8"]).load_state_dict(c.state_dict())
+
+
+def test_unregistered_tensor_is_a_clear_error() -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params)
+    random_grads(params, 0)
+    with pytest.raises(ValueError, match="not the .grad of any registered parameter"):
+        c.compress(params[0][1].grad.clone())
+
+
+def test_frozen_parameters_are_ignored() -> None:
+    params = many_tensor_params()
+    params[1][1].requires_grad_(False)
+    c = sb.SafeBits(params)
+    assert "p1" not in c.names
+    live = [pair for pair in params if pair[1].requires_grad]
+    run_steps(c, live, 2)
+    assert len(c.history) == 2 and "p1" not in c.last_step.actions
+
+
+def test_decompress_restores_shape_and_dtype() -> None:
+    p = torch.nn.Parameter(torch.zeros(3, 5, dtype=torch.float64))
+    c = sb.SafeBits([("w", p)], budget_bits=32)
+    p.grad = torch.randn(3, 5, dtype=torch.float64)
+    sent, ctx = c.compress(p.grad)
+    assert sent.dtype == torch.float32 and sent.shape == (15,)
+    back = c.decompress(sent, ctx)
+    assert back.shape == (3, 5) and back.dtype == torch.float64
+    assert torch.allclose(back, p.grad, atol=1e-6)
+
+
+def test_unscreened_ablation_sends_the_allocation() -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=1.2, screen=False)
+    run_steps(c, params, 4)
+    assert all(not r.escalations for r in c.history)
+    assert all(r.actions == r.allocated for r in c.history)
+    assert np.mean([r.used_bits_total <= r.budget_bits_total for r in c.history[1:]]) == 1.0
