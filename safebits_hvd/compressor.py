@@ -257,8 +257,9 @@ class SafeBits(Compressor):
     def _begin_step(self) -> None:
         if self._pending is not None:
             self._finish_exchange()
-        self._budget_total = self._budget_now() * self.total_elements
-        self._allocation = self._allocate(self._budget_total)
+        bits_per_element = self._budget_now()
+        self._budget_total = bits_per_element * self.total_elements
+        self._allocation = self._allocate(bits_per_element, self._budget_total)
         self._digest = allocation_digest(self._step, self._budget_total, self._allocation.choice)
         tensors, actions = self.costs.shape
         self._done = np.zeros(tensors, dtype=bool)
@@ -275,18 +276,20 @@ class SafeBits(Compressor):
         self._sent_cosine = np.ones(tensors)
         self._in_step = True
 
-    def _allocate(self, budget_total: float) -> Allocation:
+    def _allocate(self, bits_per_element: float, budget_total: float) -> Allocation:
         tensors = self.costs.shape[0]
         rows = np.arange(tensors)
         if self._prev_distortion is None:
             # Start policy: the costliest action within budget_bits per element, else the cheapest.
-            fits = self.costs <= (budget_total / self.total_elements) * self.numels[:, None]
+            fits = self.costs <= bits_per_element * self.numels[:, None]
             ranked = np.where(fits, self._rank_of, -1)
             best_rank = ranked.max(axis=1)
             choice = np.where(best_rank >= 0, self._by_cost[rows, np.maximum(best_rank, 0)], self._by_cost[:, 0])
             cost = int(self.costs[rows, choice].sum())
             return Allocation(choice, cost, float("nan"), budget_total, cost, cost <= budget_total)
-        errors = self._prev_distortion * self._prev_v2[:, None]
+        with np.errstate(invalid="ignore"):     # inf * 0 for an unknown (skipped) tensor: stays inadmissible
+            errors = np.where(np.isfinite(self._prev_distortion), self._prev_distortion * self._prev_v2[:, None],
+                              np.inf)
         if self.screen_enabled:
             ok = admissible(self._prev_distortion, self._prev_cosine, self.lossless,
                             self.max_distortion, self.min_cosine)
