@@ -32,12 +32,12 @@ def _nvrtc_available() -> bool:
 def test_nvrtc_compiles_cuda_source():
     if not _nvrtc_available():
         if REQUIRE_NVRTC:
-            pytest.fail("SAFEBITS_REQUIRE_NVRTC=1 but CuPy/NVRTC is not usable (pip install cupy-cuda12x "
-                        "nvidia-cuda-nvrtc-cu12)")
+            pytest.fail("SAFEBITS_REQUIRE_NVRTC=1 but CuPy/NVRTC is not usable "
+                        "(pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12)")
         pytest.skip("CuPy/NVRTC not installed")
     ptx = cuda.compile_nvrtc()
     assert "sb_quantize_ef_kernel" in ptx and "sb_screen_kernel" in ptx
-    assert "fma." not in ptx                      # --fmad=false: no contraction, bit-identical to the C backend
+    assert "fma." not in ptx  # --fmad=false: no contraction, bit-identical to the C backend
 
 
 def test_cuda_source_contains_shared_header_once():

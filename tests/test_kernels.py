@@ -107,7 +107,8 @@ def test_deterministic_across_threads():
         for th in (1, 2):
             torch.set_num_threads(th)
             e1, o = e.clone(), torch.empty_like(e)
-            res.append((K.quantize_ef(g, e1, o, A.ACTIONS["int4"], KEY), o, K.screen(g, e, A.DEFAULT_MENU, KEY)))
+            st = K.quantize_ef(g, e1, o, A.ACTIONS["int4"], KEY)
+            res.append((st, o, K.screen(g, e, A.DEFAULT_MENU, KEY)))
     finally:
         torch.set_num_threads(old)
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
@@ -116,8 +117,8 @@ def test_deterministic_across_threads():
 
 def test_fp16_bf16_bit_exact_on_special_values():
     specials = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 6e-8, 2.98e-8, 2.99e-8, 1e-45,
-                             6.1e-5, 6.103515625e-05, 3.4e38, -3.4e38, float("inf"), float("-inf"), 1.0 + 2**-11,
-                             1.0 + 3 * 2**-11, 1.0 + 2**-8, 1.0 + 3 * 2**-8])
+                             6.1e-5, 6.103515625e-05, 3.4e38, -3.4e38, float("inf"), float("-inf"),
+                             1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8, 1.0 + 3 * 2**-8])
     n = specials.numel()
     for action, cast in ((A.FP16, torch.float16), (A.BF16, torch.bfloat16)):
         out = torch.empty(n)

@@ -103,7 +103,8 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     return _backend(e.device).screen(g, e, menu, int(key), buckets)
 
 
-def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action, key: int) -> torch.Tensor:
+def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
+                key: int) -> torch.Tensor:
     """The fused sending pass: ``v = g + e``; ``out = Q_action(v)``; ``e = v - out`` (in place).
 
     Returns float64 ``(4,)`` statistics ``[sum (q-v)^2, sum q*v, sum q^2, sum v^2]`` over all elements.

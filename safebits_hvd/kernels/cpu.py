@@ -107,11 +107,13 @@ def _action_args(a: Action) -> tuple[int, int, int, int]:
     return int(a.kind), int(a.levels), int(bool(a.stochastic)), int(topk)
 
 
-def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action, key: int) -> torch.Tensor:
+def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
+                key: int) -> torch.Tensor:
     lib = load()
     stats = torch.zeros(4, dtype=torch.float64)
     rc = lib.sb_quantize_ef(_ptr(g), e.data_ptr(), out.data_ptr(), e.numel(), action.bucket_size,
-                            *_action_args(action), key & 0xFFFFFFFF, stats.data_ptr(), torch.get_num_threads())
+                            *_action_args(action), key & 0xFFFFFFFF, stats.data_ptr(),
+                            torch.get_num_threads())
     if rc != 0:
         raise MemoryError("sb_quantize_ef: out of memory")
     return stats

@@ -17,7 +17,8 @@ from ..actions import Action, ActionKind, Menu
 
 HERE = Path(__file__).resolve().parent
 THREADS = 256
-NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true",
+                 "--prec-sqrt=true")
 """No FMA contraction, IEEE division, no flush-to-zero: float results bit-identical to the C backend."""
 
 
@@ -30,7 +31,8 @@ def cuda_source() -> str:
 def compile_nvrtc(arch: str = "compute_80") -> str:
     """Compile :func:`cuda_source` with NVRTC (no GPU needed) and return the PTX.
 
-    Raises ImportError when CuPy/NVRTC is not installed and RuntimeError (with the NVRTC log) on a compile error.
+    Raises ImportError when CuPy/NVRTC is not installed and RuntimeError (with the NVRTC log) on a
+    compile error.
     """
     from cupy_backends.cuda.libs import nvrtc
 
@@ -74,7 +76,8 @@ def _ints(values, device):
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action, key: int) -> torch.Tensor:
+def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
+                key: int) -> torch.Tensor:
     import numpy as np
 
     n = e.numel()
@@ -109,7 +112,7 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     stoch = _ints([int(a.stochastic) for a in menu], e.device)
     topks = _ints([a.topk_per_bucket if a.kind == ActionKind.TOPK else 0 for a in menu], e.device)
     args = (_cp(g if g is not None else e), _cp(e), np.int32(g is not None), np.int64(n),
-            np.int32(menu.bucket_size), _cp(buckets), np.int32(len(menu)), _cp(kinds), _cp(levels), _cp(stoch),
-            _cp(topks), np.uint32(key & 0xFFFFFFFF), _cp(part))
+            np.int32(menu.bucket_size), _cp(buckets), np.int32(len(menu)), _cp(kinds), _cp(levels),
+            _cp(stoch), _cp(topks), np.uint32(key & 0xFFFFFFFF), _cp(part))
     _launch("sb_screen_kernel", m, args, e.device)
     return part.sum(dim=0)

@@ -39,8 +39,12 @@ def _buckets(v: torch.Tensor, bucket_size: int, buckets: torch.Tensor | None):
     return vp, j, lens
 
 
-def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, action: Action, key: int) -> torch.Tensor:
-    """``Q_action`` of the ``(m, B)`` bucket matrix ``vp`` (padding cells are zeros; their outputs are ignored)."""
+def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, action: Action,
+                     key: int) -> torch.Tensor:
+    """``Q_action`` of the ``(m, B)`` bucket matrix ``vp``.
+
+    Padding cells are zeros; their outputs are ignored.
+    """
     kind = action.kind
     f32 = torch.float32
     zero = torch.zeros((), dtype=f32, device=vp.device)
@@ -51,12 +55,9 @@ def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, acti
     if kind == ActionKind.BFLOAT16:
         return vp.bfloat16().float()
     if kind == ActionKind.QUANT:
-        scale = abs_key(vp).amax(dim=1, keepdim=True).view(f32)      # max |v| (bit pattern max)
+        scale = abs_key(vp).amax(dim=1, keepdim=True).view(f32)  # max |v| (bit pattern max)
         s = torch.tensor(float(action.levels), dtype=f32, device=vp.device)
-        if action.stochastic:
-            u = rng.uniform(key, j)
-        else:
-            u = torch.full_like(vp, 0.5)
+        u = rng.uniform(key, j) if action.stochastic else torch.full_like(vp, 0.5)
         bits = vp.view(torch.int32)
         r = ((bits & 0x7FFFFFFF).view(f32) / scale) * s               # |v| / scale * s
         t = r + u
@@ -81,8 +82,10 @@ def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, acti
     if kind == ActionKind.TOPK:
         m, b = vp.shape
         keys = abs_key(vp)
-        keys = torch.where(j < j[:, :1] + lens[:, None], keys, torch.full_like(keys, -1))   # padding never kept
-        order = torch.sort(keys, dim=1, descending=True, stable=True).indices              # ties: lower index
+        valid = j < j[:, :1] + lens[:, None]
+        keys = torch.where(valid, keys, torch.full_like(keys, -1))                   # padding never kept
+        # stable descending sort: ties keep the lower index first
+        order = torch.sort(keys, dim=1, descending=True, stable=True).indices
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(b, device=vp.device).expand(m, b).contiguous())
         kk = lens.clamp(max=action.topk_per_bucket)[:, None]
@@ -93,7 +96,7 @@ def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, acti
 def _stats(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     qd, vd = q.double(), v.double()
     d = qd - vd
-    per_bucket = torch.stack([d * d, qd * vd, qd * qd, vd * vd], dim=-1).sum(dim=1)   # (m, 4)
+    per_bucket = torch.stack([d * d, qd * vd, qd * qd, vd * vd], dim=-1).sum(dim=1)  # (m, 4)
     return per_bucket.sum(dim=0) if per_bucket.numel() else torch.zeros(4, dtype=torch.float64)
 
 
@@ -117,7 +120,8 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     return out
 
 
-def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action, key: int) -> torch.Tensor:
+def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
+                key: int) -> torch.Tensor:
     """Reference of :func:`safebits_hvd.kernels.quantize_ef`."""
     n = e.numel()
     if n == 0:

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One short GPU check (run on a machine with a CUDA GPU, from the repo root): installs what is missing from
+# PyPI, runs the GPU kernel tests, then prints the GPU kernel ratios to torch.clone. About 2-5 minutes.
+set -uo pipefail
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+need=()
+$PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || need+=(torch)
+$PY -c "import cupy" 2>/dev/null || need+=(cupy-cuda12x nvidia-cuda-nvrtc-cu12)
+$PY -c "import pytest" 2>/dev/null || need+=(pytest)
+$PY -c "import pytest_benchmark" 2>/dev/null || need+=(pytest-benchmark)
+if [ ${#need[@]} -gt 0 ]; then echo "installing: ${need[*]}"; $PY -m pip install -q "${need[@]}" || exit 1; fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+echo "== GPU tests"
+SAFEBITS_REQUIRE_NVRTC=1 timeout 240 $PY -m pytest tests/test_cuda_kernels.py -q -x -p no:cacheprovider
+rc=$?
+echo "== GPU kernel ratios (kernel time / torch.clone, same process)"
+SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY bench/bench_kernels.py
+exit $rc
