@@ -10,7 +10,7 @@ Where each idea lives: :mod:`.actions` (menu and modeled bits), :mod:`.rng` (cou
 :mod:`.baselines` (the compressors we compare with).
 """
 
-from .actions import ACTIONS, DEFAULT_MENU, BF16, FP16, FP32, Action, ActionKind, Menu, make_menu
+from .actions import ACTIONS, BF16, DEFAULT_MENU, FP16, FP32, Action, ActionKind, Menu, make_menu
 from .compressor import SafeBits
 from .errors import SafeBitsConsistencyError, SafeBitsError, SafeBitsNonFiniteError
 from .schedules import BandwidthAware, Constant, ConvergenceRamp, SNRAware

@@ -161,7 +161,7 @@ def test_checkpoint_restore_continues_bit_identically(tmp_path) -> None:
     for step in range(4, 8):                                # continue the same gradient stream
         random_grads(params, step)
         row = []
-        for name, p in reversed(params):
+        for _, p in reversed(params):
             sent, ctx = resumed.compress(p.grad)
             row.append(sent.clone())
             resumed.decompress(sent, ctx)
@@ -187,7 +187,7 @@ def test_unregistered_tensor_is_a_clear_error() -> None:
     params = many_tensor_params()
     c = sb.SafeBits(params)
     random_grads(params, 0)
-    with pytest.raises(ValueError, match="not the .grad of any registered parameter"):
+    with pytest.raises(ValueError, match=r"not the \.grad of any registered parameter"):
         c.compress(params[0][1].grad.clone())
 
 

@@ -172,7 +172,7 @@ def test_schedule_returning_a_bad_value_is_reported_when_read(bad) -> None:
     p, c = one(100, budget_bits=lambda step: 4.0 if step == 0 else bad)
     send(c, p, torch.randn(100))
     p.grad = torch.randn(100)
-    with pytest.raises(ValueError, match="returned .* at step 1"):
+    with pytest.raises(ValueError, match=r"returned .* at step 1"):
         c.compress(p.grad)
 
 
