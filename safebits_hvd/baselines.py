@@ -230,7 +230,7 @@ BUDGETED = frozenset({"unscreened", "safebits"})
 """Registry names that take ``budget_bits`` (bits per parameter per step); the others take none."""
 
 
-def make_compressor(name: str, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], *, seed: int = 0,
+def make_compressor(name: str, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], /, *, seed: int = 0,
                     budget_bits: float | None = None, **kwargs: Any) -> Compressor:
     """Build the registry's compressor ``name`` (see :data:`REGISTRY`)."""
     if name not in REGISTRY:

@@ -1,0 +1,176 @@
+"""The main job (``make demo``): every compressor, end to end, on 2 Horovod ranks on localhost.
+
+Launches ONE ``horovodrun -np 2 --gloo`` of ``bench/demo_worker.py``, which trains, one run after another in the
+same two processes, every baseline of :mod:`safebits_hvd.baselines` and SafeBits / unscreened global budgeting
+at 2.0, 4.4 (about 7.2x) and 8.0 bits per parameter, on a small CNN (scikit-learn digits) and a byte-level
+transformer LM (CPython standard-library sources), with one seed, data order and initialization for all.
+
+Writes ``results/demo.json`` (one record per run: task, compressor, budget_bits, seed, final_loss, final_metric,
+metric_name, compression_ratio, violations, escalations, collapsed, wall_s), ``results/demo.md`` (the table) and
+per task ``results/demo_<task>_loss_vs_step.png`` and ``results/demo_<task>_loss_vs_bytes.png``.
+
+Default: 1 seed, 300 CNN steps, 200 LM steps (under 10 minutes on 2 cores, startup included).
+``--full``: seeds 0, 1, 2 and 600 / 400 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metric", "metric_name",
+          "compression_ratio", "violations", "escalations", "collapsed", "wall_s"]
+
+
+def label(run: dict[str, Any]) -> str:
+    """``compressor`` or ``compressor@budget``."""
+    return run["compressor"] + (f"@{run['budget_bits']:g}" if run["budget_bits"] is not None else "")
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` steps (training losses are noisy mini-batch losses)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
+    """Loss vs step and loss vs cumulative modeled bytes per rank, one line per compressor, per task (seed 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for task in sorted({r["task"] for r in runs}):
+        task_runs = [r for r in runs if r["task"] == task and r["seed"] == min(x["seed"] for x in runs)]
+        for kind in ("step", "bytes"):
+            fig, ax = plt.subplots(figsize=(9, 5.5))
+            cmap = plt.get_cmap("tab20")
+            for k, run in enumerate(task_runs):
+                curves = run["curves"]
+                loss = smooth(curves["train_loss"], 10)
+                if kind == "step":
+                    x = list(range(1, len(loss) + 1))
+                else:
+                    total, x = 0, []
+                    for b in curves["bits"]:
+                        total += b
+                        x.append(total / 8 / 2**20)
+                style = "-" if run["compressor"] in ("safebits", "fp32") else (
+                    "--" if run["compressor"] == "unscreened" else ":")
+                ax.plot(x, loss, style, color=cmap(k % 20), lw=1.6 if style == "-" else 1.2, label=label(run))
+            ax.set_ylabel("training loss (nats, 10-step moving average, mean of 2 ranks)")
+            if kind == "step":
+                ax.set_xlabel("optimizer step")
+                ax.set_title(f"{task}: training loss vs step, one line per compressor (2 ranks, seed "
+                             f"{task_runs[0]['seed']})")
+            else:
+                ax.set_xscale("log")
+                ax.set_xlabel("cumulative modeled bytes sent per rank (MiB, log scale)")
+                ax.set_title(f"{task}: training loss vs cumulative modeled bytes, one line per compressor")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
+            fig.tight_layout()
+            path = os.path.join(out_dir, f"demo_{task}_loss_vs_{kind}.png")
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
+def table(runs: list[dict[str, Any]], collapse_factor: float) -> str:
+    """Markdown table: per task and compressor, the mean over seeds (and collapses counted)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["task"], label(r))].append(r)
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in runs):
+        metric = next(r["metric_name"] for r in runs if r["task"] == task)
+        fp32 = [r["final_metric"] for r in groups.get((task, "fp32"), [])]
+        ref = sum(fp32) / len(fp32) if fp32 else math.nan
+        lines += [f"### {task}", "",
+                  f"| compressor | seeds | final val loss | {metric} | vs fp32 | modeled ratio | "
+                  f"violations | escalations | collapsed | wall s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for (t, name), rs in groups.items():
+            if t != task:
+                continue
+            n = len(rs)
+            mean = {k: sum(r[k] for r in rs) / n for k in ("final_loss", "final_metric", "wall_s")}
+            ratio = sum(r["compression_ratio"] or 0 for r in rs) / n
+            rel = (mean["final_metric"] - ref) / ref * 100 if ref else math.nan
+            lines.append(f"| {name} | {n} | {mean['final_loss']:.4f} | {mean['final_metric']:.4f} | "
+                         f"{rel:+.1f}% | {ratio:.2f}x | {sum(r['violations'] for r in rs)} | "
+                         f"{sum(r['escalations'] for r in rs)} | {sum(r['collapsed'] for r in rs)}/{n} | "
+                         f"{mean['wall_s']:.1f} |")
+        lines.append("")
+    lines.append(f"`collapsed`: non-finite loss, or final validation loss > {collapse_factor}x the validation "
+                 f"loss of the initial weights. `vs fp32`: relative difference of the metric's mean to fp32's "
+                 f"(accuracy: higher is better; bits per byte: lower is better). `modeled ratio`: 32 x parameters x "
+                 f"steps / modeled bits sent. Violations and escalations are summed over steps and seeds.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="3 seeds, twice the steps")
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
+    parser.add_argument("--mpi", action="store_true", help="horovodrun --mpi instead of --gloo")
+    args, extra = parser.parse_known_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    raw_path = os.path.join(args.out_dir, "demo_raw.json")
+    worker_args = (["--seeds", "0", "1", "2", "--cnn-steps", "600", "--lm-steps", "400"] if args.full
+                   else ["--seeds", "0", "--cnn-steps", "300", "--lm-steps", "200"])
+    bindir = os.path.dirname(sys.executable)
+    horovodrun = os.path.join(bindir, "horovodrun")
+    cmd = [horovodrun, "-np", "2", "--mpi" if args.mpi else "--gloo", sys.executable,
+           os.path.join(ROOT, "bench", "demo_worker.py"), "--out", raw_path, *worker_args, *extra]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    print("[demo] " + " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    if os.path.exists(raw_path):
+        os.remove(raw_path)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:     # progress: the worker's one line per run (and any error)
+        if "[demo]" in line or "Error" in line or "Traceback" in line:
+            print(line.rstrip().split("<stdout>:", 1)[-1], flush=True)
+    code = proc.wait()
+    if code != 0 or not os.path.exists(raw_path):
+        print(f"[demo] horovodrun failed with exit code {code}", file=sys.stderr)
+        return code or 1
+    with open(raw_path, encoding="utf-8") as f:
+        raw = json.load(f)
+    runs = raw["runs"]
+    with open(os.path.join(args.out_dir, "demo.json"), "w", encoding="utf-8") as f:
+        json.dump({"runs": [{k: r[k] for k in FIELDS} for r in runs]}, f, indent=1)
+    total_s = time.perf_counter() - start
+    md = table(runs, raw["collapse_factor"])
+    header = (f"# SafeBits demo results\n\nCommand: `{' '.join(['python', 'bench/demo.py', *sys.argv[1:]])}`; "
+              f"{len(runs)} runs on 2 Horovod ranks; LM corpus: {len(raw['corpus_files'])} CPython stdlib files "
+              f"({raw['corpus_files'][0]} .. {raw['corpus_files'][-1]}); total wall time {total_s:.0f} s "
+              f"(horovodrun startup included).\n\n")
+    with open(os.path.join(args.out_dir, "demo.md"), "w", encoding="utf-8") as f:
+        f.write(header + md)
+    paths = plot(runs, args.out_dir)
+    print(md)
+    print(f"[demo] wrote results/demo.json, results/demo.md, {len(paths)} plots; total {total_s:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

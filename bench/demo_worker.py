@@ -1,0 +1,271 @@
+"""One Horovod rank of the end-to-end comparison (launched by ``bench/demo.py`` under ``horovodrun -np 2``).
+
+Within the same processes it trains, one run after another, every compressor of
+:data:`safebits_hvd.baselines.REGISTRY` (SafeBits and the unscreened ablation at several budgets, in bits per
+parameter per step) on two tasks, with the same seed, data order and initial weights for every compressor:
+
+* ``digits_cnn``: a small CNN on scikit-learn's bundled 8x8 digits (SGD with momentum); metric: validation
+  accuracy.
+* ``bytes_lm``: a byte-level causal transformer on CPython standard-library sources found on this machine
+  (Adam); metric: validation bits per byte.
+
+Rank 0 prints one line per run and writes the raw per-step curves to ``--out`` (JSON); ``demo.py`` turns them
+into ``results/demo.json``, ``results/demo.md`` and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import math
+import os
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from safebits_hvd.baselines import BUDGETED, make_compressor
+
+COLLAPSE_FACTOR = 1.5
+"""A run has collapsed when its loss is non-finite or its final validation loss exceeds this multiple of the
+validation loss of the initial weights."""
+
+FIXED = ["fp32", "fp16", "qsgd8", "qsgd4", "qsgd2", "terngrad", "signsgd_ef", "topk10_ef", "topk1_ef"]
+"""Fixed-action baselines, in table order."""
+
+BUDGETS = [2.0, 4.4, 8.0]
+"""Budgets (bits per parameter per step) of SafeBits and of unscreened global budgeting."""
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+class DigitsCNN(torch.nn.Module):
+    """Two 3x3 conv layers (16, 32 channels) with 2x2 max-pooling, then a 64-unit MLP head: 13,994 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = torch.nn.Linear(32 * 2 * 2, 64)
+        self.fc2 = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class ByteLM(torch.nn.Module):
+    """Pre-norm causal transformer over bytes: vocabulary 256, ``width`` channels, ``layers`` blocks."""
+
+    def __init__(self, context: int, width: int = 64, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, width)
+        self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
+        block = torch.nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, 256)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.embed(x) + self.position[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+@dataclass
+class Task:
+    """Data, model factory, optimizer and metric of one task."""
+
+    name: str
+    metric_name: str
+    steps: int
+    lr: float
+
+    def __post_init__(self) -> None:
+        if self.name == "digits_cnn":
+            from sklearn.datasets import load_digits
+
+            digits = load_digits()
+            x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+            y = torch.tensor(digits.target, dtype=torch.int64)
+            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
+            x, y = x[order], y[order]
+            self.train_x, self.train_y = x[300:], y[300:]
+            self.val_x, self.val_y = x[:300], y[:300]
+            self.batch = 32
+        else:
+            self.context = 64
+            self.batch = 16
+            data = load_corpus()
+            split = int(len(data) * 0.9)
+            self.train_bytes, self.val_bytes = data[:split], data[split:]
+            starts = torch.linspace(0, len(self.val_bytes) - self.context - 2, 256).long()
+            self.val_windows = torch.stack([self.val_bytes[s:s + self.context + 1] for s in starts])
+
+    def model(self) -> torch.nn.Module:
+        return DigitsCNN() if self.name == "digits_cnn" else ByteLM(self.context)
+
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        if self.name == "digits_cnn":
+            return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.Adam(model.parameters(), lr=self.lr)
+
+    def batch_loss(self, model: torch.nn.Module, gen: torch.Generator) -> torch.Tensor:
+        if self.name == "digits_cnn":
+            idx = torch.randint(len(self.train_y), (self.batch,), generator=gen)
+            return F.cross_entropy(model(self.train_x[idx]), self.train_y[idx])
+        starts = torch.randint(len(self.train_bytes) - self.context - 1, (self.batch,), generator=gen)
+        windows = torch.stack([self.train_bytes[s:s + self.context + 1] for s in starts])
+        logits = model(windows[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, 256), windows[:, 1:].reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(validation loss in nats, metric): accuracy for the CNN, bits per byte for the LM."""
+        model.eval()
+        try:
+            if self.name == "digits_cnn":
+                logits = model(self.val_x)
+                loss = float(F.cross_entropy(logits, self.val_y))
+                return loss, float((logits.argmax(1) == self.val_y).float().mean())
+            logits = model(self.val_windows[:, :-1])
+            loss = float(F.cross_entropy(logits.reshape(-1, 256), self.val_windows[:, 1:].reshape(-1)))
+            return loss, loss / math.log(2)
+        finally:
+            model.train()
+
+
+def corpus_files(target_bytes: int = 400_000) -> list[str]:
+    """CPython standard-library ``.py`` files of this interpreter, in sorted name order, until ``target_bytes``."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    chosen, total = [], 0
+    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
+        size = os.path.getsize(path)
+        if size < 2_000 or size > 120_000:   # skip stubs and the very largest modules
+            continue
+        chosen.append(path)
+        total += size
+        if total >= target_bytes:
+            break
+    return chosen
+
+
+def load_corpus() -> torch.Tensor:
+    """The corpus as a uint8 -> int64 tensor of bytes."""
+    raw = b"".join(open(p, "rb").read() for p in corpus_files())  # noqa: SIM115 - read-and-close
+    return torch.tensor(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, run_id: int) -> dict[str, Any]:
+    """Train ``task`` with one compressor under Horovod; returns the run's summary and per-step curves."""
+    torch.manual_seed(seed)
+    model = task.model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    kwargs: dict[str, Any] = {}
+    if compressor in BUDGETED:
+        kwargs = {"name": f"safebits.{run_id}", "nonfinite": "skip"}
+    compression = make_compressor(compressor, model.named_parameters(), seed=seed, budget_bits=budget_bits,
+                                  **kwargs)
+    opt = hvd.DistributedOptimizer(task.optimizer(model), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    gen = torch.Generator().manual_seed(seed * 7919 + hvd.rank())
+    initial_loss, _ = task.evaluate(model)
+    total_elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    losses: list[float] = []
+    bits: list[int] = []
+    violations = escalations = 0
+    nonfinite = False
+    hvd.allreduce(torch.zeros(1), name=f"barrier.{run_id}")
+    start = time.perf_counter()
+    for _ in range(task.steps):
+        opt.zero_grad()
+        loss = task.batch_loss(model, gen)
+        mean_loss = float(hvd.allreduce(loss.detach().reshape(1), name="train_loss"))
+        if not math.isfinite(mean_loss):      # same decision on both ranks: stop before a NaN reaches the wire
+            nonfinite = True
+            break
+        loss.backward()
+        opt.step()
+        record = compression.last_step
+        losses.append(mean_loss)
+        bits.append(int(record.used_bits_total))
+        violations += int(record.violation)
+        escalations += len(record.escalations)
+    wall_s = time.perf_counter() - start
+    final_loss, final_metric = task.evaluate(model)
+    if not all(math.isfinite(float(p.detach().sum())) for p in model.parameters()):
+        nonfinite = True
+    collapsed = nonfinite or not math.isfinite(final_loss) or final_loss > COLLAPSE_FACTOR * initial_loss
+    used = sum(bits)
+    return {
+        "task": task.name, "compressor": compressor, "budget_bits": budget_bits, "seed": seed,
+        "final_loss": final_loss, "final_metric": final_metric, "metric_name": task.metric_name,
+        "compression_ratio": 32.0 * total_elements * len(bits) / used if used else None,
+        "violations": violations, "escalations": escalations, "collapsed": bool(collapsed),
+        "wall_s": wall_s,
+        "curves": {"initial_loss": initial_loss, "train_loss": losses, "bits": bits,
+                   "parameters": total_elements, "steps_done": len(bits)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--cnn-steps", type=int, default=150)
+    parser.add_argument("--lm-steps", type=int, default=150)
+    parser.add_argument("--tasks", nargs="+", default=["digits_cnn", "bytes_lm"])
+    parser.add_argument("--compressors", nargs="+", default=None, help="subset of registry names")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations/escalations are counted per run
+    hvd.init()
+    rank0 = hvd.rank() == 0
+    plan = [(c, None) for c in FIXED] + [(c, b) for b in BUDGETS for c in ("safebits", "unscreened")]
+    if args.compressors:
+        plan = [(c, b) for c, b in plan if c in args.compressors]
+    tasks = {"digits_cnn": Task("digits_cnn", "val_accuracy", args.cnn_steps, lr=0.1),
+             "bytes_lm": Task("bytes_lm", "val_bits_per_byte", args.lm_steps, lr=3e-3)}
+    runs = []
+    if rank0 and "bytes_lm" in args.tasks:
+        files = corpus_files()
+        print(f"[demo] bytes_lm corpus: {len(files)} stdlib files, {sum(map(os.path.getsize, files))} bytes, "
+              f"{os.path.basename(files[0])} .. {os.path.basename(files[-1])}", flush=True)
+    run_id = 0
+    for name in args.tasks:
+        task = tasks[name]
+        for seed in args.seeds:
+            for compressor, budget in plan:
+                result = run_one(task, compressor, budget, seed, run_id)
+                run_id += 1
+                runs.append(result)
+                if rank0:
+                    label = compressor + (f"@{budget:g}" if budget is not None else "")
+                    print(f"[demo] {name:10s} seed={seed} {label:16s} loss {result['curves']['initial_loss']:.3f}"
+                          f" -> {result['final_loss']:.3f}  {task.metric_name}={result['final_metric']:.4f}"
+                          f"  ratio={result['compression_ratio'] or float('nan'):6.2f}x"
+                          f"  viol={result['violations']} esc={result['escalations']}"
+                          f"{'  COLLAPSED' if result['collapsed'] else ''}  {result['wall_s']:.1f}s", flush=True)
+    if rank0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"runs": runs, "collapse_factor": COLLAPSE_FACTOR,
+                       "corpus_files": [os.path.basename(p) for p in corpus_files()]}, f)
+
+
+if __name__ == "__main__":
+    main()
