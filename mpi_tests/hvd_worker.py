@@ -1,0 +1,376 @@
+"""Horovod worker: many SafeBits integration scenarios in one ``horovodrun`` launch.
+
+Run as ``horovodrun -np 2 --gloo python mpi_tests/hvd_worker.py [--scenarios a,b] [--expect-transport NAME]``.
+Every scenario trains a small model with stock ``hvd.DistributedOptimizer`` and ``compression=SafeBits(...)``
+and checks, after every step and across all ranks (``hvd.allgather_object``):
+
+* the allocation digest, violation flag, excess bits, escalations, used bits and actions are identical;
+* the model parameters are bitwise identical (SHA-256 of every parameter's bytes);
+* the reduced gradient (``p.grad`` after ``step()``) is the Horovod op (Average / Sum) of what every rank's
+  ``compress`` returned, and every wire tensor is float32 with ``p.grad``'s number of elements;
+
+and per rank, after the run, error-feedback conservation: ``sum(sent) + residual == sum(gradients)``.
+Scenario outcomes are agreed across ranks; rank 0 prints one line per scenario and the process exits non-zero
+if any scenario failed on any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+from torch import nn
+
+import safebits_hvd as sb
+
+IN_FEATURES = 20
+CLASSES = 4
+BATCH = 64
+
+
+class ScenarioFailure(AssertionError):
+    """A check of a scenario failed (the message says which and on which step)."""
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise :class:`ScenarioFailure` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise ScenarioFailure(message)
+
+
+class Net(nn.Module):
+    """Small MLP; ``aux`` is an optional extra head (for the no-gradient case), ``frozen`` an optional frozen layer."""
+
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(IN_FEATURES, IN_FEATURES) if frozen else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
+        self.fc1 = nn.Linear(IN_FEATURES, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.head = nn.Linear(64, CLASSES)
+        self.aux = nn.Linear(64, CLASSES)
+
+    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
+        if self.frozen is not None:
+            x = x + self.frozen(x)
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        out = self.head(h)
+        if use_aux:
+            out = out + self.aux(h)
+        return out
+
+
+class TrackingSafeBits(sb.SafeBits):
+    """SafeBits that records, per parameter, the sum of gradients and of what was sent (before Horovod reduces
+    the wire tensor in place), and the wire tensors of the current step."""
+
+    def __init__(self, named_parameters: list[tuple[str, nn.Parameter]], **kwargs: Any) -> None:
+        super().__init__(named_parameters, **kwargs)
+        self.tracked = [(n, p) for n, p in named_parameters if p.requires_grad]
+        self.grad_sum: dict[str, torch.Tensor] = {}
+        self.sent_sum: dict[str, torch.Tensor] = {}
+        self.abs_sum: dict[str, torch.Tensor] = {}
+        self.step_sent: dict[str, torch.Tensor] = {}
+        self.wire_problems: list[str] = []
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        name = next((n for n, p in self.tracked if p.grad is tensor), None)
+        grad = tensor.detach().reshape(-1).to(torch.float64).clone()
+        out, ctx = super().compress(tensor)
+        if name is None:     # super() accepted it (e.g. sparse_as_dense); nothing to track
+            return out, ctx
+        if out.dtype != torch.float32 or out.numel() != tensor.numel():
+            self.wire_problems.append(f"{name}: wire {out.dtype} x {out.numel()} for grad of {tensor.numel()}")
+        sent = out.detach().to(torch.float64).clone()
+        zeros = torch.zeros_like(grad)
+        self.grad_sum[name] = self.grad_sum.get(name, zeros) + grad
+        self.sent_sum[name] = self.sent_sum.get(name, zeros) + sent
+        self.abs_sum[name] = self.abs_sum.get(name, zeros) + grad.abs() + sent.abs()
+        self.step_sent[name] = sent
+        return out, ctx
+
+
+@dataclass
+class Scenario:
+    """One training configuration and the extra checks it needs."""
+
+    name: str
+    steps: int = 8
+    op: Any = None                       # None: Horovod's default (Average)
+    backward_passes_per_step: int = 1
+    groups: Any = None                   # None, an int, or "list"
+    gradient_predivide_factor: float = 1.0
+    zero_grad: str = "optimizer"         # "optimizer" (set_to_none, PyTorch's default) or "model_keep"
+    unused_param: bool = False           # aux head used only on even steps
+    frozen: bool = False
+    budget_bits: float = 4.0
+    max_distortion: float = 0.5
+    min_cosine: float = 0.8
+    lr: float = 0.1
+    loss_must_fall: bool = False
+    expect_violation: bool = False
+    expect_escalation: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def shard(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch for ``step``: different data per rank, labels from a fixed teacher."""
+    gen = torch.Generator().manual_seed(1000 * hvd.rank() + 17 * step + micro)
+    x = torch.randn(BATCH, IN_FEATURES, generator=gen)
+    teacher = torch.Generator().manual_seed(12345)
+    w = torch.randn(IN_FEATURES, CLASSES, generator=teacher)
+    return x, (x @ w).argmax(dim=1)
+
+
+def fixed_eval_set() -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's evaluation batch (fixed across steps)."""
+    return shard(10_000)
+
+
+def params_digest(model: nn.Module) -> str:
+    """SHA-256 of every parameter's bytes, in registration order."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def global_loss(model: nn.Module) -> float:
+    """Cross-entropy on every rank's evaluation batch, averaged over ranks."""
+    x, y = fixed_eval_set()
+    with torch.no_grad():
+        loss = nn.functional.cross_entropy(model(x), y)
+    return float(hvd.allreduce(loss.reshape(1), op=hvd.Average, name="eval.loss")[0])
+
+
+def all_equal(values: list[Any]) -> bool:
+    return all(v == values[0] for v in values[1:])
+
+
+def run_training(sc: Scenario) -> dict[str, Any]:
+    """Train ``sc.steps`` steps and run every per-step and per-run check of ``sc``."""
+    torch.manual_seed(0)
+    model = Net(frozen=sc.frozen)
+    # Distinct names per scenario: a stale Horovod op of an earlier scenario can never match a later one.
+    named = [(f"{sc.name}.{n}", p) for n, p in model.named_parameters()]
+    compression = TrackingSafeBits(named, budget_bits=sc.budget_bits, max_distortion=sc.max_distortion,
+                                   min_cosine=sc.min_cosine, name=f"safebits.{sc.name}")
+    base = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=sc.lr)
+    kwargs: dict[str, Any] = {"backward_passes_per_step": sc.backward_passes_per_step,
+                              "gradient_predivide_factor": sc.gradient_predivide_factor}
+    if sc.op is not None:
+        kwargs["op"] = sc.op
+    if sc.groups == "list":
+        kwargs["groups"] = [[model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.head.weight]]
+    elif sc.groups is not None:
+        kwargs["groups"] = sc.groups
+    opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=compression, **kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    check(all_equal(hvd.allgather_object(params_digest(model), name=f"{sc.name}.init")),
+          "parameters differ across ranks after broadcast")
+
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    frozen_before = {n: p.detach().clone() for n, p in named if not p.requires_grad}
+    first_loss = global_loss(model)
+    violations = escalations = 0
+    for step in range(sc.steps):
+        compression.step_sent = {}
+        if sc.zero_grad == "optimizer":
+            opt.zero_grad()
+        else:
+            model.zero_grad(set_to_none=False)
+        use_aux = not sc.unused_param or step % 2 == 0
+        for micro in range(sc.backward_passes_per_step):
+            x, y = shard(step, micro)
+            loss = nn.functional.cross_entropy(model(x, use_aux=use_aux), y)
+            if sc.backward_passes_per_step > 1:
+                loss = loss / sc.backward_passes_per_step
+            loss.backward()
+        opt.step()
+
+        record = compression.last_step
+        check(record is not None and record.step == step,
+              f"step {step}: last_step is {None if record is None else record.step}")
+        check(not compression.wire_problems, f"wire tensors: {compression.wire_problems[:3]}")
+        check(set(compression.step_sent) == {n for n, _ in trainable},
+              f"step {step}: compressed {sorted(compression.step_sent)} not every trainable parameter")
+        violations += bool(record.violation)
+        escalations += len(record.escalations)
+        summary = (record.allocation_digest, record.violation, record.excess_bits, tuple(record.escalations),
+                   record.used_bits_total, tuple(sorted(record.actions.items())), params_digest(model))
+        gathered = hvd.allgather_object(summary, name=f"{sc.name}.summary.{step}")
+        labels = ["allocation digest", "violation", "excess bits", "escalations", "used bits", "actions",
+                  "parameters (bitwise)"]
+        for k, label in enumerate(labels):
+            check(all_equal([g[k] for g in gathered]),
+                  f"step {step}: {label} differ across ranks: {[g[k] for g in gathered]}"[:600])
+
+        # The reduced gradient is the Horovod op over every rank's wire tensor.
+        sent_all = hvd.allgather_object({n: t.numpy() for n, t in compression.step_sent.items()},
+                                        name=f"{sc.name}.sent.{step}")
+        for n, p in trainable:
+            stacked = np.stack([s[n] for s in sent_all])
+            expected = stacked.sum(axis=0) if sc.op is hvd.Sum else stacked.mean(axis=0)
+            got = p.grad.detach().reshape(-1).to(torch.float64).numpy()
+            tol = 1e-6 * (np.abs(stacked).sum(axis=0) + 1e-30)
+            check(bool(np.all(np.abs(got - expected) <= tol + 1e-12)),
+                  f"step {step}: reduced gradient of {n} is not the op of the wire tensors "
+                  f"(max err {np.abs(got - expected).max():.3g})")
+    for n, p in named:
+        if n in frozen_before:
+            check(torch.equal(p.detach(), frozen_before[n]), f"frozen parameter {n} changed")
+            check(n not in compression.names, f"frozen parameter {n} registered with SafeBits")
+
+    # Error-feedback conservation, per rank: sum(sent) + residual == sum(gradients).
+    lossy = 0
+    for n, _ in trainable:
+        residual = compression.memory.residuals[n].to(torch.float64)
+        lhs = compression.sent_sum[n] + residual
+        err = (lhs - compression.grad_sum[n]).abs()
+        tol = 1e-5 * compression.abs_sum[n] + 1e-9
+        check(bool((err <= tol).all()),
+              f"EF conservation fails for {n} on rank {hvd.rank()}: max error {float(err.max()):.3g}")
+        lossy += bool(residual.abs().max() > 0)
+    check(lossy > 0, "no residual is non-zero: nothing lossy was sent, the EF check proves nothing")
+
+    last_loss = global_loss(model)
+    if sc.loss_must_fall:
+        check(last_loss < 0.7 * first_loss, f"training loss did not fall: {first_loss:.4f} -> {last_loss:.4f}")
+    if sc.expect_violation:
+        check(violations > 0, "expected budget violations with this tight budget, got none")
+    if sc.expect_escalation:
+        check(escalations > 0, "expected escalations with these thresholds, got none")
+    history_ratio = float(np.median([r.compression_ratio for r in compression.history]))
+    return {"loss": f"{first_loss:.3f}->{last_loss:.3f}", "violations": violations, "escalations": escalations,
+            "ratio": round(history_ratio, 2), "transport": type(compression._exchange).__name__}
+
+
+def run_unregistered() -> dict[str, Any]:
+    """A tensor that is no registered parameter's gradient raises a clear ValueError (directly and in the hook)."""
+    torch.manual_seed(0)
+    model = Net()
+    named = [(f"unreg.{n}", p) for n, p in model.named_parameters()]
+    compression = sb.SafeBits(named, name="safebits.unreg")
+    x, y = shard(0)
+    nn.functional.cross_entropy(model(x, use_aux=True), y).backward()
+    try:
+        compression.compress(model.fc1.weight.grad.clone())
+    except ValueError as exc:
+        check("not the .grad of any registered parameter" in str(exc), f"unclear message: {exc}")
+    else:
+        raise ScenarioFailure("compress(copy of a gradient) did not raise ValueError")
+
+    # Through Horovod: SafeBits knows only fc1, the optimizer updates everything.
+    model2 = Net()
+    named2 = [(f"unreg2.{n}", p) for n, p in model2.named_parameters()]
+    partial = sb.SafeBits([(n, p) for n, p in named2 if ".fc1." in n], name="safebits.unreg2")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1), named_parameters=named2,
+                                   compression=partial)
+    try:
+        nn.functional.cross_entropy(model2(x, use_aux=True), y).backward()
+    except ValueError as exc:
+        check("not the .grad of any registered parameter" in str(exc), f"unclear message: {exc}")
+    else:
+        opt.synchronize()
+        raise ScenarioFailure("a gradient of an unregistered parameter did not raise ValueError")
+    return {}
+
+
+def run_inconsistent() -> dict[str, Any]:
+    """Rank 1 uses another budget: every rank raises SafeBitsConsistencyError (the launcher's timeout: no hang)."""
+    torch.manual_seed(0)
+    model = Net()
+    named = [(f"incons.{n}", p) for n, p in model.named_parameters()]
+    budget = 4.0 if hvd.rank() != 1 else 2.0
+    compression = sb.SafeBits(named, budget_bits=budget, name="safebits.incons")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named,
+                                   compression=compression)
+    raised = ""
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            x, y = shard(step)
+            nn.functional.cross_entropy(model(x, use_aux=True), y).backward()
+            opt.step()
+    except sb.SafeBitsConsistencyError as exc:
+        raised = str(exc)
+    flags = hvd.allgather_object(bool(raised), name="incons.flags")
+    check(all(flags), f"SafeBitsConsistencyError raised on ranks {flags} (expected every rank)")
+    check("disagree" in raised, f"unclear message: {raised}")
+    return {"message": raised[:80]}
+
+
+def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
+    """Every scenario by name, in the order they run (the inconsistent rank last)."""
+    configs = [
+        Scenario("train_average", steps=40, lr=0.5, loss_must_fall=True),
+        Scenario("op_sum", op=hvd.Sum, lr=0.05),
+        Scenario("bpps2", backward_passes_per_step=2),
+        Scenario("groups_int", groups=2),
+        Scenario("groups_list", groups="list"),
+        Scenario("predivide", gradient_predivide_factor=2.0),
+        Scenario("zero_grad_keep", zero_grad="model_keep", unused_param=True),
+        Scenario("unused_param", unused_param=True),
+        Scenario("frozen", frozen=True),
+        Scenario("tight_budget", budget_bits=1.0, max_distortion=0.05, min_cosine=0.97,
+                 expect_violation=True, expect_escalation=True),
+    ]
+    table: dict[str, Callable[[], dict[str, Any]]] = {c.name: (lambda c=c: run_training(c)) for c in configs}
+    table["unregistered"] = run_unregistered
+    table["inconsistent"] = run_inconsistent
+    return table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", default="all", help="comma-separated names, or 'all'")
+    parser.add_argument("--expect-transport", default="",
+                        help="class name of the statistics exchange every training scenario must use")
+    args = parser.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    table = scenarios()
+    names = list(table) if args.scenarios == "all" else args.scenarios.split(",")
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        print(f"unknown scenarios {unknown}; known: {list(table)}", file=sys.stderr)
+        return 2
+    failed = 0
+    for name in names:
+        start = time.perf_counter()
+        try:
+            info = table[name]()
+            if args.expect_transport and "transport" in info:
+                check(info["transport"] == args.expect_transport,
+                      f"statistics exchange is {info['transport']}, expected {args.expect_transport}")
+            outcome = (True, info)
+        except Exception as exc:  # report every failure, keep the ranks in step
+            outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+        outcomes = hvd.allgather_object(outcome, name=f"outcome.{name}")
+        ok = all(o[0] for o in outcomes)
+        failed += not ok
+        if hvd.rank() == 0:
+            took = time.perf_counter() - start
+            if ok:
+                print(f"PASS {name} ({took:.1f}s, np={hvd.size()}) {outcomes[0][1]}", flush=True)
+            else:
+                details = "; ".join(f"rank {r}: {o[1]}" for r, o in enumerate(outcomes) if not o[0])
+                print(f"FAIL {name} ({took:.1f}s, np={hvd.size()}) {details}", flush=True)
+    if hvd.rank() == 0:
+        print(f"SUMMARY {len(names) - failed}/{len(names)} scenarios passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
