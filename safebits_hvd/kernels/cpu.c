@@ -1,6 +1,7 @@
 /* SafeBits CPU backend: OpenMP loops over buckets calling the per-element math of safebits_math.h.
  *
- * The Python loader (cpu.py) compiles c_defines() + safebits_math.h + this file as ONE translation unit with
+ * The Python loader (cpu.py) compiles source.translation_unit("cpu.c") (constants, safebits_math.h, this file)
+ * as ONE translation unit with
  * `cc -O3 -fopenmp -ffp-contract=off -fPIC -shared` (no -ffast-math, no -march=native: bit-identical to the
  * PyTorch reference). Hot per-bucket functions are also built for AVX2 with target_clones (runtime dispatch);
  * AVX2 changes the vector width, never an IEEE result (no FMA: -ffp-contract=off).

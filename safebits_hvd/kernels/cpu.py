@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .. import rng
 from ..actions import Action, Menu
+from .source import translation_unit
 
 HERE = Path(__file__).resolve().parent
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
@@ -42,9 +42,8 @@ def compiler() -> str | None:
 
 
 def source() -> str:
-    """The exact C translation unit: RNG defines, ``safebits_math.h``, ``cpu.c``."""
-    return (rng.c_defines() + (HERE / "safebits_math.h").read_text() + '\n#line 1 "cpu.c"\n'
-            + (HERE / "cpu.c").read_text())
+    """The exact C translation unit: shared constants, ``safebits_math.h``, ``cpu.c``."""
+    return translation_unit("cpu.c")
 
 
 def cache_dir() -> Path:

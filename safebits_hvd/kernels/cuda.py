@@ -8,14 +8,12 @@ Tensors are shared with CuPy via DLPack and kernels run on PyTorch's current str
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
-from .. import rng
 from ..actions import Action, ActionKind, Menu
+from .source import translation_unit
 
-HERE = Path(__file__).resolve().parent
 THREADS = 256
 NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true",
                  "--prec-sqrt=true")
@@ -23,9 +21,8 @@ NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true"
 
 
 def cuda_source() -> str:
-    """The exact CUDA source: RNG defines, ``safebits_math.h``, ``cuda_kernels.cu``."""
-    return (rng.c_defines() + (HERE / "safebits_math.h").read_text() + '\n#line 1 "cuda_kernels.cu"\n'
-            + (HERE / "cuda_kernels.cu").read_text())
+    """The exact CUDA source: shared constants, ``safebits_math.h``, ``cuda_kernels.cu``."""
+    return translation_unit("cuda_kernels.cu")
 
 
 def compile_nvrtc(arch: str = "compute_80") -> str:

@@ -2,7 +2,7 @@
  * (cuda_kernels.cu). The PyTorch reference (reference.py) mirrors every function here operation by operation.
  *
  * The RNG constants (SB_WEYL, SB_MIX_MUL1, SB_MIX_MUL2, SB_UNIFORM_BITS) are NOT written here: the Python
- * loader prepends safebits_hvd.rng.c_defines() to the source.
+ * loader prepends them (safebits_hvd.kernels.source.constant_defines()).
  *
  * Rules: pure integer / float32 / float64 operations, no compiler intrinsics, no FMA (compiled with
  * -ffp-contract=off on the host and --fmad=false under NVRTC), so gcc and NVRTC produce the same bits.
@@ -26,13 +26,10 @@ typedef uint32_t sb_u32;
 typedef int64_t sb_i64;
 #endif
 
-/* Action kinds: the values of safebits_hvd.actions.ActionKind. */
-#define SB_FLOAT32 0
-#define SB_FLOAT16 1
-#define SB_BFLOAT16 2
-#define SB_QUANT 3
-#define SB_SIGN 4
-#define SB_TOPK 5
+/* Action kinds SB_FLOAT32 ... SB_TOPK come from safebits_hvd.actions.ActionKind (kernels/source.py). */
+#if !defined(SB_FLOAT32) || !defined(SB_TOPK)
+#error "safebits_math.h needs the action kinds from safebits_hvd.kernels.source.constant_defines()"
+#endif
 
 /* Lanes of the per-bucket float64 sums whose value decides a quantized output (the SIGN scale): element i of a
  * bucket (local index) is added, in index order, to lane i % SB_SUM_LANES; lanes are then added 0, 1, ..., 7. */
