@@ -1,0 +1,173 @@
+"""Horovod worker of ``bench/bench_horovod.py``: SafeBits' per-step overhead and its statistics exchange.
+
+Run as ``horovodrun -np 2 --gloo python bench/horovod_overhead.py --parts step,exchange --out result.json``.
+
+* ``step``: two identical models of several million parameters in tens of tensors, one trained through
+  ``hvd.DistributedOptimizer(compression=SafeBits(...))``, the other through ``compression=hvd.Compression.none``;
+  their training steps (forward, backward, allreduce, update) alternate, and the figure is the ratio of the median
+  step times.
+* ``exchange``: SafeBits over 1,000 tensors; per step, the time of starting the statistics exchange, finishing it
+  (the MAX allreduce and the step record) and computing the next allocation. Per step the smallest figure over
+  ranks is kept: the rank that arrives last at the exchange waits for nobody, so its time is the exchange's own
+  cost, not the other ranks' lag.
+
+Rank 0 writes one JSON object to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+from torch import nn
+
+import safebits_hvd as sb
+
+
+def make_model(width: int, layers: int) -> nn.Sequential:
+    """An MLP of ``layers`` square layers (``2 * layers`` tensors, about ``layers * width**2`` parameters)."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Seconds of one training step (forward, backward with Horovod's allreduces, synchronize and update)."""
+    start = time.perf_counter()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, budget_bits: float) -> dict[str, Any]:
+    """Median step time with SafeBits and with ``hvd.Compression.none``, interleaved in one run."""
+    models = {"safebits": make_model(width, layers), "none": make_model(width, layers)}
+    compression = sb.SafeBits(models["safebits"].named_parameters(), budget_bits=budget_bits,
+                              name="safebits.bench")
+    optimizers = {}
+    for label, model in models.items():
+        named = [(f"{label}.{n}", p) for n, p in model.named_parameters()]
+        base = torch.optim.SGD(model.parameters(), lr=1e-3)
+        optimizers[label] = hvd.DistributedOptimizer(
+            base, named_parameters=named,
+            compression=compression if label == "safebits" else hvd.Compression.none)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    x = torch.randn(batch, width, generator=gen)
+    y = torch.randn(batch, width, generator=gen)
+    times: dict[str, list[float]] = {label: [] for label in models}
+    for step in range(warmup + steps):
+        order = list(models) if step % 2 == 0 else list(models)[::-1]   # no order bias
+        for label in order:
+            seconds = timed_step(models[label], optimizers[label], x, y)
+            if step >= warmup:
+                times[label].append(seconds)
+    medians = {label: statistics.median(t) for label, t in times.items()}
+    # The step is as slow as its slowest rank.
+    medians = {label: max(hvd.allgather_object(m, name=f"median.{label}")) for label, m in medians.items()}
+    record = compression.last_step
+    return {
+        "parameters": sum(p.numel() for p in models["safebits"].parameters()),
+        "tensors": len(list(models["safebits"].parameters())),
+        "batch_per_rank": batch, "steps": steps,
+        "median_step_s_safebits": medians["safebits"], "median_step_s_none": medians["none"],
+        "step_ratio": medians["safebits"] / medians["none"],
+        "compression_ratio": record.compression_ratio if record else None,
+        "transport": type(compression._exchange).__name__,
+    }
+
+
+class TimedSafeBits(sb.SafeBits):
+    """SafeBits that times, per step, the start and the finish of the exchange and the allocation."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds: dict[int, float] = {}
+
+    def _add(self, step: int, seconds: float) -> None:
+        self.seconds[step] = self.seconds.get(step, 0.0) + seconds
+
+    def _close_step(self) -> None:
+        step, start = self._step, time.perf_counter()
+        super()._close_step()
+        self._add(step, time.perf_counter() - start)
+
+    def _finish_exchange(self) -> None:
+        step, start = self._pending[0], time.perf_counter()
+        super()._finish_exchange()
+        self._add(step, time.perf_counter() - start)
+
+    def _allocate(self, budget_total: float) -> Any:
+        step, start = self._step - 1, time.perf_counter()     # the allocation that step's exchange feeds
+        allocation = super()._allocate(budget_total)
+        self._add(step, time.perf_counter() - start)
+        return allocation
+
+
+def bench_exchange(tensors: int, numel: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Per-step exchange plus allocation time of SafeBits over ``tensors`` tensors."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(numel)) for _ in range(tensors)]
+    compression = TimedSafeBits([(f"t{i}", p) for i, p in enumerate(params)], budget_bits=4.0,
+                                name="safebits.exchange")
+    gen = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(warmup + steps + 1):
+        for p in params:
+            p.grad = torch.randn(numel, generator=gen)
+        for p in params:
+            compression.compress(p.grad)
+        compression.flush()
+    # Step s: close + finish of step s, and the allocation of step s + 1 computed from it.
+    per_step = [compression.seconds[s] for s in range(warmup, warmup + steps)]
+    gathered = hvd.allgather_object(per_step, name="exchange.seconds")
+    last_arrival = [min(rank[s] for rank in gathered) for s in range(steps)]
+    slowest = [max(rank[s] for rank in gathered) for s in range(steps)]
+    return {
+        "tensors": tensors, "numel_per_tensor": numel, "steps": steps,
+        "exchange_allocation_ms_median": 1e3 * statistics.median(last_arrival),
+        "exchange_allocation_ms_p90": 1e3 * float(np.percentile(last_arrival, 90)),
+        "exchange_allocation_ms_slowest_rank_median": 1e3 * statistics.median(slowest),
+        "transport": type(compression._exchange).__name__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="step,exchange")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--budget-bits", type=float, default=4.0)
+    parser.add_argument("--exchange-tensors", type=int, default=1000)
+    parser.add_argument("--exchange-numel", type=int, default=256)
+    parser.add_argument("--exchange-steps", type=int, default=30)
+    args = parser.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"size": hvd.size(), "mpi": hvd.mpi_enabled()}
+    parts = args.parts.split(",")
+    if "exchange" in parts:
+        result["exchange"] = bench_exchange(args.exchange_tensors, args.exchange_numel, args.exchange_steps,
+                                            warmup=3)
+    if "step" in parts:
+        result["step"] = bench_step(args.width, args.layers, args.batch, args.steps, warmup=3,
+                                    budget_bits=args.budget_bits)
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
