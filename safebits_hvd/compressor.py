@@ -30,6 +30,7 @@ from .actions import DEFAULT_MENU, Menu, make_menu
 from .allocator import Allocation, allocate
 from .errors import SafeBitsConsistencyError, SafeBitsNonFiniteError
 from .memory import ErrorFeedback
+from .params import GradientIndex
 from .rng import stream_key
 from .schedules import as_schedule
 from .screen import ACCEPT_MARGIN, admissible, distortion_cosine
@@ -182,8 +183,7 @@ class SafeBits(Compressor):
         self._pending: tuple[int, Any, Any] | None = None
         self._exchange: Any = None
         self._writer: JsonlWriter | None = None
-        self._index_by_id: dict[int, int] = {}
-        self._cursor = 0
+        self._index = GradientIndex(self._params)
         self._samples: dict[int, torch.Tensor | None] = {}
         self._violation_warning = RateLimitedWarning("budget violations")
         self._escalation_warning = RateLimitedWarning("steps with escalations")
@@ -195,7 +195,7 @@ class SafeBits(Compressor):
         Returns a flat float32 tensor of ``tensor.numel()`` elements holding the dequantized values (the modeled
         wire format is what the budget counts), and the context :meth:`decompress` needs.
         """
-        index = self._lookup(tensor)
+        index = self._index.find(tensor, ~self._done if self._in_step else None)
         if self._in_step and self._done[index]:
             # A parameter came twice: the previous step never compressed some registered parameters.
             missing = [self.names[i] for i in np.flatnonzero(~self._done)]
@@ -220,31 +220,6 @@ class SafeBits(Compressor):
         if tensor.dtype != ctx.dtype:
             tensor = tensor.to(ctx.dtype)
         return tensor.view(ctx.shape)
-
-    # ------------------------------------------------------------------ parameter lookup
-    def _lookup(self, tensor: torch.Tensor) -> int:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"SafeBits.compress takes a gradient tensor, got {type(tensor).__name__}")
-        index = self._index_by_id.get(id(tensor))
-        if index is not None and self._params[index].grad is tensor:
-            return index
-        count = len(self._params)
-        for k in range(count):   # backward visits parameters in reverse order: scan down from the last hit
-            j = (self._cursor - 1 - k) % count
-            if self._params[j].grad is tensor:
-                self._index_by_id[id(tensor)] = j
-                self._cursor = j
-                return j
-        # Horovod's sparse_as_dense hands over grad.to_dense(): match the one pending sparse gradient of that shape.
-        pending = ~self._done if self._in_step else np.ones(count, dtype=bool)
-        sparse = [j for j in np.flatnonzero(pending) if self._params[j].grad is not None
-                  and self._params[j].grad.is_sparse and self._params[j].shape == tensor.shape]
-        if len(sparse) == 1:
-            return int(sparse[0])
-        raise ValueError(
-            f"SafeBits.compress got a tensor of shape {tuple(tensor.shape)} that is not the .grad of any "
-            f"registered parameter. Pass SafeBits the same model.named_parameters() as hvd.DistributedOptimizer, "
-            f"and call compress(p.grad) with the gradient tensor itself, not a copy.")
 
     # ------------------------------------------------------------------ one step
     def _budget_now(self) -> float:

@@ -1,0 +1,48 @@
+"""Matching a gradient to its parameter (DESIGN section 3).
+
+Horovod's ``compress(tensor)`` is not told which parameter ``tensor`` belongs to, and with
+``zero_grad(set_to_none=True)`` (PyTorch's default) ``p.grad`` is a new tensor every step, so neither
+``data_ptr()`` nor call order is a safe key. The match is by identity, ``p.grad is tensor``: a cache by ``id``
+(validated, since ids are reused) and, on a miss, a scan downward from the last hit (backward visits parameters
+in reverse registration order, so the scan usually stops after one step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class GradientIndex:
+    """Finds the index of the registered parameter whose ``.grad`` is a given tensor."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self._by_id: dict[int, int] = {}
+        self._cursor = 0
+
+    def find(self, tensor: torch.Tensor, pending: np.ndarray | None = None) -> int:
+        """Index of ``tensor``'s parameter. ``pending`` (bool per parameter) marks those not yet compressed this
+        step: Horovod's ``sparse_as_dense`` hands over ``grad.to_dense()``, a new tensor, which is matched to the
+        single pending parameter with a sparse gradient of that shape. Raises ``ValueError`` on no match."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"compress takes a gradient tensor, got {type(tensor).__name__}")
+        index = self._by_id.get(id(tensor))
+        if index is not None and self.params[index].grad is tensor:
+            return index
+        count = len(self.params)
+        for k in range(count):
+            j = (self._cursor - 1 - k) % count
+            if self.params[j].grad is tensor:
+                self._by_id[id(tensor)] = j
+                self._cursor = j
+                return j
+        candidates = np.flatnonzero(pending) if pending is not None else range(count)
+        sparse = [int(j) for j in candidates if self.params[j].grad is not None and self.params[j].grad.is_sparse
+                  and self.params[j].shape == tensor.shape]
+        if len(sparse) == 1:
+            return sparse[0]
+        raise ValueError(
+            f"compress got a tensor of shape {tuple(tensor.shape)} that is not the .grad of any registered "
+            f"parameter. Pass the compressor the same model.named_parameters() as hvd.DistributedOptimizer, "
+            f"and call compress(p.grad) with the gradient tensor itself, not a copy.")
