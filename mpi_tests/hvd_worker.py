@@ -311,6 +311,30 @@ def run_inconsistent() -> dict[str, Any]:
     return {"message": raised[:80]}
 
 
+def run_inconsistent_menu() -> dict[str, Any]:
+    """Rank 1 uses another menu (a statistics vector of another length): SafeBitsConsistencyError on every rank."""
+    torch.manual_seed(0)
+    model = Net()
+    named = [(f"incmenu.{n}", p) for n, p in model.named_parameters()]
+    menu = sb.DEFAULT_MENU if hvd.rank() != 1 else ["fp32", "fp16", "int8"]
+    compression = sb.SafeBits(named, menu=menu, name="safebits.incmenu")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named,
+                                   compression=compression)
+    raised = ""
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            x, y = shard(step)
+            nn.functional.cross_entropy(model(x, use_aux=True), y).backward()
+            opt.step()
+    except sb.SafeBitsConsistencyError as exc:
+        raised = str(exc)
+    flags = hvd.allgather_object(bool(raised), name="incmenu.flags")
+    check(all(flags), f"SafeBitsConsistencyError raised on ranks {flags} (expected every rank)")
+    check("different lengths" in raised, f"unclear message: {raised}")
+    return {"message": raised[:80]}
+
+
 def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
     """Every scenario by name, in the order they run (the inconsistent rank last)."""
     configs = [
@@ -329,6 +353,7 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
     table: dict[str, Callable[[], dict[str, Any]]] = {c.name: (lambda c=c: run_training(c)) for c in configs}
     table["unregistered"] = run_unregistered
     table["inconsistent"] = run_inconsistent
+    table["inconsistent_menu"] = run_inconsistent_menu
     return table
 
 

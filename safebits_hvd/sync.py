@@ -17,6 +17,13 @@ compressed every parameter of the step, i.e. after it has handed every gradient 
 the first ``decompress`` of that step (or the next step's first ``compress``, or ``flush()``). Starting needs
 nothing from other ranks, so it cannot deadlock; it never delays a gradient's allreduce, so Horovod's overlap of
 communication with backward is untouched; and it has the whole gradient allreduce to complete in.
+
+Length check: the very first exchange of a compressor object is preceded by one small blocking MAX allreduce of
+``(length, -length)`` of the statistics vector. Ranks that registered different parameters or menus would
+otherwise hand vectors of different lengths to one allreduce (Horovod fails with an unclear message, an MPI
+``Iallreduce`` with mismatched counts may truncate or hang); with the check every rank raises
+:class:`~.errors.SafeBitsConsistencyError` instead. It happens once, where the first exchange starts, so it
+cannot deadlock for the same reason the exchange cannot.
 """
 
 from __future__ import annotations
@@ -26,6 +33,17 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .errors import SafeBitsConsistencyError
+
+
+def _check_lengths(length: int, reduced: np.ndarray) -> None:
+    """Raise on every rank if the MAX-reduced ``(length, -length)`` shows different lengths."""
+    longest, shortest = int(reduced[0]), -int(reduced[1])
+    if longest != shortest:
+        raise SafeBitsConsistencyError(
+            f"ranks exchange statistics of different lengths ({shortest} to {longest} values, this rank "
+            f"{length}): every rank must build SafeBits with the same parameters (requires_grad) and menu")
 
 
 class LocalExchange:
@@ -49,9 +67,15 @@ class HorovodExchange:
         self._hvd = hvd
         self.name = name
         self.size = hvd.size()
+        self._checked = False
 
     def start(self, values: np.ndarray) -> Any:
         tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        if not self._checked:
+            lengths = torch.tensor([len(values), -len(values)], dtype=torch.float64)
+            _check_lengths(len(values), self._hvd.allreduce(lengths, op=self._hvd.Max,
+                                                            name=f"{self.name}.length").numpy())
+            self._checked = True
         return self._hvd.allreduce_async(tensor, op=self._hvd.Max, name=self.name)
 
     def wait(self, handle: Any) -> np.ndarray:
@@ -67,9 +91,16 @@ class MPIExchange:
         self._mpi = MPI
         self.comm = MPI.COMM_WORLD.Dup()        # collective: every rank creates it at the same first exchange
         self.size = self.comm.Get_size()
+        self._checked = False
 
     def start(self, values: np.ndarray) -> Any:
         send = np.ascontiguousarray(values, dtype=np.float64)
+        if not self._checked:
+            lengths = np.array([len(send), -len(send)], dtype=np.float64)
+            reduced = np.empty_like(lengths)
+            self.comm.Allreduce(lengths, reduced, op=self._mpi.MAX)
+            _check_lengths(len(send), reduced)
+            self._checked = True
         recv = np.empty_like(send)
         request = self.comm.Iallreduce(send, recv, op=self._mpi.MAX)
         return request, send, recv            # keep the buffers alive until the request completes
