@@ -106,9 +106,9 @@ class TimedSafeBits(sb.SafeBits):
         super()._finish_exchange()
         self._add(step, time.perf_counter() - start)
 
-    def _allocate(self, budget_total: float) -> Any:
+    def _allocate(self, *args: Any, **kwargs: Any) -> Any:
         step, start = self._step - 1, time.perf_counter()     # the allocation that step's exchange feeds
-        allocation = super()._allocate(budget_total)
+        allocation = super()._allocate(*args, **kwargs)
         self._add(step, time.perf_counter() - start)
         return allocation
 
