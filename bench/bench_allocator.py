@@ -40,7 +40,7 @@ def _problem(tensors: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.nd
     return costs, errors, ok, 4.0 * float(numels.sum())
 
 
-@pytest.mark.parametrize("tensors", [100, 1000, pytest.param(10_000, marks=pytest.mark.full), 3000])
+@pytest.mark.parametrize("tensors", [100, 1000, 10_000])
 def test_allocate(benchmark, tensors: int) -> None:
     costs, errors, ok, budget = _problem(tensors)
     result = allocate(costs, errors, ok, budget)

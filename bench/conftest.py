@@ -1,5 +1,7 @@
 """pytest configuration of the benchmark suites (``pytest bench``).
 
+Collection: the suites are ``bench/bench_*.py`` (pytest's default ``python_files`` is ``test_*.py``, so this
+conftest collects them unless the ini configuration already does).
 Markers: ``full`` marks long cases that ``make bench-smoke`` (``-m "not full"``) leaves out.
 Convention for ``extra_info`` (read by ``bench/check_regression.py``): keys ending in ``_vs_clone`` or
 ``_vs_reference`` are time ratios (lower is better); ``compression_ratio`` is 32 bits over modeled bits per
@@ -8,11 +10,24 @@ element (higher is better). Absolute times are never compared.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
+from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "full: long benchmark cases, excluded from make bench-smoke")
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    """Collect ``bench_*.py`` as test modules (their tests are ``test_*`` functions)."""
+    if file_path.suffix != ".py" or not fnmatch.fnmatch(file_path.name, "bench_*.py"):
+        return None
+    if any(fnmatch.fnmatch(file_path.name, pattern) for pattern in parent.config.getini("python_files")):
+        return None         # the ini configuration collects it already
+    return pytest.Module.from_parent(parent, path=file_path)
