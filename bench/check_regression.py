@@ -9,6 +9,10 @@
 * Benchmarks of the baseline missing from the results, and new ones, are reported, not failed (the smoke run
   leaves out ``full`` cases; other suites come and go).
 
+Refresh the baseline from a real run (keeps only what the check reads, plus the machine and commit):
+
+    python bench/check_regression.py results/bench.json bench/baseline.json --update
+
 Exit status: 0 when nothing regressed, 1 on a regression, 2 when the results hold no benchmark at all.
 """
 
@@ -59,13 +63,36 @@ def compare(current: dict[str, dict[str, float]], baseline: dict[str, dict[str, 
     return regressions, missing, new, compared
 
 
+def write_baseline(results: str, baseline: str) -> int:
+    """Write ``baseline`` from ``results``: per benchmark its fullname and ``extra_info``."""
+    with open(results, encoding="utf-8") as f:
+        data = json.load(f)
+    trimmed = {
+        "note": "made by bench/check_regression.py --update from a real `make bench-smoke` run",
+        "datetime": data.get("datetime"),
+        "machine_info": {k: data.get("machine_info", {}).get(k) for k in ("node", "processor", "cpu",
+                                                                          "python_version")},
+        "commit_info": {k: data.get("commit_info", {}).get(k) for k in ("id", "dirty", "branch")},
+        "benchmarks": [{"fullname": b["fullname"], "extra_info": b.get("extra_info", {})}
+                       for b in data.get("benchmarks", [])],
+    }
+    with open(baseline, "w", encoding="utf-8") as f:
+        json.dump(trimmed, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"check_regression: wrote {len(trimmed['benchmarks'])} benchmarks to {baseline}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results")
     parser.add_argument("baseline")
     parser.add_argument("--time-tolerance", type=float, default=2.0)
     parser.add_argument("--ratio-tolerance", type=float, default=1.25)
+    parser.add_argument("--update", action="store_true", help="write the baseline from the results and exit")
     args = parser.parse_args(argv)
+    if args.update:
+        return write_baseline(args.results, args.baseline)
     current, baseline = ratios(args.results), ratios(args.baseline)
     if not current:
         print(f"check_regression: {args.results} holds no benchmarks (was --benchmark-enable given?)")
