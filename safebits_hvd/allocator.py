@@ -86,40 +86,40 @@ def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budg
         return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost,
                           feasible=min_cost <= budget_bits)
 
-    # Hull edges, found for all tensors at once by gift wrapping from the cheapest point.
-    edge_t, edge_to, edge_dcost, edge_gain, edge_seq = [], [], [], [], []
-    current = choice.copy()
-    active = np.ones(tensors, dtype=bool)
-    cost_f = costs.astype(np.float64)
+    # Hull edges by gift wrapping from the cheapest point, for all tensors at once: each round moves every tensor
+    # whose hull goes on to its steepest next point (most error saved per extra bit); tensors whose hull is
+    # complete drop out, so later rounds touch only the few with long hulls.
+    edge_t, edge_to, edge_seq = [], [], []
+    live, cur = rows, choice
+    live_cost, live_err = costs.astype(np.float64), err
     for seq in range(costs.shape[1]):
-        cur_cost = cost_f[rows, current][:, None]
-        cur_err = err[rows, current][:, None]
-        better = (cost_f > cur_cost) & (err < cur_err) & active[:, None]
+        at = np.arange(live.size)
+        cur_cost, cur_err = live_cost[at, cur][:, None], live_err[at, cur][:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
-            slope = np.where(better, (cur_err - err) / (cost_f - cur_cost), -np.inf)
+            slope = np.where(live_err < cur_err, (cur_err - live_err) / (live_cost - cur_cost), -np.inf)
+        slope[live_cost <= cur_cost] = -np.inf
         best_slope = slope.max(axis=1)
-        has = np.isfinite(best_slope) & (best_slope > -np.inf)
-        if not has.any():
-            break
+        has = best_slope > -np.inf
+        if not has.all():
+            if not has.any():
+                break
+            live, slope, best_slope, live_cost, live_err = (live[has], slope[has], best_slope[has],
+                                                            live_cost[has], live_err[has])
         # Among equal best slopes take the nearest (cheapest) point, then menu order.
-        on_best = (slope == best_slope[:, None]) & has[:, None]
-        nearest_cost = np.where(on_best, cost_f, np.inf)
-        nxt = np.argmin(nearest_cost, axis=1)
-        t = rows[has]
-        edge_t.append(t)
-        edge_to.append(nxt[has])
-        edge_dcost.append(costs[t, nxt[has]] - costs[t, current[has]])
-        edge_gain.append(err[t, current[has]] - err[t, nxt[has]])
-        edge_seq.append(np.full(t.size, seq))
-        current = np.where(has, nxt, current)
-        active &= has
+        cur = np.argmin(np.where(slope == best_slope[:, None], live_cost, np.inf), axis=1)
+        edge_t.append(live)
+        edge_to.append(cur)
+        edge_seq.append(np.full(live.size, seq))
     if not edge_t:
         return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost, True)
     t = np.concatenate(edge_t)
     to = np.concatenate(edge_to)
-    dcost = np.concatenate(edge_dcost)
-    gain = np.concatenate(edge_gain)
     seq = np.concatenate(edge_seq)
+    hull_to = np.empty((tensors, costs.shape[1]), dtype=np.int64)
+    hull_to[t, seq] = to
+    frm = np.where(seq > 0, hull_to[t, np.maximum(seq - 1, 0)], choice[t])
+    dcost = costs[t, to] - costs[t, frm]
+    gain = err[t, frm] - err[t, to]
     order = np.lexsort((seq, t, -(gain / dcost)))
     t, to, dcost, seq = t[order], to[order], dcost[order], seq[order]
 
@@ -129,8 +129,6 @@ def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budg
     remaining -= int(dcost[:taken].sum())
     next_seq = np.zeros(tensors, dtype=np.int64)        # edges taken so far, per tensor
     np.add.at(next_seq, t[:taken], 1)
-    hull_to = np.empty((tensors, costs.shape[1]), dtype=np.int64)
-    hull_to[t, seq] = to
     moved = next_seq > 0
     choice[moved] = hull_to[moved, next_seq[moved] - 1]
     # ... then the rest one by one, skipping any edge whose predecessor on its chain was not taken.

@@ -3,8 +3,8 @@
 Horovod's ``compress(tensor)`` is not told which parameter ``tensor`` belongs to, and with
 ``zero_grad(set_to_none=True)`` (PyTorch's default) ``p.grad`` is a new tensor every step, so neither
 ``data_ptr()`` nor call order is a safe key. The match is by identity, ``p.grad is tensor``: a cache by ``id``
-(validated, since ids are reused) and, on a miss, a scan downward from the last hit (backward visits parameters
-in reverse registration order, so the scan usually stops after one step).
+(validated, since ids are reused) and, on a miss, a look at the neighbours of the last hit (backward visits
+parameters in reverse registration order) before a full scan.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class GradientIndex:
         if index is not None and self.params[index].grad is tensor:
             return index
         count = len(self.params)
-        for k in range(count):
-            j = (self._cursor - 1 - k) % count
+        # Neighbours of the last hit first (backward goes down the registration order, synchronize() up).
+        for j in (*(((self._cursor - 1) % count, (self._cursor + 1) % count)), *range(count)):
             if self.params[j].grad is tensor:
                 self._by_id[id(tensor)] = j
                 self._cursor = j

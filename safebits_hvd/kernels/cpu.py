@@ -9,6 +9,7 @@ load a half-written file. Needs a C compiler with OpenMP: ``$CC``, else ``cc``, 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..actions import Action, Menu
+from ..actions import Action, ActionKind, Menu
 from .source import translation_unit
 
 HERE = Path(__file__).resolve().parent
@@ -102,8 +103,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _action_args(a: Action) -> tuple[int, int, int, int]:
-    topk = a.topk_per_bucket if a.kind == 5 else 0
+    topk = a.topk_per_bucket if a.kind == ActionKind.TOPK else 0
     return int(a.kind), int(a.levels), int(bool(a.stochastic)), int(topk)
+
+
+@functools.lru_cache(maxsize=64)
+def _menu_args(menu: Menu) -> tuple[torch.Tensor, ...]:
+    """Per-action kernel arguments of a menu as four int32 arrays (kind, levels, stochastic, topk); built once."""
+    args = [_action_args(a) for a in menu]
+    return tuple(torch.tensor([x[c] for x in args], dtype=torch.int32) for c in range(4))
 
 
 def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
@@ -121,8 +129,7 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
 def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
            buckets: torch.Tensor | None = None) -> torch.Tensor:
     lib = load()
-    args = [_action_args(a) for a in menu]
-    arrays = [torch.tensor([x[c] for x in args], dtype=torch.int32) for c in range(4)]
+    arrays = _menu_args(menu)
     stats = torch.zeros((len(menu), 4), dtype=torch.float64)
     nsel = 0 if buckets is None else buckets.numel()
     rc = lib.sb_screen(_ptr(g), e.data_ptr(), e.numel(), menu.bucket_size, _ptr(buckets), nsel, len(menu),
