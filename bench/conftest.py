@@ -22,6 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "full: long benchmark cases, excluded from make bench-smoke")
+    json_path = config.getoption("benchmark_json", default=None)   # e.g. results/bench.json in a clean clone
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(os.fspath(json_path))), exist_ok=True)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
