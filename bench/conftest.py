@@ -31,6 +31,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Mod
     """Collect ``bench_*.py`` as test modules (their tests are ``test_*`` functions)."""
     if file_path.suffix != ".py" or not fnmatch.fnmatch(file_path.name, "bench_*.py"):
         return None
-    if any(fnmatch.fnmatch(file_path.name, pattern) for pattern in parent.config.getini("python_files")):
-        return None         # the ini configuration collects it already
+    if parent.session.isinitpath(file_path) or any(
+            fnmatch.fnmatch(file_path.name, pattern) for pattern in parent.config.getini("python_files")):
+        return None         # named on the command line, or matched by the ini: pytest collects it already
     return pytest.Module.from_parent(parent, path=file_path)
