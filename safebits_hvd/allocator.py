@@ -16,8 +16,8 @@ Bound (tested against the oracle): the result is never over budget when a feasib
 error exceeds the optimum by at most the largest single hull-edge gain, ``max_i max_edge (err_from - err_to)``:
 the LP relaxation is solved exactly by the hull prefix and differs from the integral greedy by one split edge.
 
-Everything is deterministic and uses only its inputs (no rank, no randomness): ties go by slope, then tensor
-index, then position along the hull, then menu order.
+Everything is deterministic and uses only its inputs (no rank, no randomness): upgrades with equal slopes go
+by position along the hull, then tensor index; equal points by menu order.
 """
 
 from __future__ import annotations
@@ -65,14 +65,20 @@ def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> tup
 def cheapest_admissible(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> np.ndarray:
     """Per tensor, the admissible action of least cost (ties: least error, then menu order)."""
     costs, err = _check(costs, errors, admissible)
-    big = np.iinfo(np.int64).max
-    masked_cost = np.where(np.isfinite(err), costs, big)
-    tensors, actions = costs.shape
-    if tensors == 0:
+    return _cheapest(costs, err)
+
+
+def _cheapest(costs: np.ndarray, err: np.ndarray) -> np.ndarray:
+    if costs.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
-    # lexsort: last key is primary. Sort each row by (cost, error, index) and take the first.
-    order = np.lexsort((np.broadcast_to(np.arange(actions), costs.shape), err, masked_cost), axis=1)
-    return order[:, 0].astype(np.int64)
+    return _cheapest_t(np.ascontiguousarray(costs.T), np.ascontiguousarray(err.T))
+
+
+def _cheapest_t(costs_t: np.ndarray, err_t: np.ndarray) -> np.ndarray:
+    """:func:`cheapest_admissible` on ``(actions, tensors)`` arrays (inadmissible = infinite error)."""
+    masked_cost = np.where(np.isfinite(err_t), costs_t, np.iinfo(np.int64).max)
+    at_min = masked_cost == masked_cost.min(axis=0)
+    return np.argmin(np.where(at_min, err_t, np.inf), axis=0)    # argmin: first index among equal errors
 
 
 def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budget_bits: float) -> Allocation:
@@ -80,48 +86,54 @@ def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budg
     costs, err = _check(costs, errors, admissible)
     tensors = costs.shape[0]
     rows = np.arange(tensors)
-    choice = cheapest_admissible(costs, err, np.isfinite(err))
+    if tensors == 0:
+        return Allocation(np.zeros(0, dtype=np.int64), 0, 0.0, budget_bits, 0, budget_bits >= 0)
+    # Arrays are (actions, tensors) from here: reductions over the few actions run along the long axis.
+    costs_t, err_t = np.ascontiguousarray(costs.T), np.ascontiguousarray(err.T)
+    choice = _cheapest_t(costs_t, err_t)
     min_cost = int(costs[rows, choice].sum())
-    if min_cost > budget_bits or tensors == 0:
-        return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost,
-                          feasible=min_cost <= budget_bits)
+    if min_cost > budget_bits:
+        return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost, False)
 
     # Hull edges by gift wrapping from the cheapest point, for all tensors at once: each round moves every tensor
-    # whose hull goes on to its steepest next point (most error saved per extra bit); tensors whose hull is
-    # complete drop out, so later rounds touch only the few with long hulls.
-    edge_t, edge_to, edge_seq = [], [], []
+    # whose hull goes on to its steepest next point (most error saved per extra bit; the farthest of collinear
+    # points); tensors whose hull is complete drop out, so later rounds touch only the few with long hulls.
+    edge_t, edge_to, edge_slope = [], [], []
     live, cur = rows, choice
-    live_cost, live_err = costs.astype(np.float64), err
-    for seq in range(costs.shape[1]):
-        at = np.arange(live.size)
-        cur_cost, cur_err = live_cost[at, cur][:, None], live_err[at, cur][:, None]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            slope = np.where(live_err < cur_err, (cur_err - live_err) / (live_cost - cur_cost), -np.inf)
-        slope[live_cost <= cur_cost] = -np.inf
-        best_slope = slope.max(axis=1)
-        has = best_slope > -np.inf
-        if not has.all():
-            if not has.any():
-                break
-            live, slope, best_slope, live_cost, live_err = (live[has], slope[has], best_slope[has],
-                                                            live_cost[has], live_err[has])
-        # Among equal best slopes take the nearest (cheapest) point, then menu order.
-        cur = np.argmin(np.where(slope == best_slope[:, None], live_cost, np.inf), axis=1)
-        edge_t.append(live)
-        edge_to.append(cur)
-        edge_seq.append(np.full(live.size, seq))
+    live_cost, live_err = costs_t.astype(np.float64), err_t
+    prev_slope = np.full(tensors, np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for _ in range(costs.shape[1]):
+            cur_cost = np.take_along_axis(live_cost, cur[None, :], axis=0)
+            cur_err = np.take_along_axis(live_err, cur[None, :], axis=0)
+            slope = (cur_err - live_err) / (live_cost - cur_cost)
+            slope[(live_err >= cur_err) | (live_cost <= cur_cost)] = -np.inf
+            best_slope = slope.max(axis=0)
+            has = best_slope > -np.inf
+            if not has.all():
+                if not has.any():
+                    break
+                live, slope, best_slope, live_cost, live_err, prev_slope = (
+                    live[has], slope[:, has], best_slope[has], live_cost[:, has], live_err[:, has], prev_slope[has])
+            cur = np.argmax(np.where(slope == best_slope, live_cost, -np.inf), axis=0)
+            # Slopes fall strictly along a hull; clamping keeps that true under rounding, so that any sort by
+            # slope keeps each tensor's upgrades in chain order.
+            prev_slope = np.minimum(best_slope, np.nextafter(prev_slope, -np.inf))
+            edge_t.append(live)
+            edge_to.append(cur)
+            edge_slope.append(prev_slope)
     if not edge_t:
         return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost, True)
     t = np.concatenate(edge_t)
     to = np.concatenate(edge_to)
-    seq = np.concatenate(edge_seq)
+    order = np.argsort(-np.concatenate(edge_slope))      # deterministic: same inputs, same order on every rank
+    t, to = t[order], to[order]
+    # Chain position of each edge (round index) follows from the order of rounds: count per tensor.
+    seq = np.concatenate([np.full(e.size, k) for k, e in enumerate(edge_t)])[order]
     hull_to = np.empty((tensors, costs.shape[1]), dtype=np.int64)
     hull_to[t, seq] = to
     frm = np.where(seq > 0, hull_to[t, np.maximum(seq - 1, 0)], choice[t])
     dcost = costs[t, to] - costs[t, frm]
-    gain = err[t, frm] - err[t, to]
-    order = np.lexsort((seq, t, -(gain / dcost)))
-    t, to, dcost, seq = t[order], to[order], dcost[order], seq[order]
 
     remaining = budget_bits - min_cost
     # The longest prefix that fits is taken at once (it respects every chain: slopes fall along a hull) ...
