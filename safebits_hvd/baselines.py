@@ -40,6 +40,7 @@ import torch
 from . import kernels
 from .actions import FP16, FP32, Action, qsgd, scaled_sign, ternary, topk
 from .compressor import SafeBits
+from .params import GradientIndex
 from .rng import stream_key
 from .screen import distortion_cosine
 from .telemetry import StepRecord
@@ -84,6 +85,7 @@ class FixedActionCompressor(Compressor):
             raise ValueError("wire_dtype=float16 is only meaningful with the fp16 action")
         self.names: list[str] = [n for n, _ in pairs]
         self._params: list[torch.nn.Parameter] = [p for _, p in pairs]
+        self._index = GradientIndex(self._params)
         self.numels = np.array([p.numel() for p in self._params], dtype=np.int64)
         self.total_elements = int(self.numels.sum())
         self.action = action
@@ -109,16 +111,9 @@ class FixedActionCompressor(Compressor):
         """Modeled bits per parameter per step."""
         return self.bits_per_step / self.total_elements
 
-    def _lookup(self, tensor: torch.Tensor) -> int:
-        for index, p in enumerate(self._params):
-            if p.grad is tensor:
-                return index
-        raise ValueError(f"compress got a tensor of shape {tuple(tensor.shape)} that is not the .grad of any "
-                         f"registered parameter; pass the same model.named_parameters() as the optimizer")
-
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
         """Quantize one gradient; returns the wire tensor (flat) and the context for :meth:`decompress`."""
-        index = self._lookup(tensor)
+        index = self._index.find(tensor, ~self._done)
         if self._done[index]:       # a parameter came twice: close the previous (incomplete) step
             self._close_step()
         ctx = _Context(tensor.shape, tensor.dtype)
