@@ -73,7 +73,7 @@ def test_scenarios(np_: int, transport: str, scenarios: str, expect_transport: s
     summary = [line for line in lines if line.startswith("SUMMARY")]
     assert summary, f"no summary line in the output:\n{output[-8000:]}"
     assert not [line for line in lines if line.startswith("FAIL")], "\n".join(lines)
-    expected = 13 if scenarios == "all" else len(scenarios.split(","))
+    expected = 14 if scenarios == "all" else len(scenarios.split(","))
     assert summary[-1].startswith(f"SUMMARY {expected}/{expected}"), "\n".join(lines)
 
 
