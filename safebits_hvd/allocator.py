@@ -84,6 +84,17 @@ def _cheapest_t(costs_t: np.ndarray, err_t: np.ndarray) -> np.ndarray:
 def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budget_bits: float) -> Allocation:
     """Convex-hull greedy allocation (see the module docstring). Arrays are ``(tensors, actions)``."""
     costs, err = _check(costs, errors, admissible)
+    # Actions admissible for no tensor play no part: drop their columns (often half the menu under a strict screen).
+    used_columns = np.flatnonzero(np.isfinite(err).any(axis=0))
+    if used_columns.size < costs.shape[1]:
+        result = _allocate(np.ascontiguousarray(costs[:, used_columns]), np.ascontiguousarray(err[:, used_columns]),
+                           budget_bits)
+        result.choice = used_columns[result.choice]
+        return result
+    return _allocate(costs, err, budget_bits)
+
+
+def _allocate(costs: np.ndarray, err: np.ndarray, budget_bits: float) -> Allocation:
     tensors = costs.shape[0]
     rows = np.arange(tensors)
     if tensors == 0:
