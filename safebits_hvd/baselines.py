@@ -39,17 +39,12 @@ import torch
 
 from . import kernels
 from .actions import FP16, FP32, Action, qsgd, scaled_sign, ternary, topk
-from .compressor import SafeBits
+from .compressor import Compressor, SafeBits
+from .memory import ErrorFeedback
 from .params import GradientIndex
 from .rng import stream_key
 from .screen import distortion_cosine
 from .telemetry import StepRecord
-
-try:
-    from horovod.torch.compression import Compressor
-except ImportError:  # pragma: no cover - exercised only without Horovod
-    class Compressor:  # type: ignore[no-redef]
-        """Stand-in for ``horovod.torch.compression.Compressor``."""
 
 __all__ = ["BUDGETED", "REGISTRY", "FixedActionCompressor", "make_compressor"]
 
@@ -93,7 +88,7 @@ class FixedActionCompressor(Compressor):
         self.seed = seed
         self.wire_dtype = wire_dtype
         self.bits_per_step = int(sum(action.cost(int(n)) for n in self.numels))
-        self.residuals: dict[int, torch.Tensor] = {}
+        self.memory = ErrorFeedback()
         self.history: list[StepRecord] = []
         self.last_step: StepRecord | None = None
         self._step = 0
@@ -129,9 +124,7 @@ class FixedActionCompressor(Compressor):
             self._distortion[index], self._cosine[index] = 0.0, 1.0
         else:
             if self.error_feedback:
-                e = self.residuals.get(index)
-                if e is None:
-                    e = self.residuals[index] = torch.zeros(n, dtype=torch.float32, device=g.device)
+                e = self.memory.residual(self.names[index], n, g.device)
             else:
                 e = torch.zeros(n, dtype=torch.float32, device=g.device)   # no memory: dropped after the call
             out = torch.empty(n, dtype=torch.float32, device=g.device)
@@ -168,14 +161,12 @@ class FixedActionCompressor(Compressor):
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter and error-feedback residuals (per rank)."""
-        residuals = {self.names[i]: e.clone() for i, e in self.residuals.items()}
-        return {"step": self._step, "residuals": residuals}
+        return {"step": self._step, "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self._step = int(state["step"])
-        index = {n: i for i, n in enumerate(self.names)}
-        self.residuals = {index[n]: e.clone() for n, e in state["residuals"].items()}
+        self.memory.load_state_dict(state["residuals"])
 
 
 Factory = Callable[..., Compressor]
