@@ -37,15 +37,6 @@ import torch
 from .errors import SafeBitsConsistencyError
 
 
-def _check_lengths(length: int, reduced: np.ndarray) -> None:
-    """Raise on every rank if the MAX-reduced ``(length, -length)`` shows different lengths."""
-    longest, shortest = int(reduced[0]), -int(reduced[1])
-    if longest != shortest:
-        raise SafeBitsConsistencyError(
-            f"ranks exchange statistics of different lengths ({shortest} to {longest} values, this rank "
-            f"{length}): every rank must build SafeBits with the same parameters (requires_grad) and menu")
-
-
 class LocalExchange:
     """One process: the reduction of one vector is the vector."""
 
@@ -58,7 +49,35 @@ class LocalExchange:
         return handle
 
 
-class HorovodExchange:
+class _RankExchange:
+    """A MAX-allreduce between ranks. The first exchange is preceded by one small blocking MAX-allreduce of
+    ``(length, -length)``: ranks built with different parameters or menus would otherwise send vectors of
+    different lengths (an unclear Horovod error, or an MPI hang); instead every rank raises
+    :class:`SafeBitsConsistencyError`. It runs once, at the same point on every rank, so it cannot deadlock."""
+
+    _checked = False
+
+    def start(self, values: np.ndarray) -> Any:
+        send = np.ascontiguousarray(values, dtype=np.float64)
+        if not self._checked:
+            length = len(send)
+            longest, negated_shortest = self._max_now(np.array([length, -length], dtype=np.float64))
+            if int(longest) != -int(negated_shortest):
+                raise SafeBitsConsistencyError(
+                    f"ranks exchange statistics of different lengths ({-int(negated_shortest)} to {int(longest)} "
+                    f"values, this rank {length}): every rank must build SafeBits with the same parameters "
+                    f"(requires_grad) and menu")
+            self._checked = True
+        return self._start(send)
+
+    def _max_now(self, values: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _start(self, send: np.ndarray) -> Any:
+        raise NotImplementedError
+
+
+class HorovodExchange(_RankExchange):
     """MAX-allreduce through Horovod (works under Gloo and MPI)."""
 
     def __init__(self, name: str) -> None:
@@ -67,22 +86,18 @@ class HorovodExchange:
         self._hvd = hvd
         self.name = name
         self.size = hvd.size()
-        self._checked = False
 
-    def start(self, values: np.ndarray) -> Any:
-        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-        if not self._checked:
-            lengths = torch.tensor([len(values), -len(values)], dtype=torch.float64)
-            _check_lengths(len(values), self._hvd.allreduce(lengths, op=self._hvd.Max,
-                                                            name=f"{self.name}.length").numpy())
-            self._checked = True
-        return self._hvd.allreduce_async(tensor, op=self._hvd.Max, name=self.name)
+    def _max_now(self, values: np.ndarray) -> np.ndarray:
+        return self._hvd.allreduce(torch.from_numpy(values), op=self._hvd.Max, name=f"{self.name}.length").numpy()
+
+    def _start(self, send: np.ndarray) -> Any:
+        return self._hvd.allreduce_async(torch.from_numpy(send), op=self._hvd.Max, name=self.name)
 
     def wait(self, handle: Any) -> np.ndarray:
         return self._hvd.synchronize(handle).numpy()
 
 
-class MPIExchange:
+class MPIExchange(_RankExchange):
     """MAX-allreduce through mpi4py's non-blocking ``Iallreduce`` on a private communicator."""
 
     def __init__(self) -> None:
@@ -91,16 +106,13 @@ class MPIExchange:
         self._mpi = MPI
         self.comm = MPI.COMM_WORLD.Dup()        # collective: every rank creates it at the same first exchange
         self.size = self.comm.Get_size()
-        self._checked = False
 
-    def start(self, values: np.ndarray) -> Any:
-        send = np.ascontiguousarray(values, dtype=np.float64)
-        if not self._checked:
-            lengths = np.array([len(send), -len(send)], dtype=np.float64)
-            reduced = np.empty_like(lengths)
-            self.comm.Allreduce(lengths, reduced, op=self._mpi.MAX)
-            _check_lengths(len(send), reduced)
-            self._checked = True
+    def _max_now(self, values: np.ndarray) -> np.ndarray:
+        reduced = np.empty_like(values)
+        self.comm.Allreduce(values, reduced, op=self._mpi.MAX)
+        return reduced
+
+    def _start(self, send: np.ndarray) -> Any:
         recv = np.empty_like(send)
         request = self.comm.Iallreduce(send, recv, op=self._mpi.MAX)
         return request, send, recv            # keep the buffers alive until the request completes
