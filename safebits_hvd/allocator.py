@@ -18,10 +18,17 @@ the LP relaxation is solved exactly by the hull prefix and differs from the inte
 
 Everything is deterministic and uses only its inputs (no rank, no randomness): upgrades with equal slopes go
 by position along the hull, then tensor index; equal points by menu order.
+
+Two implementations of steps 1-3, one arithmetic: ``kernels/allocator.c`` (the default: tens of microseconds for
+1,000 tensors, so the per-step exchange plus allocation stays within a couple of milliseconds) and
+:func:`_hull_greedy` here in NumPy (used without a C compiler; the C file's test oracle). They perform the same
+float64 operations with the same tie-breaking and return the same choice bit for bit, so ranks agree whichever
+one they run.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,18 +55,34 @@ class Allocation:
     feasible: bool
 
 
-def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    costs = np.asarray(costs, dtype=np.int64)
+def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray,
+           rows_checked_later: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Validated ``(costs, err)``: int64 costs, float64 errors with +inf where inadmissible.
+
+    ``rows_checked_later``: the compiled allocator checks that every tensor has an admissible action itself."""
+    costs = np.ascontiguousarray(costs, dtype=np.int64)
     errors = np.asarray(errors, dtype=np.float64)
     admissible = np.asarray(admissible, dtype=bool)
     if costs.ndim != 2 or costs.shape != errors.shape or costs.shape != admissible.shape:
         raise ValueError(f"costs, errors and admissible must share one (tensors, actions) shape, got "
                          f"{costs.shape}, {errors.shape}, {admissible.shape}")
-    if costs.shape[0] and not admissible.any(axis=1).all():
+    if not rows_checked_later and costs.shape[0] and not admissible.any(axis=1).all():
         raise ValueError("every tensor needs at least one admissible action (the lossless one)")
     if (costs < 0).any():
         raise ValueError("costs must be >= 0 bits")
-    return costs, np.where(admissible, errors, np.inf)
+    err = np.where(admissible, errors, np.inf)
+    if not (err >= 0).all():
+        raise ValueError("errors of admissible actions must be >= 0 (squared errors), not negative or NaN")
+    return costs, err
+
+
+def _integer_budget(budget_bits: float) -> int:
+    """Costs are whole bits, so ``sum <= budget`` is ``sum <= floor(budget)``; a budget beyond any int64 sum is
+    as good as unlimited."""
+    if isinstance(budget_bits, bool) or not isinstance(budget_bits, int | float | np.integer | np.floating) \
+            or math.isnan(budget_bits):
+        raise ValueError(f"budget_bits must be a number of bits, got {budget_bits!r}")
+    return 2**62 if budget_bits >= 2**62 else math.floor(budget_bits)
 
 
 def cheapest_admissible(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> np.ndarray:
@@ -81,30 +104,61 @@ def _cheapest_t(costs_t: np.ndarray, err_t: np.ndarray) -> np.ndarray:
     return np.argmin(np.where(at_min, err_t, np.inf), axis=0)    # argmin: first index among equal errors
 
 
-def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budget_bits: float) -> Allocation:
-    """Convex-hull greedy allocation (see the module docstring). Arrays are ``(tensors, actions)``."""
-    costs, err = _check(costs, errors, admissible)
+def compiled_available() -> bool:
+    """Whether :func:`allocate` runs the compiled greedy (``kernels/allocator.c``) by default."""
+    from . import kernels
+
+    return kernels.backend_name("cpu") == "c"
+
+
+def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budget_bits: float, *,
+             compiled: bool | None = None) -> Allocation:
+    """Convex-hull greedy allocation (see the module docstring). Arrays are ``(tensors, actions)``.
+
+    Args:
+        costs: modeled bits of every action for every tensor (integers >= 0).
+        errors: squared error of every action (>= 0; ignored where inadmissible).
+        admissible: the screen's verdict; every tensor needs at least one admissible action.
+        budget_bits: the budget in bits (the whole step, all tensors).
+        compiled: True runs ``kernels/allocator.c``, False the NumPy version in this module, None (default) the
+            compiled one when the C library is available. Both give the same choice, bit for bit.
+    """
+    if compiled is None:
+        compiled = compiled_available()
+    costs, err = _check(costs, errors, admissible, rows_checked_later=compiled)
+    budget = _integer_budget(budget_bits)
+    tensors = costs.shape[0]
+    if tensors == 0:
+        return Allocation(np.zeros(0, dtype=np.int64), 0, 0.0, budget_bits, 0, budget >= 0)
+    if compiled:
+        from .kernels import cpu
+
+        choice, min_cost, feasible = cpu.allocate(costs, err, budget)
+    else:
+        choice, min_cost, feasible = _hull_greedy(costs, err, budget)
+    rows = np.arange(tensors)
+    return Allocation(choice, int(costs[rows, choice].sum()), float(err[rows, choice].sum()), budget_bits,
+                      min_cost, feasible)
+
+
+def _hull_greedy(costs: np.ndarray, err: np.ndarray, budget: int) -> tuple[np.ndarray, int, bool]:
+    """The NumPy version of ``kernels/allocator.c``: ``(choice, min_cost_bits, feasible)`` for an integer budget.
+
+    Vectorised over tensors; the C version does the same arithmetic tensor by tensor."""
     # Actions admissible for no tensor play no part: drop their columns (often half the menu under a strict screen).
     used_columns = np.flatnonzero(np.isfinite(err).any(axis=0))
     if used_columns.size < costs.shape[1]:
-        result = _allocate(np.ascontiguousarray(costs[:, used_columns]), np.ascontiguousarray(err[:, used_columns]),
-                           budget_bits)
-        result.choice = used_columns[result.choice]
-        return result
-    return _allocate(costs, err, budget_bits)
-
-
-def _allocate(costs: np.ndarray, err: np.ndarray, budget_bits: float) -> Allocation:
+        choice, min_cost, feasible = _hull_greedy(np.ascontiguousarray(costs[:, used_columns]),
+                                                  np.ascontiguousarray(err[:, used_columns]), budget)
+        return used_columns[choice], min_cost, feasible
     tensors = costs.shape[0]
     rows = np.arange(tensors)
-    if tensors == 0:
-        return Allocation(np.zeros(0, dtype=np.int64), 0, 0.0, budget_bits, 0, budget_bits >= 0)
     # Arrays are (actions, tensors) from here: reductions over the few actions run along the long axis.
     costs_t, err_t = np.ascontiguousarray(costs.T), np.ascontiguousarray(err.T)
     choice = _cheapest_t(costs_t, err_t)
     min_cost = int(costs[rows, choice].sum())
-    if min_cost > budget_bits:
-        return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost, False)
+    if min_cost > budget:
+        return choice, min_cost, False
 
     # Hull edges by gift wrapping from the cheapest point, for all tensors at once: each round moves every tensor
     # whose hull goes on to its steepest next point (most error saved per extra bit; the farthest of collinear
@@ -134,10 +188,11 @@ def _allocate(costs: np.ndarray, err: np.ndarray, budget_bits: float) -> Allocat
             edge_to.append(cur)
             edge_slope.append(prev_slope)
     if not edge_t:
-        return Allocation(choice, min_cost, float(err[rows, choice].sum()), budget_bits, min_cost, True)
+        return choice, min_cost, True
     t = np.concatenate(edge_t)
     to = np.concatenate(edge_to)
-    order = np.argsort(-np.concatenate(edge_slope))      # deterministic: same inputs, same order on every rank
+    # Stable sort of (round-major, tensor-minor) edges: ties in slope go by position along the hull, then tensor.
+    order = np.argsort(-np.concatenate(edge_slope), kind="stable")
     t, to = t[order], to[order]
     # Chain position of each edge (round index) follows from the order of rounds: count per tensor.
     seq = np.concatenate([np.full(e.size, k) for k, e in enumerate(edge_t)])[order]
@@ -146,7 +201,7 @@ def _allocate(costs: np.ndarray, err: np.ndarray, budget_bits: float) -> Allocat
     frm = np.where(seq > 0, hull_to[t, np.maximum(seq - 1, 0)], choice[t])
     dcost = costs[t, to] - costs[t, frm]
 
-    remaining = budget_bits - min_cost
+    remaining = budget - min_cost
     # The longest prefix that fits is taken at once (it respects every chain: slopes fall along a hull) ...
     taken = int(np.searchsorted(np.cumsum(dcost), remaining, side="right"))
     remaining -= int(dcost[:taken].sum())
@@ -163,8 +218,7 @@ def _allocate(costs: np.ndarray, err: np.ndarray, budget_bits: float) -> Allocat
             next_seq[tk] += 1
         elif seq[k] == next_seq[tk]:
             next_seq[tk] = -1     # blocked: this edge no longer fits, so none after it may be taken
-    used = int(costs[rows, choice].sum())
-    return Allocation(choice, used, float(err[rows, choice].sum()), budget_bits, min_cost, True)
+    return choice, min_cost, True
 
 
 def greedy_error_bound(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> float:

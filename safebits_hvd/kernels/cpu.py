@@ -1,5 +1,7 @@
 """CPU backend: compiles ``cpu.c`` (with ``safebits_math.h``) once per source version and calls it via ctypes.
 
+The same shared object carries ``allocator.c``, the compiled convex-hull greedy of :mod:`safebits_hvd.allocator`.
+
 The shared object lives in ``${SAFEBITS_CACHE:-~/.cache/safebits}/kernels/<sha256>.so``, where the hash covers
 the full source text (RNG defines + header + cpu.c), the compiler path and the flags. It is built under a
 temporary name and moved into place with :func:`os.replace`, so concurrent processes (two Horovod ranks) never
@@ -18,6 +20,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..actions import Action, ActionKind, Menu
@@ -43,8 +46,8 @@ def compiler() -> str | None:
 
 
 def source() -> str:
-    """The exact C translation unit: shared constants, ``safebits_math.h``, ``cpu.c``."""
-    return translation_unit("cpu.c")
+    """The exact C translation unit: shared constants, ``safebits_math.h``, ``cpu.c``, ``allocator.c``."""
+    return translation_unit("cpu.c") + '\n#line 1 "allocator.c"\n' + (HERE / "allocator.c").read_text()
 
 
 def cache_dir() -> Path:
@@ -86,6 +89,8 @@ def load() -> ctypes.CDLL:
             lib.sb_quantize_ef.restype = i32
             lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, u32, p, i32]
             lib.sb_screen.restype = i32
+            lib.sb_allocate.argtypes = [p, p, i64, i32, i64, p, p]
+            lib.sb_allocate.restype = i32
             _lib = lib
         return _lib
 
@@ -96,6 +101,26 @@ def available() -> bool:
     except (RuntimeError, OSError):
         return False
     return True
+
+
+def allocate(costs: np.ndarray, err: np.ndarray, budget_bits: int) -> tuple[np.ndarray, int, bool]:
+    """``allocator.c``: the convex-hull greedy on C-contiguous int64 ``costs`` and float64 ``err`` (inf marks an
+    inadmissible action), ``(tensors, actions)``, for an integer budget in bits.
+
+    Returns ``(choice, min_cost_bits, feasible)``."""
+    lib = load()
+    if not (costs.flags.c_contiguous and err.flags.c_contiguous and costs.dtype == np.int64
+            and err.dtype == np.float64 and costs.shape == err.shape):
+        raise ValueError("sb_allocate needs C-contiguous int64 costs and float64 errors of one shape")
+    tensors, actions = costs.shape
+    out = np.empty(tensors + 1, dtype=np.int64)          # choice, then the minimum cost
+    rc = lib.sb_allocate(costs.ctypes.data, err.ctypes.data, tensors, actions, budget_bits, out.ctypes.data,
+                         out[tensors:].ctypes.data)
+    if rc == -1:
+        raise MemoryError(f"sb_allocate: out of memory for {tensors} tensors x {actions} actions")
+    if rc == -2:
+        raise ValueError("every tensor needs at least one admissible action (the lossless one)")
+    return out[:tensors], int(out[tensors]), rc == 0
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
