@@ -55,22 +55,31 @@ class Allocation:
     feasible: bool
 
 
-def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray,
-           rows_checked_later: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Validated ``(costs, err)``: int64 costs, float64 errors with +inf where inadmissible.
+def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | None,
+           values_checked_later: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Validated ``(costs, err)``: C-contiguous int64 costs, float64 errors with +inf where inadmissible.
 
-    ``rows_checked_later``: the compiled allocator checks that every tensor has an admissible action itself."""
+    ``values_checked_later``: only shapes here; the compiled allocator checks the values itself, as it reads them
+    (every tensor has an admissible action, costs >= 0, errors >= 0 and not NaN), with the same messages."""
     costs = np.ascontiguousarray(costs, dtype=np.int64)
-    errors = np.asarray(errors, dtype=np.float64)
-    admissible = np.asarray(admissible, dtype=bool)
-    if costs.ndim != 2 or costs.shape != errors.shape or costs.shape != admissible.shape:
-        raise ValueError(f"costs, errors and admissible must share one (tensors, actions) shape, got "
-                         f"{costs.shape}, {errors.shape}, {admissible.shape}")
-    if not rows_checked_later and costs.shape[0] and not admissible.any(axis=1).all():
+    errors = np.ascontiguousarray(errors, dtype=np.float64)
+    if admissible is None:          # inadmissible actions are already +inf: no copy
+        if costs.ndim != 2 or costs.shape != errors.shape:
+            raise ValueError(f"costs and errors must share one (tensors, actions) shape, got {costs.shape}, "
+                             f"{errors.shape}")
+        err = errors
+    else:
+        admissible = np.asarray(admissible, dtype=bool)
+        if costs.ndim != 2 or costs.shape != errors.shape or costs.shape != admissible.shape:
+            raise ValueError(f"costs, errors and admissible must share one (tensors, actions) shape, got "
+                             f"{costs.shape}, {errors.shape}, {admissible.shape}")
+        err = np.where(admissible, errors, np.inf)
+    if values_checked_later:
+        return costs, err
+    if costs.shape[0] and not (err < np.inf).any(axis=1).all():
         raise ValueError("every tensor needs at least one admissible action (the lossless one)")
     if (costs < 0).any():
         raise ValueError("costs must be >= 0 bits")
-    err = np.where(admissible, errors, np.inf)
     if not (err >= 0).all():
         raise ValueError("errors of admissible actions must be >= 0 (squared errors), not negative or NaN")
     return costs, err
@@ -104,28 +113,35 @@ def _cheapest_t(costs_t: np.ndarray, err_t: np.ndarray) -> np.ndarray:
     return np.argmin(np.where(at_min, err_t, np.inf), axis=0)    # argmin: first index among equal errors
 
 
+_compiled: bool | None = None
+
+
 def compiled_available() -> bool:
     """Whether :func:`allocate` runs the compiled greedy (``kernels/allocator.c``) by default."""
-    from . import kernels
+    global _compiled
+    if _compiled is None:
+        from . import kernels
 
-    return kernels.backend_name("cpu") == "c"
+        _compiled = kernels.backend_name("cpu") == "c"
+    return _compiled
 
 
-def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray, budget_bits: float, *,
+def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | None, budget_bits: float, *,
              compiled: bool | None = None) -> Allocation:
     """Convex-hull greedy allocation (see the module docstring). Arrays are ``(tensors, actions)``.
 
     Args:
         costs: modeled bits of every action for every tensor (integers >= 0).
         errors: squared error of every action (>= 0; ignored where inadmissible).
-        admissible: the screen's verdict; every tensor needs at least one admissible action.
+        admissible: the screen's verdict, or None when ``errors`` is already +inf exactly where inadmissible.
+            Every tensor needs at least one admissible action.
         budget_bits: the budget in bits (the whole step, all tensors).
         compiled: True runs ``kernels/allocator.c``, False the NumPy version in this module, None (default) the
             compiled one when the C library is available. Both give the same choice, bit for bit.
     """
     if compiled is None:
         compiled = compiled_available()
-    costs, err = _check(costs, errors, admissible, rows_checked_later=compiled)
+    costs, err = _check(costs, errors, admissible, values_checked_later=compiled)
     budget = _integer_budget(budget_bits)
     tensors = costs.shape[0]
     if tensors == 0:

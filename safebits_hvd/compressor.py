@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - exercised only without Horovod
     class Compressor:  # type: ignore[no-redef]
         """Stand-in for ``horovod.torch.compression.Compressor``."""
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 
 
 class _StepArrays(NamedTuple):
@@ -53,7 +53,7 @@ class _StepArrays(NamedTuple):
     step: int
     budget_bits_total: float
     used_bits_total: int
-    sent: np.ndarray            # action index sent (max over ranks), -1 if skipped
+    rank_sent: np.ndarray       # rank by cost of the action sent (max over ranks), -1 if skipped
     allocated: np.ndarray       # action index the allocation chose
     distortion: np.ndarray      # of what was sent, max over ranks
     cosine: np.ndarray          # of what was sent, min over ranks
@@ -61,6 +61,21 @@ class _StepArrays(NamedTuple):
     skipped: np.ndarray         # bool
     allocation_digest: str
     infeasible: bool
+
+
+class _ExchangeFields(NamedTuple):
+    """The per-step statistics vector, MAX-reduced across ranks, as named views (one float64 array underneath).
+    Quantities whose conservative combination is the minimum are stored negated."""
+
+    screened: np.ndarray         # (tensors, actions): normalized distortion if the screen admits it, else +inf
+    v2: np.ndarray               # ||v||^2 per tensor (+inf if unknown)
+    rank_sent: np.ndarray        # rank by cost of the action sent (-1: nothing sent)
+    escalated: np.ndarray        # 1 if the action sent was not the allocated one
+    sent_distortion: np.ndarray  # of what was sent
+    neg_sent_cosine: np.ndarray  # minus the cosine of what was sent
+    skipped: np.ndarray          # 1 if the gradient was non-finite and skipped
+    digest: np.ndarray           # the allocation digest as four 16-bit words
+    neg_digest: np.ndarray       # the same, negated: MAX(-x) = -MIN(x), so equal MIN and MAX prove agreement
 
 
 class _Context(NamedTuple):
@@ -187,14 +202,16 @@ class SafeBits(Compressor):
         # Per tensor, menu indices in ascending (cost, menu order): escalation order and the exchange's encoding.
         self._by_cost = np.lexsort((np.broadcast_to(np.arange(menu_size), self.costs.shape), self.costs), axis=1)
         self._rank_of = np.argsort(self._by_cost, axis=1)
+        # Costs in that order, plus a last column of 0 bits that rank -1 (nothing sent) reads.
+        self._costs_by_rank = np.concatenate([np.take_along_axis(self.costs, self._by_cost, axis=1),
+                                              np.zeros((len(params), 1), dtype=np.int64)], axis=1)
         self.total_elements = int(self.numels.sum())
 
         self.memory = ErrorFeedback()
         self._records: list[StepRecord | _StepArrays] = []    # see last_step / history
         self._step = 0
         # Reduced statistics of the last finished step: the allocator's input (None before the first step).
-        self._prev_distortion: np.ndarray | None = None
-        self._prev_cosine: np.ndarray | None = None
+        self._prev_screened: np.ndarray | None = None
         self._prev_v2: np.ndarray | None = None
         self._in_step = False
         self._pending: tuple[int, Any, Any] | None = None
@@ -203,11 +220,15 @@ class SafeBits(Compressor):
         self._index = GradientIndex(self._params)
         self._param_names = np.array(self.names, dtype=object)
         self._action_names = np.array([*self.menu.names, "skipped"], dtype=object)
-        # The exchanged vector: (start, stop) of each field, in the order _close_step writes them; then the digest
-        # words negated (MAX of the negation is the MIN: equal MIN and MAX mean every rank had the same digest).
-        sizes = [tensors * menu_size] * 2 + [tensors] * 6 + [4]
+        # The exchanged vector: (start, stop) of each _ExchangeFields field, then (0, total length).
+        sizes = [tensors * menu_size] + [tensors] * 6 + [4, 4]
         bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-        self._exchange_layout = list(itertools.pairwise(bounds))
+        self._exchange_layout = [*itertools.pairwise(bounds), (0, bounds[-1])]
+        # Per-step arrays allocated once: a fresh array of this size faults its pages in every step (see _allocate).
+        self._stat_buffers = (np.empty(bounds[-1]), np.empty(bounds[-1]))
+        self._errors = np.empty((tensors, menu_size))
+        self._lossless_columns = np.flatnonzero(self.lossless)
+        self._rows = np.arange(tensors)
         self._samples: dict[int, torch.Tensor | None] = {}
         self._violation_warning = RateLimitedWarning("budget violations")
         self._escalation_warning = RateLimitedWarning("steps with escalations")
@@ -260,25 +281,36 @@ class SafeBits(Compressor):
         self._budget_total = bits_per_element * self.total_elements
         self._allocation = self._allocate(bits_per_element, self._budget_total)
         self._digest = allocation_digest(self._step, self._budget_total, self._allocation.choice)
-        tensors, actions = self.costs.shape
+        tensors = self.costs.shape[0]
         self._done = np.zeros(tensors, dtype=bool)
         self._remaining = tensors
-        self._est_distortion = np.full((tensors, actions), np.inf)
-        self._est_cosine = np.full((tensors, actions), -np.inf)
-        self._est_distortion[:, self.lossless] = 0.0
-        self._est_cosine[:, self.lossless] = 1.0
-        self._v2 = np.zeros(tensors)
-        self._sent = np.full(tensors, -1, dtype=np.int64)
-        self._escalated = np.zeros(tensors, dtype=bool)
-        self._skipped = np.zeros(tensors, dtype=bool)
-        self._sent_distortion = np.zeros(tensors)
-        self._sent_cosine = np.ones(tensors)
+        # The step's statistics go straight into the vector _close_step will send and the exchange reduces in place.
+        # Two vectors, by step parity: the allocation just made read the last step's, which must stay intact.
+        # A tensor never compressed keeps these values: only its lossless action is known to be safe.
+        self._stats = self._stat_buffers[self._step % 2]
+        fields = self._fields(self._stats)
+        fields.screened[:] = np.where(self.lossless, 0.0, np.inf)
+        fields.v2[:] = 0.0
+        fields.rank_sent[:] = -1.0
+        fields.escalated[:] = 0.0
+        fields.sent_distortion[:] = 0.0
+        fields.neg_sent_cosine[:] = -1.0
+        fields.skipped[:] = 0.0
+        fields.digest[:] = digest_words(self._digest)
+        fields.neg_digest[:] = -fields.digest
+        self._step_fields = fields
         self._in_step = True
+
+    def _fields(self, vector: np.ndarray) -> _ExchangeFields:
+        """Named views of an exchanged vector (local or reduced) by :attr:`_exchange_layout`."""
+        views = [vector[start:stop] for start, stop in self._exchange_layout[:-1]]
+        views[0] = views[0].reshape(self.costs.shape)
+        return _ExchangeFields(*views)
 
     def _allocate(self, bits_per_element: float, budget_total: float) -> Allocation:
         tensors = self.costs.shape[0]
         rows = np.arange(tensors)
-        if self._prev_distortion is None:
+        if self._prev_screened is None:
             # Start policy: the costliest action within budget_bits per element, else the cheapest.
             fits = self.costs <= bits_per_element * self.numels[:, None]
             ranked = np.where(fits, self._rank_of, -1)
@@ -286,15 +318,13 @@ class SafeBits(Compressor):
             choice = np.where(best_rank >= 0, self._by_cost[rows, np.maximum(best_rank, 0)], self._by_cost[:, 0])
             cost = int(self.costs[rows, choice].sum())
             return Allocation(choice, cost, float("nan"), budget_total, cost, cost <= budget_total)
-        with np.errstate(invalid="ignore"):     # inf * 0 (an unknown, skipped tensor) is NaN: not finite, excluded
-            errors = self._prev_distortion * self._prev_v2[:, None]
-        ok = np.isfinite(errors)
-        if self.screen_enabled:
-            ok &= admissible(self._prev_distortion, self._prev_cosine, self.lossless,
-                             self.max_distortion, self.min_cosine)
-        ok[:, self.lossless] = True
-        errors[:, self.lossless] = 0.0
-        return allocate(self.costs, errors, ok, budget_total)
+        # Squared error = normalized distortion * ||v||^2; +inf (screened out on some rank, or no statistics) stays
+        # +inf: not admissible. Lossless always is, at zero error. v = 0 has zero error at any admissible action
+        # (distortion 0), so weighting it by 1 changes nothing but keeps inf * 0 from making a NaN.
+        weight = np.where(self._prev_v2 > 0, self._prev_v2, 1.0)
+        errors = np.multiply(self._prev_screened, weight[:, None], out=self._errors)
+        errors[:, self._lossless_columns] = 0.0
+        return allocate(self.costs, errors, None, budget_total)
 
     def _sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:
         if index not in self._samples:
@@ -329,23 +359,26 @@ class SafeBits(Compressor):
                                              f"nothing was sent and its error-feedback residual is unchanged "
                                              f"(SafeBits(nonfinite='skip') sends zeros instead)")
             out.zero_()
-            self._skipped[index] = True
-            self._v2[index] = np.nan
+            self._step_fields.skipped[index] = 1.0
+            self._step_fields.v2[index] = math.inf
             return out
 
         key = stream_key(self.seed, self._step, index)
         estimate = kernels.screen(g, e, self.menu, key, self._sample_of(index, n, g.device)).cpu().numpy()
         distortion, cosine = distortion_cosine(estimate)
-        self._est_distortion[index] = distortion
-        self._est_cosine[index] = cosine
         allocated = int(self._allocation.choice[index])
+        fields = self._step_fields
         if self.screen_enabled:
             ok = admissible(distortion, cosine, self.lossless, self.max_distortion, self.min_cosine)
+            # What the allocator needs of an action is its distortion if the screen admits it, +inf if not; the
+            # MAX over ranks then admits an action only if every rank's screen did, at the largest distortion.
+            fields.screened[index] = np.where(ok, distortion, np.inf)
             by_cost = self._by_cost[index]
             candidates = [allocated] if ok[allocated] else []
             candidates += [int(a) for a in by_cost if ok[a] and a != allocated and not self.lossless[a]]
             candidates.append(int(self.menu.lossless_index))
         else:
+            fields.screened[index] = distortion
             candidates = [allocated]
 
         source: torch.Tensor | None = g
@@ -358,31 +391,20 @@ class SafeBits(Compressor):
             if (not self.screen_enabled or self.lossless[action_index]
                     or admissible(d, c, False, self.max_distortion, self.min_cosine, ACCEPT_MARGIN)):
                 break
-        self._sent[index] = action_index
-        self._escalated[index] = action_index != allocated
-        self._sent_distortion[index] = float(d)
-        self._sent_cosine[index] = float(c)
-        self._est_distortion[index, action_index] = float(d)   # the exact figure beats the estimate
-        self._est_cosine[index, action_index] = float(c)
-        self._v2[index] = stats[3]
+        fields.rank_sent[index] = self._rank_of[index, action_index]
+        fields.escalated[index] = action_index != allocated
+        fields.sent_distortion[index] = d
+        fields.neg_sent_cosine[index] = -c
+        fields.screened[index, action_index] = d      # the exact figure beats the estimate (and passed the screen)
+        v2 = float(stats[3])
+        fields.v2[index] = v2 if math.isfinite(v2) else math.inf     # never NaN: NaN would poison the MAX
         return out
 
     def _close_step(self) -> None:
         """All of the step's gradients are on their way: start the statistics exchange."""
-        tensors = len(self.names)
-        rank_sent = np.where(self._sent >= 0, self._rank_of[np.arange(tensors), np.maximum(self._sent, 0)], -1)
-        # One float64 vector, MAX-reduced: quantities where the conservative side is the minimum go negated.
-        fields = (self._est_distortion, -self._est_cosine, np.where(np.isfinite(self._v2), self._v2, np.inf),
-                  rank_sent, self._escalated, self._sent_distortion, -self._sent_cosine, self._skipped,
-                  digest_words(self._digest))
-        local = np.empty(self._exchange_layout[-1][1] + 4)
-        for (start, stop), values in zip(self._exchange_layout, fields, strict=True):
-            local[start:stop] = values.ravel()
-        local[-4:] = -local[-8:-4]
-        local[np.isnan(local)] = np.inf          # NaN would poison MAX; inf is the safe side
         if self._exchange is None:
             self._exchange = make_exchange(self.exchange_name)
-        self._pending = (self._step, self._exchange.start(local), self._budget_total)
+        self._pending = (self._step, self._exchange.start(self._stats), self._budget_total)
         self._in_step = False
         self._step += 1
         if isinstance(self._exchange, LocalExchange):
@@ -391,30 +413,24 @@ class SafeBits(Compressor):
     def _finish_exchange(self) -> None:
         step, handle, budget_total = self._pending
         self._pending = None
-        reduced = self._exchange.wait(handle)
-        tensors, actions = self.costs.shape
-        distortion, cosine, v2, rank_sent, escalated, sent_distortion, sent_cosine, skipped, words_max = (
-            reduced[start:stop] for start, stop in self._exchange_layout)
-        distortion = distortion.reshape(tensors, actions)
-        cosine = -cosine.reshape(tensors, actions)
-        words_min = -reduced[-4:]
-        rows = np.arange(tensors)
-        rank_sent = rank_sent.astype(np.int64)
-        sent = np.where(rank_sent >= 0, self._by_cost[rows, np.maximum(rank_sent, 0)], -1)
-        used = int(np.where(sent >= 0, self.costs[rows, np.maximum(sent, 0)], 0).sum())
-        skipped = skipped > 0
-        record = _StepArrays(step=step, budget_bits_total=budget_total, used_bits_total=used, sent=sent,
-                             allocated=self._allocation.choice, distortion=sent_distortion, cosine=-sent_cosine,
-                             escalated=escalated > 0, skipped=skipped, allocation_digest=self._digest,
-                             infeasible=not self._allocation.feasible)
+        reduced = self._fields(self._exchange.wait(handle))
+        rank_sent = reduced.rank_sent.astype(np.int64)
+        # Column -1 of the cost-ordered costs is 0: a skipped tensor (rank -1) sent nothing.
+        used = int(self._costs_by_rank[self._rows, rank_sent].sum())
+        skipped = reduced.skipped > 0
+        record = _StepArrays(step=step, budget_bits_total=budget_total, used_bits_total=used, rank_sent=rank_sent,
+                             allocated=self._allocation.choice, distortion=reduced.sent_distortion.copy(),
+                             cosine=-reduced.neg_sent_cosine, escalated=reduced.escalated > 0, skipped=skipped,
+                             allocation_digest=self._digest, infeasible=not self._allocation.feasible)
         # The next allocation's input. A skipped tensor has no statistics: only the lossless action is known safe.
+        screened = reduced.screened
         if skipped.any():
-            distortion[skipped] = np.where(self.lossless, 0.0, np.inf)
-        v2 = np.where(np.isfinite(v2), v2, 0.0)
-        self._prev_distortion, self._prev_cosine, self._prev_v2 = distortion, cosine, v2
+            screened[skipped] = np.where(self.lossless, 0.0, np.inf)
+        v2 = reduced.v2
+        self._prev_screened, self._prev_v2 = screened, np.where(np.isfinite(v2), v2, 0.0)
         self._record(record)
         if (self.consistency_check_every and step % self.consistency_check_every == 0
-                and not np.array_equal(words_max, words_min)):
+                and (reduced.digest + reduced.neg_digest).any()):       # MAX - MIN of each word: 0 if all agree
             raise SafeBitsConsistencyError(
                 f"ranks disagree on the allocation of step {step} (this rank's digest {self._digest}); every rank "
                 f"must build SafeBits with the same parameters, menu, budget and thresholds")
@@ -424,12 +440,14 @@ class SafeBits(Compressor):
         more than the exchange itself)."""
         used, budget = arrays.used_bits_total, arrays.budget_bits_total
         action_names = self._action_names           # index -1 (nothing sent) reads "skipped"
+        rank_sent = arrays.rank_sent
+        sent = np.where(rank_sent >= 0, self._by_cost[self._rows, np.maximum(rank_sent, 0)], -1)
         return StepRecord(
             step=arrays.step, budget_bits_total=budget, used_bits_total=used,
             compression_ratio=(32.0 * self.total_elements / used) if used else math.inf,
             violation=used > budget, excess_bits=max(0.0, used - budget),
             escalations=self._param_names[arrays.escalated].tolist(),
-            actions=dict(zip(self.names, action_names[arrays.sent].tolist(), strict=True)),
+            actions=dict(zip(self.names, action_names[sent].tolist(), strict=True)),
             distortion=dict(zip(self.names, arrays.distortion.tolist(), strict=True)),
             cosine=dict(zip(self.names, arrays.cosine.tolist(), strict=True)),
             allocation_digest=arrays.allocation_digest,
@@ -473,10 +491,10 @@ class SafeBits(Compressor):
             self._violation_warning(
                 "SafeBits step %d: budget violation, %d bits used for a budget of %.0f (excess %.0f)%s",
                 arrays.step, used, budget, used - budget, ": no safe assignment fits" if arrays.infeasible else "")
-        if arrays.escalated.any():
+        if arrays.escalated.any() and self._escalation_warning.tick():
             escalations = self._param_names[arrays.escalated]
-            self._escalation_warning("SafeBits step %d: %d tensors escalated (e.g. %s)", arrays.step,
-                                     len(escalations), escalations[:3].tolist())
+            self._escalation_warning.log("SafeBits step %d: %d tensors escalated (e.g. %s)", arrays.step,
+                                         len(escalations), escalations[:3].tolist())
 
     def _rank(self) -> int:
         exchange = self._exchange
@@ -501,7 +519,7 @@ class SafeBits(Compressor):
             raise RuntimeError("SafeBits.state_dict() called in the middle of a step; call it between steps")
         self.flush()
         schedule_state = getattr(self.schedule, "state_dict", None)
-        prev = self._prev_distortion is not None
+        prev = self._prev_screened is not None
         return {
             "format": STATE_FORMAT,
             "step": self._step,
@@ -510,17 +528,18 @@ class SafeBits(Compressor):
             "numels": [int(n) for n in self.numels],
             "menu": self.menu.names,
             "residuals": self.memory.state_dict(),
-            "prev_distortion": torch.from_numpy(self._prev_distortion.copy()) if prev else None,
-            "prev_cosine": torch.from_numpy(self._prev_cosine.copy()) if prev else None,
+            "prev_screened": torch.from_numpy(self._prev_screened.copy()) if prev else None,
             "prev_v2": torch.from_numpy(self._prev_v2.copy()) if prev else None,
             "schedule": schedule_state() if schedule_state is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; raises ``ValueError`` if it was saved for another model or menu."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a SafeBits state (format {STATE_FORMAT}): got keys {sorted(state)[:8]}"
-                             if isinstance(state, dict) else "not a SafeBits state dict")
+        if not isinstance(state, dict) or "format" not in state:
+            raise ValueError(f"not a SafeBits state dict (format {STATE_FORMAT}): got "
+                             + (f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__))
+        if state["format"] != STATE_FORMAT:
+            raise ValueError(f"SafeBits state of format {state['format']!r}; this version reads format {STATE_FORMAT}")
         if state["names"] != self.names or state["numels"] != [int(n) for n in self.numels]:
             raise ValueError(f"this SafeBits state was saved for a different model: {len(state['names'])} "
                              f"parameters (first {state['names'][:3]}) vs {len(self.names)} here "
@@ -535,11 +554,10 @@ class SafeBits(Compressor):
         self.memory.load_state_dict(state["residuals"])
         self._step = int(state["step"])
         self.seed = int(state["seed"])
-        if state["prev_distortion"] is None:
-            self._prev_distortion = self._prev_cosine = self._prev_v2 = None
+        if state["prev_screened"] is None:
+            self._prev_screened = self._prev_v2 = None
         else:
-            self._prev_distortion = state["prev_distortion"].numpy().copy()
-            self._prev_cosine = state["prev_cosine"].numpy().copy()
+            self._prev_screened = state["prev_screened"].numpy().copy()
             self._prev_v2 = state["prev_v2"].numpy().copy()
         if state["schedule"] is not None and hasattr(self.schedule, "load_state_dict"):
             self.schedule.load_state_dict(state["schedule"])

@@ -77,8 +77,18 @@ class RateLimitedWarning:
         self.count = 0
         self._next = 1
 
-    def __call__(self, message: str, *args: Any) -> None:
+    def tick(self) -> bool:
+        """Counts one occurrence; True if this one is to be logged (then log it with :meth:`log`)."""
         self.count += 1
-        if self.count >= self._next:
-            logger.warning(f"{message} [{self.what}: {self.count} so far]", *args)
-            self._next *= 10
+        if self.count < self._next:
+            return False
+        self._next *= 10
+        return True
+
+    def log(self, message: str, *args: Any) -> None:
+        logger.warning(f"{message} [{self.what}: {self.count} so far]", *args)
+
+    def __call__(self, message: str, *args: Any) -> None:
+        """Counts one occurrence and logs it if it is the 1st, 10th, 100th, ..."""
+        if self.tick():
+            self.log(message, *args)

@@ -89,8 +89,10 @@ def load() -> ctypes.CDLL:
             lib.sb_quantize_ef.restype = i32
             lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, u32, p, i32]
             lib.sb_screen.restype = i32
-            lib.sb_allocate.argtypes = [p, p, i64, i32, i64, p, p]
+            lib.sb_allocate.argtypes = [p, p, i64, i32, i64, p, p, p]
             lib.sb_allocate.restype = i32
+            lib.sb_allocate_workspace_bytes.argtypes = [i64, i32]
+            lib.sb_allocate_workspace_bytes.restype = i64
             _lib = lib
         return _lib
 
@@ -103,23 +105,37 @@ def available() -> bool:
     return True
 
 
+_workspace = threading.local()
+
+# sb_allocate's return codes (allocator.c) that are errors, and what they mean for the caller.
+_ALLOCATE_ERRORS = {
+    -1: "too many tensors x actions for the compiled allocator (over 2^30 hull edges)",
+    -2: "every tensor needs at least one admissible action (the lossless one)",
+    -3: "costs must be >= 0 bits",
+    -4: "errors of admissible actions must be >= 0 (squared errors), not negative or NaN",
+}
+
+
 def allocate(costs: np.ndarray, err: np.ndarray, budget_bits: int) -> tuple[np.ndarray, int, bool]:
-    """``allocator.c``: the convex-hull greedy on C-contiguous int64 ``costs`` and float64 ``err`` (inf marks an
-    inadmissible action), ``(tensors, actions)``, for an integer budget in bits.
+    """``allocator.c``: the convex-hull greedy on C-contiguous int64 ``costs`` and float64 ``err`` (+inf marks an
+    inadmissible action), ``(tensors, actions)``, for an integer budget in bits. Raises ``ValueError`` on bad input.
 
     Returns ``(choice, min_cost_bits, feasible)``."""
     lib = load()
     if not (costs.flags.c_contiguous and err.flags.c_contiguous and costs.dtype == np.int64
-            and err.dtype == np.float64 and costs.shape == err.shape):
-        raise ValueError("sb_allocate needs C-contiguous int64 costs and float64 errors of one shape")
+            and err.dtype == np.float64 and costs.ndim == 2 and costs.shape == err.shape):
+        raise ValueError("sb_allocate needs C-contiguous int64 costs and float64 errors of one 2-D shape")
     tensors, actions = costs.shape
+    need = lib.sb_allocate_workspace_bytes(tensors, actions)
+    work = getattr(_workspace, "buffer", None)
+    if work is None or work.nbytes < need:      # one per thread, grown when needed, reused every step
+        work = _workspace.buffer = np.empty(-(-need // 8), dtype=np.int64)
     out = np.empty(tensors + 1, dtype=np.int64)          # choice, then the minimum cost
-    rc = lib.sb_allocate(costs.ctypes.data, err.ctypes.data, tensors, actions, budget_bits, out.ctypes.data,
-                         out[tensors:].ctypes.data)
-    if rc == -1:
-        raise MemoryError(f"sb_allocate: out of memory for {tensors} tensors x {actions} actions")
-    if rc == -2:
-        raise ValueError("every tensor needs at least one admissible action (the lossless one)")
+    address = out.__array_interface__["data"][0]
+    rc = lib.sb_allocate(costs.__array_interface__["data"][0], err.__array_interface__["data"][0], tensors,
+                         actions, budget_bits, address, address + 8 * tensors, work.__array_interface__["data"][0])
+    if rc < 0:
+        raise ValueError(_ALLOCATE_ERRORS.get(rc, f"sb_allocate failed with code {rc}"))
     return out[:tensors], int(out[tensors]), rc == 0
 
 
