@@ -1,4 +1,5 @@
-"""The global allocator (``safebits_hvd.allocator.allocate``) for 100 to 10,000 tensors and the default menu.
+"""The global allocator (``safebits_hvd.allocator.allocate``) for 100 to 10,000 tensors and the default menu,
+compiled (``kernels/allocator.c``, the default) and in NumPy (the fallback).
 
 Inputs are realistic: costs from ``Action.cost`` of the default menu for log-uniform tensor sizes
 (64 .. 4M elements), errors = distortion x ||v||^2 measured by the real screen kernel on Gaussian data for
@@ -15,7 +16,7 @@ from _timing import measured_min, min_seconds
 
 import safebits_hvd as sb
 from safebits_hvd import kernels
-from safebits_hvd.allocator import allocate
+from safebits_hvd.allocator import allocate, compiled_available
 from safebits_hvd.screen import admissible, distortion_cosine
 
 
@@ -40,14 +41,19 @@ def _problem(tensors: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.nd
     return costs, errors, ok, 4.0 * float(numels.sum())
 
 
+@pytest.mark.parametrize("implementation", ["compiled", "numpy"])
 @pytest.mark.parametrize("tensors", [100, 1000, 10_000])
-def test_allocate(benchmark, tensors: int) -> None:
+def test_allocate(benchmark, tensors: int, implementation: str) -> None:
+    compiled = implementation == "compiled"
+    if compiled and not compiled_available():
+        pytest.skip("no C compiler: the compiled allocator is not built")
     costs, errors, ok, budget = _problem(tensors)
-    result = allocate(costs, errors, ok, budget)
-    seconds = measured_min(benchmark, lambda: allocate(costs, errors, ok, budget))
+    result = allocate(costs, errors, ok, budget, compiled=compiled)
+    seconds = measured_min(benchmark, lambda: allocate(costs, errors, ok, budget, compiled=compiled))
     reference = min_seconds(lambda: np.argsort(errors, axis=1), repeats=9)
     benchmark.extra_info.update({
-        "tensors": tensors, "actions": costs.shape[1], "allocate_vs_reference": seconds / reference,
+        "tensors": tensors, "actions": costs.shape[1], "implementation": implementation,
+        "allocate_vs_reference": seconds / reference,
         "allocate_ms": seconds * 1e3, "us_per_tensor": seconds * 1e6 / tensors,
         "feasible": bool(result.feasible), "bits_per_parameter": result.cost_bits / (budget / 4.0),
     })

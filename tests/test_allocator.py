@@ -147,3 +147,17 @@ def test_input_validation(compiled: bool) -> None:
 def test_no_tensors(compiled: bool) -> None:
     result = allocate(np.zeros((0, 3)), np.zeros((0, 3)), np.zeros((0, 3), dtype=bool), 10, compiled=compiled)
     assert result.choice.size == 0 and result.feasible
+
+
+@pytest.mark.parametrize("compiled", IMPLEMENTATIONS)
+def test_admissible_none_means_finite_errors(compiled: bool) -> None:
+    rng = np.random.default_rng(3)
+    costs, errors, admissible = random_instance(rng, 50, 6)
+    folded = np.where(admissible, errors, np.inf)
+    budget = 0.4 * costs[:, 0].sum()
+    expected = allocate(costs, errors, admissible, budget, compiled=compiled)
+    result = allocate(costs, folded, None, budget, compiled=compiled)
+    assert result.choice.tolist() == expected.choice.tolist()
+    assert result.squared_error == expected.squared_error
+    with pytest.raises(ValueError, match="negative or NaN"):
+        allocate(costs, np.where(admissible, errors, np.nan), None, budget, compiled=compiled)

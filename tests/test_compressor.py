@@ -219,3 +219,74 @@ def test_unscreened_ablation_sends_the_allocation() -> None:
     assert all(not r.escalations for r in c.history)
     assert all(r.actions == r.allocated for r in c.history)
     assert np.mean([r.used_bits_total <= r.budget_bits_total for r in c.history[1:]]) == 1.0
+
+
+def test_records_read_late_equal_records_read_at_once() -> None:
+    """Step records are built when first read, from arrays of a statistics vector that is reused two steps later:
+    reading them late must give what reading them at once gives."""
+    params = many_tensor_params()
+    eager, lazy = sb.SafeBits(params, budget_bits=2.0), sb.SafeBits(params, budget_bits=2.0)
+    seen = []
+    for step in range(5):
+        random_grads(params, step)
+        for c in (eager, lazy):
+            for _, p in reversed(params):
+                sent, ctx = c.compress(p.grad)
+                c.decompress(sent, ctx)
+        seen.append(eager.last_step.to_json())
+    assert [r.to_json() for r in lazy.history] == seen
+    assert eager.last_step is eager.history[-1]
+
+
+class PairExchange:
+    """Two SafeBits objects in one process as two ranks: the element-wise MAX of both vectors, in place."""
+
+    size = 2
+
+    def __init__(self) -> None:
+        self.pending: list[np.ndarray] = []
+
+    def start(self, values: np.ndarray) -> np.ndarray:
+        self.pending.append(values)
+        return values
+
+    def wait(self, handle: np.ndarray) -> np.ndarray:
+        if len(self.pending) == 2:          # the first rank to wait reduces for both
+            first, second = self.pending
+            np.maximum(first, second, out=first)
+            second[:] = first
+            self.pending = []
+        return handle
+
+
+def test_an_action_one_rank_screens_out_is_allocated_to_no_rank() -> None:
+    """The exchange carries each action's distortion where the rank's screen admits it and +inf where it does not;
+    the MAX admits an action only if every rank did. Rank b's gradient of 'w' is sparse spikes (sign and int2
+    fail its screen), rank a's is Gaussian (everything passes): the next allocation must avoid them on both."""
+    menu = ["fp32", "int8", "int2", "sign"]
+    ranks = []
+    exchange = PairExchange()
+    for _ in range(2):
+        w, u = torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(4096))
+        c = sb.SafeBits([("w", w), ("u", u)], budget_bits=1.5, menu=menu)
+        c._exchange = exchange              # both "ranks" reduce through the pair
+        ranks.append((c, w, u))
+    spikes = torch.zeros(4096)
+    spikes[::97] = torch.arange(1, 44, dtype=torch.float32)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for rank, (_, w, u) in enumerate(ranks):
+            w.grad = torch.randn(4096, generator=gen) if rank == 0 else spikes.clone()
+            u.grad = torch.randn(4096, generator=gen)
+        pending = [(c, c.compress(p.grad)) for c, w, u in ranks for p in (u, w)]
+        for c, (sent, ctx) in pending:
+            c.decompress(sent, ctx)
+    a, b = ranks[0][0], ranks[1][0]
+    assert [r.allocation_digest for r in a.history] == [r.allocation_digest for r in b.history]
+    for ra, rb in zip(a.history, b.history, strict=True):
+        assert ra.to_json() == rb.to_json()
+    # Step 0 allocates by the start policy (sign fits 1.5 bits); from step 1 on, the lagged allocation has seen b.
+    assert a.history[0].allocated["w"] == "sign" and "w" in a.history[0].escalations
+    for record in a.history[1:]:
+        assert record.allocated["w"] in ("fp32", "int8")
+        assert record.allocated["u"] in ("int2", "sign", "int8")     # u passes on both ranks
