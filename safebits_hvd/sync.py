@@ -2,10 +2,14 @@
 
 Once per step every rank contributes one float64 vector of statistics to one element-wise MAX allreduce, done in
 place: the vector is overwritten with the reduction (no array is allocated per step: fresh pages fault in at
-several microseconds each, which at 1,000 tensors would cost more than the exchange).
-Quantities that must be combined conservatively in the other direction (cosines) are sent negated. After the
-reduction every rank holds identical inputs and runs the same deterministic allocator, so all ranks choose the
-same actions without anyone deciding for them.
+several microseconds each, which at 1,000 tensors would cost more than the exchange). Its layout is
+``compressor._ExchangeFields``. The screening statistics are conservative by construction: per tensor and action,
+the distortion where the rank's screen (max distortion *and* min cosine) admits the action and +inf where it
+does not, so the MAX is the largest distortion if every rank admits the action and +inf if any rank rejects it,
+exactly what the allocator needs of the (max distortion, min cosine) pair, in half the values. Quantities whose
+conservative side is the minimum (the cosine of what was sent) are sent negated. After the reduction every rank
+holds identical inputs and runs the same deterministic allocator, so all ranks choose the same actions without
+anyone deciding for them.
 
 Transport, chosen when the first exchange starts (``hvd.init()`` may come after the compressor is built):
 
