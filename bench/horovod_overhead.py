@@ -9,7 +9,7 @@ Run as ``horovodrun -np 2 --gloo python bench/horovod_overhead.py --parts step,e
 * ``exchange``: SafeBits over 1,000 tensors; per step, the time of starting the statistics exchange, finishing it
   (the MAX allreduce and the step record) and computing the next allocation. Per step the smallest figure over
   ranks is kept: the rank that arrives last at the exchange waits for nobody, so its time is the exchange's own
-  cost, not the other ranks' lag.
+  cost, not the other ranks' lag. For scale, the same figure for a bare Horovod allreduce of a vector as long.
 
 Rank 0 writes one JSON object to ``--out``.
 """
@@ -120,22 +120,32 @@ def bench_exchange(tensors: int, numel: int, steps: int, warmup: int) -> dict[st
     compression = TimedSafeBits([(f"t{i}", p) for i, p in enumerate(params)], budget_bits=4.0,
                                 name="safebits.exchange")
     gen = torch.Generator().manual_seed(hvd.rank())
+    # For scale, each step also times a bare Horovod MAX allreduce of a vector as long as the exchanged one: the
+    # floor that Horovod's background cycle (HOROVOD_CYCLE_TIME, 1 ms by default) sets for any Horovod collective.
+    bare = torch.zeros(compression._exchange_layout[-1][1], dtype=torch.float64)
+    bare_seconds = []
     for _ in range(warmup + steps + 1):
         for p in params:
             p.grad = torch.randn(numel, generator=gen)
         for p in params:
             compression.compress(p.grad)
         compression.flush()
+        start = time.perf_counter()
+        hvd.synchronize(hvd.allreduce_async_(bare, op=hvd.Max, name="exchange.bare"))
+        bare_seconds.append(time.perf_counter() - start)
     # Step s: close + finish of step s, and the allocation of step s + 1 computed from it.
     per_step = [compression.seconds[s] for s in range(warmup, warmup + steps)]
-    gathered = hvd.allgather_object(per_step, name="exchange.seconds")
-    last_arrival = [min(rank[s] for rank in gathered) for s in range(steps)]
-    slowest = [max(rank[s] for rank in gathered) for s in range(steps)]
+    gathered = hvd.allgather_object((per_step, bare_seconds[warmup:warmup + steps]), name="exchange.seconds")
+    last_arrival = [min(rank[0][s] for rank in gathered) for s in range(steps)]
+    slowest = [max(rank[0][s] for rank in gathered) for s in range(steps)]
+    bare_last_arrival = [min(rank[1][s] for rank in gathered) for s in range(steps)]
     return {
         "tensors": tensors, "numel_per_tensor": numel, "steps": steps,
         "exchange_allocation_ms_median": 1e3 * statistics.median(last_arrival),
         "exchange_allocation_ms_p90": 1e3 * float(np.percentile(last_arrival, 90)),
         "exchange_allocation_ms_slowest_rank_median": 1e3 * statistics.median(slowest),
+        "bare_horovod_allreduce_ms_median": 1e3 * statistics.median(bare_last_arrival),
+        "exchanged_values": len(bare),
         "transport": type(compression._exchange).__name__,
     }
 

@@ -21,9 +21,9 @@ by position along the hull, then tensor index; equal points by menu order.
 
 Two implementations of steps 1-3, one arithmetic: ``kernels/allocator.c`` (the default: 0.14 ms for 1,000
 tensors against 1.9 ms here, ``bench/bench_allocator.py``; it keeps the per-step exchange plus allocation under
-2 ms) and :func:`_hull_greedy` here in NumPy (used without a C compiler; the C file's test oracle). They perform the same
-float64 operations with the same tie-breaking and return the same choice bit for bit, so ranks agree whichever
-one they run.
+2 ms) and :func:`_hull_greedy` here in NumPy (used without a C compiler; the C file's test oracle). They perform
+the same float64 operations with the same tie-breaking and return the same choice bit for bit, so ranks agree
+whichever one they run.
 """
 
 from __future__ import annotations
