@@ -308,8 +308,7 @@ class SafeBits(Compressor):
         return _ExchangeFields(*views)
 
     def _allocate(self, bits_per_element: float, budget_total: float) -> Allocation:
-        tensors = self.costs.shape[0]
-        rows = np.arange(tensors)
+        rows = self._rows
         if self._prev_screened is None:
             # Start policy: the costliest action within budget_bits per element, else the cheapest.
             fits = self.costs <= bits_per_element * self.numels[:, None]
