@@ -78,20 +78,24 @@ def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | None,
         return costs, err
     if costs.shape[0] and not (err < np.inf).any(axis=1).all():
         raise ValueError("every tensor needs at least one admissible action (the lossless one)")
-    if (costs < 0).any():
-        raise ValueError("costs must be >= 0 bits")
+    if (costs < 0).any() or (costs >= 2**53).any():
+        raise ValueError("costs must be >= 0 and below 2^53 bits")
+    if costs.size and costs.max(axis=1).sum(dtype=np.float64) >= 2.0**62:
+        raise ValueError("the tensors' largest costs add up to 2^62 bits or more")
     if not (err >= 0).all():
         raise ValueError("errors of admissible actions must be >= 0 (squared errors), not negative or NaN")
     return costs, err
 
 
 def _integer_budget(budget_bits: float) -> int:
-    """Costs are whole bits, so ``sum <= budget`` is ``sum <= floor(budget)``; a budget beyond any int64 sum is
-    as good as unlimited."""
+    """Costs are whole bits, so ``sum <= budget`` is ``sum <= floor(budget)``. Totals stay below 2^62 bits (checked),
+    so a budget beyond +-2^62 is as good as unlimited, or as impossible."""
     if isinstance(budget_bits, bool) or not isinstance(budget_bits, int | float | np.integer | np.floating) \
             or math.isnan(budget_bits):
         raise ValueError(f"budget_bits must be a number of bits, got {budget_bits!r}")
-    return 2**62 if budget_bits >= 2**62 else math.floor(budget_bits)
+    if isinstance(budget_bits, int | np.integer):
+        return min(max(int(budget_bits), -(2**62)), 2**62)
+    return math.floor(min(max(float(budget_bits), -(2.0**62)), 2.0**62))
 
 
 def cheapest_admissible(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> np.ndarray:

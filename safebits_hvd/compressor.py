@@ -132,11 +132,11 @@ class SafeBits(Compressor):
             ``"skip"``: that tensor sends zeros for the step, its residual is kept, and the record lists it.
         screen: False switches the screen off (the unscreened global-budgeting ablation; no guarantee).
         name: Horovod tensor name of the statistics exchange (distinct per compressor object). Default "safebits".
-        max_history: records kept in :attr:`history`. Default 10000.
+        max_history: records kept in :attr:`history` (the last one is always in :attr:`last_step`). Default 10000.
 
     Attributes:
         last_step: the :class:`StepRecord` of the last completed step (None before the first).
-        history: list of recent :class:`StepRecord`.
+        history: the last ``max_history`` :class:`StepRecord` objects, oldest first (a new list on each read).
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
@@ -192,6 +192,8 @@ class SafeBits(Compressor):
         self.nonfinite = nonfinite
         self.screen_enabled = bool(screen)
         self.exchange_name = name
+        if isinstance(max_history, bool) or not isinstance(max_history, int) or max_history < 0:
+            raise ValueError(f"max_history must be an int >= 0, got {max_history!r}")
         self.max_history = max_history
         self.log_path = os.fspath(log_path) if log_path is not None else None
 
@@ -208,7 +210,11 @@ class SafeBits(Compressor):
         self.total_elements = int(self.numels.sum())
 
         self.memory = ErrorFeedback()
-        self._records: list[StepRecord | _StepArrays] = []    # see last_step / history
+        # Finished steps, built into StepRecords when read (see last_step / history); the last one also on its own,
+        # since max_history may be 0.
+        self._records: list[StepRecord | _StepArrays] = []
+        self._last: StepRecord | _StepArrays | None = None
+        self._built = 0          # self._records[:self._built] are all StepRecords
         self._step = 0
         # Reduced statistics of the last finished step: the allocator's input (None before the first step).
         self._prev_screened: np.ndarray | None = None
@@ -457,24 +463,33 @@ class SafeBits(Compressor):
     @property
     def last_step(self) -> StepRecord | None:
         """The :class:`StepRecord` of the last completed step (None before the first)."""
-        if not self._records:
-            return None
-        if isinstance(self._records[-1], _StepArrays):
-            self._records[-1] = self._step_record(self._records[-1])
-        return self._records[-1]
+        if isinstance(self._last, _StepArrays):
+            built = self._step_record(self._last)
+            if self._records and self._records[-1] is self._last:
+                self._records[-1] = built
+            self._last = built
+        return self._last
 
     @property
     def history(self) -> list[StepRecord]:
-        """The last ``max_history`` :class:`StepRecord` objects, oldest first."""
-        for i, record in enumerate(self._records):
-            if isinstance(record, _StepArrays):
-                self._records[i] = self._step_record(record)
-        return self._records
+        """The last ``max_history`` :class:`StepRecord` objects, oldest first (a new list each time)."""
+        records = self._records
+        for i in range(self._built, len(records)):          # only records added since the last call
+            if isinstance(records[i], _StepArrays):
+                built = self._step_record(records[i])
+                if records[i] is self._last:
+                    self._last = built
+                records[i] = built
+        self._built = len(records)
+        return list(records)
 
     def _record(self, arrays: _StepArrays) -> None:
+        self._last = arrays
         self._records.append(arrays)
-        if len(self._records) > self.max_history:
-            del self._records[: len(self._records) - self.max_history]
+        excess = len(self._records) - self.max_history
+        if excess > 0:
+            del self._records[:excess]
+            self._built = max(0, self._built - excess)
         if self.log_path is not None:
             if self._writer is None:
                 rank = self._rank()

@@ -161,3 +161,38 @@ def test_admissible_none_means_finite_errors(compiled: bool) -> None:
     assert result.squared_error == expected.squared_error
     with pytest.raises(ValueError, match="negative or NaN"):
         allocate(costs, np.where(admissible, errors, np.nan), None, budget, compiled=compiled)
+
+
+@pytest.mark.parametrize("compiled", IMPLEMENTATIONS)
+def test_costs_beyond_exact_float64_are_refused(compiled: bool) -> None:
+    """Slopes are float64: costs must be exact in it (< 2^53 bits), and totals must fit int64 with room."""
+    ok = np.ones((1, 2), dtype=bool)
+    with pytest.raises(ValueError, match="below 2\\^53"):
+        allocate(np.array([[2**53, 2**53 + 1]]), np.array([[1.0, 0.0]]), ok, 2**62, compiled=compiled)
+    costs = np.tile(np.array([[0, 2**50]]), (5000, 1))
+    with pytest.raises(ValueError, match="2\\^62"):
+        allocate(costs, np.tile([[1.0, 0.0]], (5000, 1)), np.ones((5000, 2), dtype=bool), float("inf"),
+                 compiled=compiled)
+
+
+@pytest.mark.parametrize("compiled", IMPLEMENTATIONS)
+@pytest.mark.parametrize("budget", [-(2**64) + 5, float("-inf"), -1.5, float("inf"), 2**70])
+def test_extreme_budgets(compiled: bool, budget: float) -> None:
+    costs, errors = np.array([[1, 2]]), np.array([[1.0, 0.0]])
+    result = allocate(costs, errors, np.ones((1, 2), dtype=bool), budget, compiled=compiled)
+    assert result.feasible == (budget > 0)
+    assert result.choice.tolist() == ([1] if budget > 0 else [0])
+
+
+@needs_c
+def test_unlucky_pivots_stay_exact() -> None:
+    """Errors that rise then fall with the tensor index defeat median-of-three pivots; the compiled selection then
+    sorts what is left, and must still agree with the NumPy version."""
+    tensors = 20_000
+    costs = np.tile(np.array([[0, 1]]), (tensors, 1))
+    rise_fall = np.concatenate([np.arange(tensors // 2), np.arange(tensors // 2, 0, -1)]).astype(float)
+    errors = np.stack([rise_fall, np.zeros(tensors)], axis=1)
+    admissible = np.ones((tensors, 2), dtype=bool)
+    c = allocate(costs, errors, admissible, tensors // 3, compiled=True)
+    n = allocate(costs, errors, admissible, tensors // 3, compiled=False)
+    assert c.choice.tolist() == n.choice.tolist() and c.cost_bits == tensors // 3

@@ -290,3 +290,26 @@ def test_an_action_one_rank_screens_out_is_allocated_to_no_rank() -> None:
     for record in a.history[1:]:
         assert record.allocated["w"] in ("fp32", "int8")
         assert record.allocated["u"] in ("int2", "sign", "int8")     # u passes on both ranks
+
+
+def test_history_is_a_snapshot_and_last_step_survives_max_history_zero(tmp_path) -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=2.0, max_history=3)
+    run_steps(c, params, 2)
+    kept = c.history
+    run_steps(c, params, 1)
+    assert c.last_step.step == 2                            # built alone ...
+    run_steps(c, params, 2)
+    assert [r.step for r in kept] == [0, 1] and all(isinstance(r, StepRecord) for r in kept)
+    history = c.history                                     # ... then the rest around it
+    assert [r.step for r in history] == [2, 3, 4] and all(isinstance(r, StepRecord) for r in history)
+    assert history[-1] is c.last_step
+    history.clear()
+    assert len(c.history) == 3                              # a copy: the caller cannot empty it
+
+    none_kept = sb.SafeBits(params, budget_bits=2.0, max_history=0, log_path=tmp_path / "log.jsonl")
+    run_steps(none_kept, params, 2)
+    assert none_kept.history == [] and none_kept.last_step.step == 1
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(ValueError, match="max_history"):
+        sb.SafeBits(params, max_history=-1)

@@ -26,9 +26,13 @@ enum {
     SB_ALLOC_INFEASIBLE = 1,
     SB_ALLOC_TOO_LARGE = -1,         /* over 2^30 edges: positions are ints */
     SB_ALLOC_NO_ADMISSIBLE = -2,     /* a tensor whose errors are all +inf */
-    SB_ALLOC_NEGATIVE_COST = -3,
+    SB_ALLOC_BAD_COST = -3,          /* a cost below 0 or at least 2^53 (float64 slopes need exact costs) */
     SB_ALLOC_BAD_ERROR = -4,         /* an error that is NaN or negative */
+    SB_ALLOC_COSTS_OVERFLOW = -5,    /* the tensors' largest costs add up to 2^62 bits or more */
 };
+
+#define SB_COST_LIMIT (1LL << 53)
+#define SB_TOTAL_LIMIT (1LL << 62)
 
 /* Sort key of a slope: unsigned integers in the order of the doubles, descending (a larger slope, a smaller key).
  * Slopes are never NaN; -0.0 and +0.0 compare equal, as in NumPy's sort. */
@@ -109,18 +113,22 @@ sb_i64 sb_allocate_workspace_bytes(sb_i64 tensors, int actions) {
  * (on SB_ALLOC_INFEASIBLE, choice is that cheapest configuration). */
 int sb_allocate(const sb_i64 *costs, const double *err, sb_i64 tensors, int actions, sb_i64 budget,
                 sb_i64 *choice, sb_i64 *min_cost_bits, void *work) {
-    sb_i64 min_cost = 0;
+    sb_i64 min_cost = 0, max_total = 0;
     for (sb_i64 t = 0; t < tensors; t++) {
         const sb_i64 *c = costs + t * actions;
         const double *e = err + t * actions;
         int best = -1;
+        sb_i64 dearest = 0;
         for (int a = 0; a < actions; a++) {
-            if (c[a] < 0) return SB_ALLOC_NEGATIVE_COST;
+            if (c[a] < 0 || c[a] >= SB_COST_LIMIT) return SB_ALLOC_BAD_COST;
+            if (c[a] > dearest) dearest = c[a];
             if (e[a] == INFINITY) continue;
             if (!(e[a] >= 0.0)) return SB_ALLOC_BAD_ERROR;
             if (best < 0 || c[a] < c[best] || (c[a] == c[best] && e[a] < e[best])) best = a;
         }
         if (best < 0) return SB_ALLOC_NO_ADMISSIBLE;
+        max_total += dearest;                        /* < 2^62 + 2^53: no overflow before the test */
+        if (max_total >= SB_TOTAL_LIMIT) return SB_ALLOC_COSTS_OVERFLOW;
         choice[t] = best;
         min_cost += c[best];
     }
@@ -194,9 +202,30 @@ int sb_allocate(const sb_i64 *costs, const double *err, sb_i64 tensors, int acti
 
     /* The longest prefix that fits: perm[0, lo) once the selection stops; perm[lo] is the first edge that does not
      * fit (if cut). Invariant: perm[0, lo) precede perm[lo, hi), which precede perm[hi, n). */
-    sb_i64 remaining = budget - min_cost, lo = 0, hi = n;
+    sb_i64 remaining = budget - min_cost, lo = 0, hi = n, rounds = 0, round_limit = 8;
+    for (sb_i64 k = n; k > 1; k >>= 1) round_limit += 2;
     int cut = 0;
     while (lo < hi) {
+        if (++rounds > round_limit) {    /* unlucky pivots: sort what is left and scan it (bounds the time) */
+            memset(maybe, 0, (size_t)n);
+            for (sb_i64 i = lo; i < hi; i++) maybe[perm[i]] = 1;
+            sb_i64 m = 0;
+            for (sb_i64 p = 0; p < n; p++)           /* in listing order, so the stable sort breaks ties right */
+                if (maybe[p]) {
+                    cand_key[m] = key[p];
+                    cand[m++] = (int)p;
+                }
+            sb_radix_sort(cand_key, cand, tmp_key, tmp_cand, m);
+            memcpy(perm + lo, cand, sizeof(int) * (size_t)m);
+            for (; lo < hi; lo++) {
+                if (dcost[perm[lo]] > remaining) {
+                    cut = 1;
+                    break;
+                }
+                remaining -= dcost[perm[lo]];
+            }
+            break;
+        }
         sb_i64 mid = sb_partition(key, perm, lo, hi), left = 0;
         for (sb_i64 i = lo; i < mid; i++) left += dcost[perm[i]];
         if (left > remaining) {

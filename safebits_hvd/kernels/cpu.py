@@ -111,8 +111,9 @@ _workspace = threading.local()
 _ALLOCATE_ERRORS = {
     -1: "too many tensors x actions for the compiled allocator (over 2^30 hull edges)",
     -2: "every tensor needs at least one admissible action (the lossless one)",
-    -3: "costs must be >= 0 bits",
+    -3: "costs must be >= 0 and below 2^53 bits",
     -4: "errors of admissible actions must be >= 0 (squared errors), not negative or NaN",
+    -5: "the tensors' largest costs add up to 2^62 bits or more",
 }
 
 
