@@ -232,6 +232,7 @@ class SafeBits(Compressor):
         self._exchange_layout = [*itertools.pairwise(bounds), (0, bounds[-1])]
         # Per-step arrays allocated once: a fresh array of this size faults its pages in every step (see _allocate).
         self._stat_buffers = (np.empty(bounds[-1]), np.empty(bounds[-1]))
+        self._stat_fields = tuple(self._fields(buffer) for buffer in self._stat_buffers)
         self._errors = np.empty((tensors, menu_size))
         self._lossless_columns = np.flatnonzero(self.lossless)
         self._rows = np.arange(tensors)
@@ -294,7 +295,7 @@ class SafeBits(Compressor):
         # Two vectors, by step parity: the allocation just made read the last step's, which must stay intact.
         # A tensor never compressed keeps these values: only its lossless action is known to be safe.
         self._stats = self._stat_buffers[self._step % 2]
-        fields = self._fields(self._stats)
+        fields = self._stat_fields[self._step % 2]
         fields.screened[:] = np.where(self.lossless, 0.0, np.inf)
         fields.v2[:] = 0.0
         fields.rank_sent[:] = -1.0
@@ -418,7 +419,10 @@ class SafeBits(Compressor):
     def _finish_exchange(self) -> None:
         step, handle, budget_total = self._pending
         self._pending = None
-        reduced = self._fields(self._exchange.wait(handle))
+        reduced_vector = self._exchange.wait(handle)      # in place: the step's own vector, now reduced
+        if reduced_vector.__array_interface__["data"] != self._stat_buffers[step % 2].__array_interface__["data"]:
+            self._stat_buffers[step % 2][:] = reduced_vector
+        reduced = self._stat_fields[step % 2]
         rank_sent = reduced.rank_sent.astype(np.int64)
         # Column -1 of the cost-ordered costs is 0: a skipped tensor (rank -1) sent nothing.
         used = int(self._costs_by_rank[self._rows, rank_sent].sum())
