@@ -63,17 +63,13 @@ def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | None,
     (every tensor has an admissible action, costs >= 0, errors >= 0 and not NaN), with the same messages."""
     costs = np.ascontiguousarray(costs, dtype=np.int64)
     errors = np.ascontiguousarray(errors, dtype=np.float64)
-    if admissible is None:          # inadmissible actions are already +inf: no copy
-        if costs.ndim != 2 or costs.shape != errors.shape:
-            raise ValueError(f"costs and errors must share one (tensors, actions) shape, got {costs.shape}, "
-                             f"{errors.shape}")
-        err = errors
-    else:
-        admissible = np.asarray(admissible, dtype=bool)
-        if costs.ndim != 2 or costs.shape != errors.shape or costs.shape != admissible.shape:
-            raise ValueError(f"costs, errors and admissible must share one (tensors, actions) shape, got "
-                             f"{costs.shape}, {errors.shape}, {admissible.shape}")
-        err = np.where(admissible, errors, np.inf)
+    admissible = None if admissible is None else np.asarray(admissible, dtype=bool)
+    mask_shape = costs.shape if admissible is None else admissible.shape
+    if costs.ndim != 2 or costs.shape != errors.shape or costs.shape != mask_shape:
+        raise ValueError(f"costs, errors and admissible must share one (tensors, actions) shape, got "
+                         f"{costs.shape}, {errors.shape}, {mask_shape}")
+    # admissible=None: inadmissible actions are already +inf, no copy.
+    err = errors if admissible is None else np.where(admissible, errors, np.inf)
     if values_checked_later:
         return costs, err
     if costs.shape[0] and not (err < np.inf).any(axis=1).all():

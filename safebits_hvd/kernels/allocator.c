@@ -74,6 +74,20 @@ static void sb_radix_sort(sb_u64 *key, int *idx, sb_u64 *key_tmp, int *idx_tmp, 
     }
 }
 
+/* Sorts the listed edges marked in maybe[0, n) into cand[0, m) in greedy order (key, then listing position: they
+ * are gathered in listing order and the radix sort is stable); returns m. */
+static sb_i64 sb_sort_marked(const unsigned char *maybe, const sb_u64 *key, sb_i64 n, sb_u64 *cand_key, int *cand,
+                             sb_u64 *tmp_key, int *tmp_cand) {
+    sb_i64 m = 0;
+    for (sb_i64 p = 0; p < n; p++)
+        if (maybe[p]) {
+            cand_key[m] = key[p];
+            cand[m++] = (int)p;
+        }
+    sb_radix_sort(cand_key, cand, tmp_key, tmp_cand, m);
+    return m;
+}
+
 /* Greedy order of two edges given by listing position: key, then position (the listing is chain position-major,
  * tensor-minor, so equal slopes go by position along the chain, then tensor). */
 static int sb_before(const sb_u64 *key, int a, int b) { return key[a] < key[b] || (key[a] == key[b] && a < b); }
@@ -209,13 +223,7 @@ int sb_allocate(const sb_i64 *costs, const double *err, sb_i64 tensors, int acti
         if (++rounds > round_limit) {    /* unlucky pivots: sort what is left and scan it (bounds the time) */
             memset(maybe, 0, (size_t)n);
             for (sb_i64 i = lo; i < hi; i++) maybe[perm[i]] = 1;
-            sb_i64 m = 0;
-            for (sb_i64 p = 0; p < n; p++)           /* in listing order, so the stable sort breaks ties right */
-                if (maybe[p]) {
-                    cand_key[m] = key[p];
-                    cand[m++] = (int)p;
-                }
-            sb_radix_sort(cand_key, cand, tmp_key, tmp_cand, m);
+            sb_i64 m = sb_sort_marked(maybe, key, n, cand_key, cand, tmp_key, tmp_cand);
             memcpy(perm + lo, cand, sizeof(int) * (size_t)m);
             for (; lo < hi; lo++) {
                 if (dcost[perm[lo]] > remaining) {
@@ -255,13 +263,7 @@ int sb_allocate(const sb_i64 *costs, const double *err, sb_i64 tensors, int acti
         int p = perm[i];
         if (taken[edge_of[p] / max_edges] >= 0 && dcost[p] <= remaining) maybe[p] = 1;
     }
-    sb_i64 m = 0;
-    for (sb_i64 p = 0; p < n; p++)                   /* in listing order, so the stable sort breaks ties right */
-        if (maybe[p]) {
-            cand_key[m] = key[p];
-            cand[m++] = (int)p;
-        }
-    sb_radix_sort(cand_key, cand, tmp_key, tmp_cand, m);
+    sb_i64 m = sb_sort_marked(maybe, key, n, cand_key, cand, tmp_key, tmp_cand);
     for (sb_i64 j = 0; j < m; j++) {
         int p = cand[j], edge = edge_of[p], k = edge % max_edges;
         sb_i64 t = edge / max_edges;
