@@ -1,0 +1,107 @@
+"""One way to start ``horovodrun`` from Python: used by the MPI tests, the benchmarks and the demo.
+
+Every launch runs in its own process group with a hard timeout (a hang becomes :class:`LaunchError`, and the
+launcher and every rank it started are killed), with the environment a root container needs, and with
+``OMP_NUM_THREADS`` set to cores / ranks unless the caller sets it: 2 ranks on 2 cores with default threading
+run every compressor several times slower (docs/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class LaunchError(RuntimeError):
+    """``horovodrun`` exited non-zero or ran past its timeout; ``output`` holds what the ranks printed."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(f"{message}\n{output[-8000:]}")
+        self.output = output
+
+
+def horovodrun_path() -> str | None:
+    """``horovodrun`` next to this Python (the virtual environment's), else on PATH, else None."""
+    local = Path(sys.executable).parent / "horovodrun"
+    return str(local) if local.exists() else shutil.which("horovodrun")
+
+
+def launch_env(ranks: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launch: root allowed, idle MPI ranks yield the cores, the repository importable,
+    and one OpenMP thread per rank's share of the cores (unless ``OMP_NUM_THREADS`` is already set)."""
+    env = dict(os.environ)
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_mpi_yield_when_idle": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)})
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranks))))
+    if extra:
+        env.update(extra)
+    return env
+
+
+def horovodrun_command(ranks: int, script: str | os.PathLike[str], *args: str, transport: str = "gloo",
+                       prefix: Sequence[str] = ()) -> list[str]:
+    """``[*prefix, horovodrun, -np, ranks, -H, localhost:ranks, --transport, python, script, *args]``."""
+    if transport not in ("gloo", "mpi"):
+        raise ValueError(f"transport must be 'gloo' or 'mpi', got {transport!r}")
+    runner = horovodrun_path()
+    if runner is None:
+        raise LaunchError("horovodrun is not installed (run scripts/setup.sh)", "")
+    return [*prefix, runner, "-np", str(ranks), "-H", f"localhost:{ranks}", f"--{transport}", sys.executable,
+            os.fspath(script), *args]
+
+
+def horovodrun(ranks: int, script: str | os.PathLike[str], *args: str, transport: str = "gloo",
+               timeout: float = 600, env: Mapping[str, str] | None = None, prefix: Sequence[str] = (),
+               on_line: Callable[[str], None] | None = None) -> str:
+    """Run ``script`` on ``ranks`` local ranks under ``horovodrun``; return everything the ranks printed.
+
+    Args:
+        ranks: number of processes (``-np``), all on localhost.
+        script, args: the Python program each rank runs, and its arguments.
+        transport: ``"gloo"`` or ``"mpi"``.
+        timeout: seconds before the launch is killed and :class:`LaunchError` raised.
+        env: variables added to :func:`launch_env`'s environment.
+        prefix: command words before ``horovodrun`` (``["ip", "netns", "exec", "ns"]`` to run in a namespace).
+        on_line: called with each output line as it arrives (progress printing).
+
+    Raises:
+        LaunchError: on a non-zero exit or a timeout.
+    """
+    command = horovodrun_command(ranks, script, *args, transport=transport, prefix=prefix)
+    proc = subprocess.Popen(command, cwd=REPO, env=launch_env(ranks, env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    timed_out = False
+
+    def on_alarm() -> None:
+        nonlocal timed_out
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)       # the launcher and every rank it started
+
+    timer = threading.Timer(timeout, on_alarm)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    output = "".join(lines)
+    shown = " ".join(command)
+    if timed_out:
+        raise LaunchError(f"timeout after {timeout:.0f}s (a hang?): {shown}", output)
+    if code != 0:
+        raise LaunchError(f"exit status {code}: {shown}", output)
+    return output
