@@ -13,47 +13,36 @@ Each case is one ``horovodrun -np 2`` launch of ``bench/horovod_overhead.py`` (t
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from safebits_hvd import launch
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "bench" / "horovod_overhead.py"
-HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 
 STEP_RATIO_TARGET = 1.25
 EXCHANGE_MS_TARGET = 2.0
 
-pytestmark = pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun not installed next to python")
+pytestmark = pytest.mark.skipif(launch.horovodrun_path() is None, reason="horovodrun not installed")
 
 
-def launch(transport: str, parts: str, out: Path, *args: str, timeout: float = 400) -> dict[str, Any]:
+def run_worker(transport: str, parts: str, out: Path, *args: str, timeout: float = 400) -> dict[str, Any]:
     """Run the worker on 2 ranks and return its JSON (fails the test on a non-zero exit or a timeout)."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_mpi_yield_when_idle="1", PYTHONDONTWRITEBYTECODE="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    command = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", f"--{transport}", sys.executable, str(WORKER),
-               "--parts", parts, "--out", str(out), *args]
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"timeout after {timeout:.0f}s: {' '.join(command)}\n{output[-6000:]}")
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"exit status {proc.returncode}: {' '.join(command)}\n{output[-6000:]}")
+        launch.horovodrun(2, WORKER, "--parts", parts, "--out", str(out), *args, transport=transport,
+                          timeout=timeout)
+    except launch.LaunchError as exc:
+        pytest.fail(str(exc))
+    if not out.exists():
+        pytest.fail(f"the worker wrote no {out}")
     return json.loads(out.read_text())
 
 
 def run_exchange(benchmark: Any, tmp_path: Path, transport: str) -> None:
-    result = benchmark.pedantic(launch, args=(transport, "exchange", tmp_path / "out.json"), rounds=1,
+    result = benchmark.pedantic(run_worker, args=(transport, "exchange", tmp_path / "out.json"), rounds=1,
                                 iterations=1)
     exchange = result["exchange"]
     benchmark.extra_info.update({
@@ -70,7 +59,7 @@ def run_exchange(benchmark: Any, tmp_path: Path, transport: str) -> None:
 
 
 def run_step(benchmark: Any, tmp_path: Path, transport: str) -> None:
-    result = benchmark.pedantic(launch, args=(transport, "step", tmp_path / "out.json"), rounds=1, iterations=1)
+    result = benchmark.pedantic(run_worker, args=(transport, "step", tmp_path / "out.json"), rounds=1, iterations=1)
     step = result["step"]
     benchmark.extra_info.update({
         "transport": step["transport"], "parameters": step["parameters"], "tensors": step["tensors"],

@@ -18,6 +18,7 @@ from _timing import measured_min, min_seconds
 from model_shapes import MODELS, PARAMETER_COUNTS, numel
 
 from safebits_hvd.baselines import BUDGETED, REGISTRY, make_compressor
+from safebits_hvd.baselines import label as compressor_label
 
 BUDGETS = [2.0, 4.4, 8.0]
 CASES = [(c, None) for c in REGISTRY if c not in BUDGETED] + [(c, b) for c in sorted(BUDGETED) for b in BUDGETS]
@@ -43,7 +44,7 @@ def _cases():
     for model in MODELS:
         for compressor, budget in CASES:
             slow = model != "resnet18"
-            label = compressor + (f"@{budget:g}" if budget is not None else "")
+            label = compressor_label(compressor, budget)
             yield pytest.param(model, compressor, budget, marks=[pytest.mark.full] if slow else [],
                                id=f"{model}-{label}")
 
@@ -68,10 +69,10 @@ def test_modeled_bytes_per_step(benchmark, model: str, compressor: str, budget: 
     record = comp.last_step
     benchmark.extra_info.update({
         "model": model, "compressor": compressor, "budget_bits": budget, "parameters": total,
-        "tensors": len(pairs), "modeled_bytes": record.used_bits_total / 8,
-        "fp32_bytes": 4 * total, "compression_ratio": record.compression_ratio,
-        "bits_per_parameter": record.used_bits_total / total, "violation": bool(record.violation),
+        "tensors": len(pairs), "modeled_bytes": record.modeled_bits_total / 8,
+        "fp32_bytes": 4 * total, "compression_ratio": record.modeled_compression_ratio,
+        "bits_per_parameter": record.modeled_bits_total / total, "violation": bool(record.violation),
         "escalations": len(record.escalations), "step_vs_clone": step_s / clone_s,
     })
     if budget is not None and not record.violation:
-        assert record.used_bits_total <= budget * total
+        assert record.modeled_bits_total <= budget * total

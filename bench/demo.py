@@ -19,11 +19,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from typing import Any
+
+from safebits_hvd import launch
+from safebits_hvd.baselines import label as compressor_label
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metric", "metric_name",
@@ -32,7 +34,7 @@ FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metr
 
 def label(run: dict[str, Any]) -> str:
     """``compressor`` or ``compressor@budget``."""
-    return run["compressor"] + (f"@{run['budget_bits']:g}" if run["budget_bits"] is not None else "")
+    return compressor_label(run["compressor"], run["budget_bits"])
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -141,25 +143,28 @@ def main() -> int:
     raw_path = os.path.join(args.out_dir, "demo_raw.json")
     worker_args = (["--seeds", "0", "1", "2", "--cnn-steps", "500", "--lm-steps", "320"] if args.full
                    else ["--seeds", "0", "--cnn-steps", "250", "--lm-steps", "160"])
-    bindir = os.path.dirname(sys.executable)
-    horovodrun = os.path.join(bindir, "horovodrun")
-    cmd = [horovodrun, "-np", "2", "--mpi" if args.mpi else "--gloo", sys.executable,
-           os.path.join(ROOT, "bench", "demo_worker.py"), "--out", raw_path, *worker_args, *extra]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    print("[demo] " + " ".join(cmd), flush=True)
+    worker = os.path.join(ROOT, "bench", "demo_worker.py")
+    command = ["horovodrun", "-np", "2", "--mpi" if args.mpi else "--gloo", "python", worker, "--out", raw_path,
+               *worker_args, *extra]
+    print("[demo] " + " ".join(command), flush=True)
     start = time.perf_counter()
     if os.path.exists(raw_path):
         os.remove(raw_path)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:     # progress: the worker's one line per run (and any error)
+
+    def progress(line: str) -> None:     # the worker's one line per run (and any error)
         if "[demo]" in line or "Error" in line or "Traceback" in line:
-            print(line.rstrip().split("<stdout>:", 1)[-1], flush=True)
-    code = proc.wait()
-    if code != 0 or not os.path.exists(raw_path):
-        print(f"[demo] horovodrun failed with exit code {code}", file=sys.stderr)
-        return code or 1
+            print(line.split("<stdout>:", 1)[-1], flush=True)
+
+    try:
+        launch.horovodrun(2, worker, "--out", raw_path, *worker_args, *extra,
+                          transport="mpi" if args.mpi else "gloo", timeout=7200, env={"OMP_NUM_THREADS": "1"},
+                          on_line=progress)
+    except launch.LaunchError as exc:
+        print(f"[demo] {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    if not os.path.exists(raw_path):
+        print("[demo] the worker wrote no results", file=sys.stderr)
+        return 1
     with open(raw_path, encoding="utf-8") as f:
         raw = json.load(f)
     runs = raw["runs"]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from safebits_hvd.baselines import BUDGETED, make_compressor
+from safebits_hvd.baselines import label as compressor_label
 
 COLLAPSE_FACTOR = 0.9
 """A run has collapsed when its loss is non-finite or its final validation loss exceeds this multiple of the
@@ -204,7 +205,7 @@ def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, r
         opt.step()
         record = compression.last_step
         losses.append(mean_loss)
-        bits.append(int(record.used_bits_total))
+        bits.append(int(record.modeled_bits_total))
         violations += int(record.violation)
         escalations += len(record.escalations)
     wall_s = time.perf_counter() - start
@@ -257,7 +258,7 @@ def main() -> None:
                 run_id += 1
                 runs.append(result)
                 if rank0:
-                    label = compressor + (f"@{budget:g}" if budget is not None else "")
+                    label = compressor_label(compressor, budget)
                     print(f"[demo] {name:10s} seed={seed} {label:16s} loss {result['curves']['initial_loss']:.3f}"
                           f" -> {result['final_loss']:.3f}  {task.metric_name}={result['final_metric']:.4f}"
                           f"  ratio={result['compression_ratio'] or float('nan'):6.2f}x"

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import safebits_hvd as sb
+from safebits_hvd.exchange import TimedExchange, make_exchange
 
 
 def make_model(width: int, layers: int) -> nn.Sequential:
@@ -81,60 +82,41 @@ def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, bud
         "batch_per_rank": batch, "steps": steps,
         "median_step_s_safebits": medians["safebits"], "median_step_s_none": medians["none"],
         "step_ratio": medians["safebits"] / medians["none"],
-        "compression_ratio": record.compression_ratio if record else None,
-        "transport": type(compression._exchange).__name__,
+        "compression_ratio": record.modeled_compression_ratio if record else None,
+        "transport": type(compression.exchange).__name__,
     }
 
 
-class TimedSafeBits(sb.SafeBits):
-    """SafeBits that times, per step, the start and the finish of the exchange and the allocation."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.seconds: dict[int, float] = {}
-
-    def _add(self, step: int, seconds: float) -> None:
-        self.seconds[step] = self.seconds.get(step, 0.0) + seconds
-
-    def _close_step(self) -> None:
-        step, start = self._step, time.perf_counter()
-        super()._close_step()
-        self._add(step, time.perf_counter() - start)
-
-    def _finish_exchange(self) -> None:
-        step, start = self._pending[0], time.perf_counter()
-        super()._finish_exchange()
-        self._add(step, time.perf_counter() - start)
-
-    def _allocate(self, *args: Any, **kwargs: Any) -> Any:
-        step, start = self._step - 1, time.perf_counter()     # the allocation that step's exchange feeds
-        allocation = super()._allocate(*args, **kwargs)
-        self._add(step, time.perf_counter() - start)
-        return allocation
-
-
 def bench_exchange(tensors: int, numel: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Per-step exchange plus allocation time of SafeBits over ``tensors`` tensors."""
+    """Per-step exchange plus allocation time of SafeBits over ``tensors`` tensors, timed through the public seams:
+    the exchange wrapped in :class:`~safebits_hvd.exchange.TimedExchange` (its start), ``flush()`` (the wait and
+    the step's record) and ``core.allocation_seconds`` (the next allocation)."""
     torch.manual_seed(0)
     params = [nn.Parameter(torch.zeros(numel)) for _ in range(tensors)]
-    compression = TimedSafeBits([(f"t{i}", p) for i, p in enumerate(params)], budget_bits=4.0,
-                                name="safebits.exchange")
+    timed = TimedExchange(make_exchange("safebits.exchange"))
+    compression = sb.SafeBits([(f"t{i}", p) for i, p in enumerate(params)], budget_bits=4.0, exchange=timed)
     gen = torch.Generator().manual_seed(hvd.rank())
     # For scale, each step also times a bare Horovod MAX allreduce of a vector as long as the exchanged one: the
     # floor that Horovod's background cycle (HOROVOD_CYCLE_TIME, 1 ms by default) sets for any Horovod collective.
-    bare = torch.zeros(compression._exchange_layout[-1][1], dtype=torch.float64)
-    bare_seconds = []
+    bare = torch.zeros(compression.core.layout.length, dtype=torch.float64)
+    bare_seconds, per_step = [], []
     for _ in range(warmup + steps + 1):
         for p in params:
             p.grad = torch.randn(numel, generator=gen)
-        for p in params:
+        allocation_seconds = None
+        for i, p in enumerate(params):
             compression.compress(p.grad)
+            if i == 0:
+                allocation_seconds = compression.core.allocation_seconds
+        start = time.perf_counter()
         compression.flush()
+        finish_seconds = time.perf_counter() - start
+        per_step.append((allocation_seconds, timed.start_seconds[-1] + finish_seconds))
         start = time.perf_counter()
         hvd.synchronize(hvd.allreduce_async_(bare, op=hvd.Max, name="exchange.bare"))
         bare_seconds.append(time.perf_counter() - start)
-    # Step s: close + finish of step s, and the allocation of step s + 1 computed from it.
-    per_step = [compression.seconds[s] for s in range(warmup, warmup + steps)]
+    # Step s: start + finish of step s's exchange, and the allocation of step s + 1 computed from it.
+    per_step = [per_step[s][1] + per_step[s + 1][0] for s in range(warmup, warmup + steps)]
     gathered = hvd.allgather_object((per_step, bare_seconds[warmup:warmup + steps]), name="exchange.seconds")
     last_arrival = [min(rank[0][s] for rank in gathered) for s in range(steps)]
     slowest = [max(rank[0][s] for rank in gathered) for s in range(steps)]
@@ -146,7 +128,7 @@ def bench_exchange(tensors: int, numel: int, steps: int, warmup: int) -> dict[st
         "exchange_allocation_ms_slowest_rank_median": 1e3 * statistics.median(slowest),
         "bare_horovod_allreduce_ms_median": 1e3 * statistics.median(bare_last_arrival),
         "exchanged_values": len(bare),
-        "transport": type(compression._exchange).__name__,
+        "transport": type(timed.inner).__name__,
     }
 
 

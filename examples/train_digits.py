@@ -67,7 +67,7 @@ def main() -> None:
         with torch.no_grad():
             accuracy = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
         records = compression.history[first_record:]
-        ratio = statistics.median(r.compression_ratio for r in records)
+        ratio = statistics.median(r.modeled_compression_ratio for r in records)
         violations = sum(r.violation for r in records)
         escalations = sum(len(r.escalations) for r in records)
         if hvd.rank() == 0:

@@ -209,7 +209,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         violations += bool(record.violation)
         escalations += len(record.escalations)
         summary = (record.allocation_digest, record.violation, record.excess_bits, tuple(record.escalations),
-                   record.used_bits_total, tuple(sorted(record.actions.items())), params_digest(model))
+                   record.modeled_bits_total, tuple(sorted(record.actions.items())), params_digest(model))
         gathered = hvd.allgather_object(summary, name=f"{sc.name}.summary.{step}")
         labels = ["allocation digest", "violation", "excess bits", "escalations", "used bits", "actions",
                   "parameters (bitwise)"]
@@ -252,9 +252,9 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         check(violations > 0, "expected budget violations with this tight budget, got none")
     if sc.expect_escalation:
         check(escalations > 0, "expected escalations with these thresholds, got none")
-    history_ratio = float(np.median([r.compression_ratio for r in compression.history]))
+    history_ratio = float(np.median([r.modeled_compression_ratio for r in compression.history]))
     return {"loss": f"{first_loss:.3f}->{last_loss:.3f}", "violations": violations, "escalations": escalations,
-            "ratio": round(history_ratio, 2), "transport": type(compression._exchange).__name__}
+            "ratio": round(history_ratio, 2), "transport": type(compression.exchange).__name__}
 
 
 def run_unregistered() -> dict[str, Any]:

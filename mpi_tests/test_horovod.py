@@ -7,52 +7,29 @@ A non-zero exit or a timeout fails the test with the workers' output. Run: ``.ve
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from safebits_hvd import launch
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "mpi_tests" / "hvd_worker.py"
 EXAMPLE = REPO / "examples" / "train_digits.py"
-BIN = Path(sys.executable).parent
-HOROVODRUN = BIN / "horovodrun" if (BIN / "horovodrun").exists() else shutil.which("horovodrun")
 
 # Scenarios of the 4-rank Gloo run (the machine has 2 cores: keep it short).
 NP4_SCENARIOS = "train_average,op_sum,groups_int,unused_param,zero_grad_keep,inconsistent,inconsistent_menu"
 
-pytestmark = pytest.mark.skipif(HOROVODRUN is None, reason="horovodrun not installed")
-
-
-def launch_env() -> dict[str, str]:
-    """Environment of a launch: run as root allowed, idle MPI ranks yield the (few) cores."""
-    env = dict(os.environ)
-    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "OMPI_MCA_mpi_yield_when_idle": "1", "PYTHONDONTWRITEBYTECODE": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)})
-    return env
+pytestmark = pytest.mark.skipif(launch.horovodrun_path() is None, reason="horovodrun not installed")
 
 
 def horovodrun(np_: int, transport: str, script: Path, *args: str, timeout: float) -> str:
-    """Run ``horovodrun -np np_ --transport python script args``; return its output or fail the test."""
-    command = [str(HOROVODRUN), "-np", str(np_), "-H", f"localhost:{np_}", f"--{transport}",
-               sys.executable, str(script), *args]
-    proc = subprocess.Popen(command, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """Run ``script`` on ``np_`` ranks; return its output or fail the test (exit status, timeout: a hang?)."""
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)       # the launcher and every rank it started
-        output, _ = proc.communicate()
-        pytest.fail(f"timeout after {timeout:.0f}s (a hang?): {' '.join(command)}\n{output[-8000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"exit status {proc.returncode}: {' '.join(command)}\n{output[-8000:]}")
-    return output
+        return launch.horovodrun(np_, script, *args, transport=transport, timeout=timeout)
+    except launch.LaunchError as exc:
+        pytest.fail(str(exc))
 
 
 def scenario_lines(output: str) -> list[str]:

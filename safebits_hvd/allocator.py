@@ -1,4 +1,4 @@
-"""Global bit allocation (DESIGN section 1, steps 4-5): a multiple-choice knapsack.
+"""Global bit allocation (docs/DESIGN.md, "The algorithm as implemented", step 1): a multiple-choice knapsack.
 
 Choose one admissible action per tensor to minimise the total squared error ``sum_i err_i(a_i)`` subject to
 ``sum_i cost_i(a_i) <= budget`` (bits). :func:`allocate` is the production path, :func:`allocate_exact` the oracle.
@@ -19,9 +19,8 @@ the LP relaxation is solved exactly by the hull prefix and differs from the inte
 Everything is deterministic and uses only its inputs (no rank, no randomness): upgrades with equal slopes go
 by position along the hull, then tensor index; equal points by menu order.
 
-Two implementations of steps 1-3, one arithmetic: ``kernels/allocator.c`` (the default: 0.14 ms for 1,000
-tensors against 1.9 ms here, ``bench/bench_allocator.py``; it keeps the per-step exchange plus allocation under
-2 ms) and :func:`_hull_greedy` here in NumPy (used without a C compiler; the C file's test oracle). They perform
+Two implementations of steps 1-3, one arithmetic: ``kernels/allocator.c`` (the default: an order of magnitude
+faster, docs/RESULTS.md, measured by ``bench/bench_allocator.py``) and :func:`_hull_greedy` here in NumPy (used without a C compiler; the C file's test oracle). They perform
 the same float64 operations with the same tie-breaking and return the same choice bit for bit, so ranks agree
 whichever one they run.
 """

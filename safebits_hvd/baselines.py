@@ -30,32 +30,27 @@ escalations (a fixed compressor has no budget to violate: ``budget_bits_total`` 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from . import kernels
-from .actions import FP16, FP32, Action, qsgd, scaled_sign, ternary, topk
-from .compressor import Compressor, SafeBits
-from .memory import ErrorFeedback
-from .params import GradientIndex
-from .rng import stream_key
-from .screen import distortion_cosine
-from .telemetry import StepRecord
+from .actions import FP16, FP32, Action, make_menu, qsgd, scaled_sign, ternary, topk
+from .compressor import Compressor, Context, CoreCompressor, SafeBits, registered_parameters
+from .core import SafeBitsCore
+from .exchange import LocalExchange
+from .policy import FixedActionPolicy
 
-__all__ = ["BUDGETED", "REGISTRY", "FixedActionCompressor", "make_compressor"]
+__all__ = ["BUDGETED", "REGISTRY", "FixedActionCompressor", "label", "make_compressor"]
 
 
-class _Context(NamedTuple):
-    shape: torch.Size
-    dtype: torch.dtype
-
-
-class FixedActionCompressor(Compressor):
+class FixedActionCompressor(CoreCompressor):
     """Send every gradient with one action, with or without error feedback; account modeled bits per step.
+
+    The same core as SafeBits (:class:`~.core.SafeBitsCore`) with a fixed policy (:class:`~.policy.FixedActionPolicy`:
+    no screen, no allocation), so parameter matching, step closing, records and checkpoints are SafeBits' own.
+    Records are this rank's (no statistics exchange between ranks: there is nothing to agree on).
 
     Args:
         named_parameters: ``(name, parameter)`` pairs; gradients are matched to them by identity.
@@ -63,110 +58,43 @@ class FixedActionCompressor(Compressor):
         error_feedback: keep the residual ``e <- v - Q(v)`` per parameter (else ``Q(g)``, no memory).
         seed: seed of the counter-based stochastic-rounding RNG (key per seed, step, tensor index).
         wire_dtype: None: the kernel's float32 output is sent (dequantized values). ``torch.float16``:
-            Horovod's FP16Compressor semantics (cast, allreduce in float16, cast back); fp16 action only.
+            Horovod's FP16Compressor semantics (allreduce in float16, cast back); fp16 action only.
+        max_history: records kept in :attr:`history`.
 
     Attributes:
         bits_per_step: modeled bits of one step (sum over parameters of ``action.cost(numel)``).
-        last_step, history: :class:`StepRecord` of the last / every completed step (distortion and cosine of
-            what was sent per parameter; NaN for fp16, which is cast, not passed through the kernel).
+        last_step, history: :class:`StepRecord` of the last / last ``max_history`` completed steps.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], action: Action, *,
-                 error_feedback: bool, seed: int = 0, wire_dtype: torch.dtype | None = None) -> None:
-        pairs = [(n, p) for n, p in named_parameters if p.requires_grad]
-        if not pairs:
-            raise ValueError("named_parameters holds no parameter with requires_grad=True")
+                 error_feedback: bool, seed: int = 0, wire_dtype: torch.dtype | None = None,
+                 max_history: int = 10000) -> None:
         if wire_dtype is not None and action.name != FP16.name:
             raise ValueError("wire_dtype=float16 is only meaningful with the fp16 action")
-        self.names: list[str] = [n for n, _ in pairs]
-        self._params: list[torch.nn.Parameter] = [p for _, p in pairs]
-        self._index = GradientIndex(self._params)
-        self.numels = np.array([p.numel() for p in self._params], dtype=np.int64)
-        self.total_elements = int(self.numels.sum())
+        names, params = registered_parameters(named_parameters)
+        numels = np.array([p.numel() for p in params], dtype=np.int64)
+        menu = make_menu([action] if action.lossless else [FP32, action])
+        policy = FixedActionPolicy(menu, numels, menu.names.index(action.name))
+        self.bits_per_step = policy.bits_per_step
+        core = SafeBitsCore(names, numels, policy=policy, schedule=lambda step: self.bits_per_element, seed=seed,
+                            exchange=LocalExchange(), error_feedback=error_feedback, nonfinite="propagate",
+                            max_history=max_history)
+        self._attach(params, core)
         self.action = action
         self.error_feedback = error_feedback
-        self.seed = seed
         self.wire_dtype = wire_dtype
-        self.bits_per_step = int(sum(action.cost(int(n)) for n in self.numels))
-        self.memory = ErrorFeedback()
-        self.history: list[StepRecord] = []
-        self.last_step: StepRecord | None = None
-        self._step = 0
-        self._done = np.zeros(len(self._params), dtype=bool)
-        self._distortion = np.zeros(len(self._params))
-        self._cosine = np.ones(len(self._params))
-
-    @property
-    def step(self) -> int:
-        """Index of the next step to be compressed."""
-        return self._step
 
     @property
     def bits_per_element(self) -> float:
         """Modeled bits per parameter per step."""
         return self.bits_per_step / self.total_elements
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
         """Quantize one gradient; returns the wire tensor (flat) and the context for :meth:`decompress`."""
-        index = self._index.find(tensor, ~self._done)
-        if self._done[index]:       # a parameter came twice: close the previous (incomplete) step
-            self._close_step()
-        ctx = _Context(tensor.shape, tensor.dtype)
-        g = tensor.detach().reshape(-1)
-        if self.wire_dtype is None:
-            g = g.to(torch.float32).contiguous()
-        n = g.numel()
+        out, ctx = super().compress(tensor)
         if self.wire_dtype is not None:
-            out = g.to(self.wire_dtype)          # Horovod's FP16Compressor: cast on the wire
-            self._distortion[index], self._cosine[index] = math.nan, math.nan   # not measured (no kernel pass)
-        elif self.action.lossless:
-            out = g
-            self._distortion[index], self._cosine[index] = 0.0, 1.0
-        else:
-            if self.error_feedback:
-                e = self.memory.residual(self.names[index], n, g.device)
-            else:
-                e = torch.zeros(n, dtype=torch.float32, device=g.device)   # no memory: dropped after the call
-            out = torch.empty(n, dtype=torch.float32, device=g.device)
-            key = stream_key(self.seed, self._step, index)
-            stats = kernels.quantize_ef(g, e, out, self.action, key).cpu().numpy()
-            d, c = distortion_cosine(stats)
-            self._distortion[index], self._cosine[index] = float(d), float(c)
-        self._done[index] = True
-        if self._done.all():
-            self._close_step()
+            out = out.to(self.wire_dtype)            # Horovod's FP16Compressor: float16 on the wire
         return out, ctx
-
-    def decompress(self, tensor: torch.Tensor, ctx: _Context) -> torch.Tensor:
-        """The reduced wire tensor back in the gradient's shape and dtype."""
-        if tensor.dtype != ctx.dtype:
-            tensor = tensor.to(ctx.dtype)
-        return tensor.view(ctx.shape)
-
-    def _close_step(self) -> None:
-        sent = np.flatnonzero(self._done)
-        used = int(sum(self.action.cost(int(self.numels[i])) for i in sent))
-        record = StepRecord(
-            step=self._step, budget_bits_total=float(used), used_bits_total=used,
-            compression_ratio=(32.0 * self.total_elements / used) if used else math.inf,
-            violation=False, excess_bits=0.0, escalations=[],
-            actions={self.names[i]: self.action.name for i in sent},
-            distortion={self.names[i]: float(self._distortion[i]) for i in sent},
-            cosine={self.names[i]: float(self._cosine[i]) for i in sent},
-            allocation_digest="")
-        self.last_step = record
-        self.history.append(record)
-        self._done[:] = False
-        self._step += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        """Step counter and error-feedback residuals (per rank)."""
-        return {"step": self._step, "residuals": self.memory.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self._step = int(state["step"])
-        self.memory.load_state_dict(state["residuals"])
 
 
 Factory = Callable[..., Compressor]
@@ -219,3 +147,8 @@ def make_compressor(name: str, named_parameters: Iterable[tuple[str, torch.nn.Pa
     if name not in REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; known: {sorted(REGISTRY)}")
     return REGISTRY[name](named_parameters, seed=seed, budget_bits=budget_bits, **kwargs)
+
+
+def label(name: str, budget_bits: float | None = None) -> str:
+    """How reports name a run: ``name`` or ``name@budget`` (``safebits@4.4``)."""
+    return name + (f"@{budget_bits:g}" if budget_bits is not None else "")

@@ -1,4 +1,4 @@
-"""Error feedback (DESIGN section 1, steps 1 and 6): the per-parameter residual ``e``.
+"""Error feedback (docs/DESIGN.md, "The algorithm as implemented", step 3): the per-parameter residual ``e``.
 
 Each step the compressor sends ``q = Q(v)`` for ``v = g + e`` and keeps ``e <- v - q``, where ``q`` is exactly what
 went on the wire, so nothing is lost, only delayed: over any number of steps

@@ -1,4 +1,4 @@
-"""Matching a gradient to its parameter (DESIGN section 3).
+"""Matching a gradient to its parameter (docs/DESIGN.md, "Matching a gradient to its parameter").
 
 Horovod's ``compress(tensor)`` is not told which parameter ``tensor`` belongs to, and with
 ``zero_grad(set_to_none=True)`` (PyTorch's default) ``p.grad`` is a new tensor every step, so neither

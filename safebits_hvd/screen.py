@@ -1,4 +1,4 @@
-"""The safety screen (DESIGN section 1, step 3).
+"""The safety screen (docs/DESIGN.md, "The algorithm as implemented", step 2).
 
 An action ``a`` is admissible for the EF-corrected update ``v`` when, on the values ``q = Q_a(v)`` that would
 really be sent,

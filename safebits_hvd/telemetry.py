@@ -1,12 +1,24 @@
-"""Step records, JSON-lines telemetry and rate-limited warnings."""
+"""Step records: what each step did, kept in a bounded history, written as JSON lines, warned about.
+
+:class:`StepRecord` is the public record. The core hands each finished step over as :class:`StepArrays` (the
+reduced per-tensor arrays); :class:`StepLog` keeps them and builds a :class:`StepRecord` only when one is read
+(building dicts of 1,000 tensors costs more than the exchange itself), writes the JSON-lines log and logs
+rate-limited warnings for violations and escalations.
+
+"Modeled" bits are what a packed wire format carries for the actions sent (:meth:`.actions.Action.cost`).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 logger = logging.getLogger("safebits_hvd")
 
@@ -17,11 +29,12 @@ class StepRecord:
 
     Attributes:
         step: optimizer step index (0-based).
-        budget_bits_total: the budget ``B`` of this step in bits (``budget_bits * total elements``).
-        used_bits_total: modeled bits actually sent (per tensor, the costliest action any rank sent).
-        compression_ratio: ``32 * total elements / used_bits_total``.
-        violation: ``used_bits_total > budget_bits_total`` (no safe assignment fitted, or escalations overran).
-        excess_bits: ``max(0, used_bits_total - budget_bits_total)``.
+        budget_bits_total: the budget ``B`` of this step in bits, all tensors (``budget_bits`` per parameter times
+            the number of parameters).
+        modeled_bits_total: modeled bits sent, all tensors (per tensor, the costliest action any rank sent).
+        modeled_compression_ratio: ``32 * total elements / modeled_bits_total``.
+        violation: ``modeled_bits_total > budget_bits_total`` (no safe assignment fitted, or escalations overran).
+        excess_bits: ``max(0, modeled_bits_total - budget_bits_total)``.
         escalations: parameters whose allocated action was not admissible at send time on some rank.
         actions: parameter name -> action sent.
         distortion: parameter name -> normalized distortion of what was sent (max over ranks).
@@ -30,12 +43,14 @@ class StepRecord:
         allocated: parameter name -> action the global allocation chose for this step.
         skipped: parameters whose gradient was non-finite and skipped (``nonfinite='skip'``).
         infeasible: the allocator found no safe assignment within the budget and fell back to minimum cost.
+
+    ``used_bits_total`` and ``compression_ratio`` are deprecated aliases of the ``modeled_`` fields (one release).
     """
 
     step: int
     budget_bits_total: float
-    used_bits_total: int
-    compression_ratio: float
+    modeled_bits_total: int
+    modeled_compression_ratio: float
     violation: bool
     excess_bits: float
     escalations: list[str]
@@ -49,6 +64,20 @@ class StepRecord:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, allow_nan=True)
+
+    @property
+    def used_bits_total(self) -> int:
+        """Deprecated: :attr:`modeled_bits_total`."""
+        warnings.warn("StepRecord.used_bits_total is deprecated; use modeled_bits_total", DeprecationWarning,
+                      stacklevel=2)
+        return self.modeled_bits_total
+
+    @property
+    def compression_ratio(self) -> float:
+        """Deprecated: :attr:`modeled_compression_ratio`."""
+        warnings.warn("StepRecord.compression_ratio is deprecated; use modeled_compression_ratio",
+                      DeprecationWarning, stacklevel=2)
+        return self.modeled_compression_ratio
 
 
 class JsonlWriter:
@@ -92,3 +121,110 @@ class RateLimitedWarning:
         """Counts one occurrence and logs it if it is the 1st, 10th, 100th, ..."""
         if self.tick():
             self.log(message, *args)
+
+
+class StepArrays(NamedTuple):
+    """A finished step as reduced per-tensor arrays (registration order), turned into a :class:`StepRecord` when
+    read."""
+
+    step: int
+    budget_bits_total: float
+    modeled_bits_total: int
+    sent: np.ndarray            # menu index of the action sent (the costliest over ranks), -1 if skipped
+    allocated: np.ndarray       # menu index the allocation chose
+    distortion: np.ndarray      # of what was sent, max over ranks
+    cosine: np.ndarray          # of what was sent, min over ranks
+    escalated: np.ndarray       # bool
+    skipped: np.ndarray         # bool
+    allocation_digest: str
+    infeasible: bool
+
+
+class StepLog:
+    """The last ``max_history`` steps, the last one always, the JSON-lines log and the warnings.
+
+    Args:
+        names: parameter names, in registration order.
+        action_names: menu action names, in menu order.
+        total_elements: parameters' total element count (for the compression ratio).
+        max_history: records kept in :attr:`history`.
+        log_path: JSON-lines file, or None. With several ranks only rank 0 writes, unless it contains ``{rank}``.
+    """
+
+    def __init__(self, names: list[str], action_names: list[str], total_elements: int, max_history: int,
+                 log_path: str | None) -> None:
+        self.names = names
+        self._name_array = np.array(names, dtype=object)
+        self._action_names = np.array([*action_names, "skipped"], dtype=object)    # index -1 reads "skipped"
+        self.total_elements = total_elements
+        self.max_history = max_history
+        self.log_path = log_path
+        self._records: list[StepRecord | StepArrays] = []
+        self._last: StepRecord | StepArrays | None = None
+        self._built = 0          # self._records[:self._built] are all StepRecords
+        self._writer: JsonlWriter | None = None
+        self._violation_warning = RateLimitedWarning("budget violations")
+        self._escalation_warning = RateLimitedWarning("steps with escalations")
+
+    def add(self, arrays: StepArrays, rank: int) -> None:
+        """Keep a finished step, log it (``rank``: this process's rank, for the log path) and warn."""
+        self._last = arrays
+        self._records.append(arrays)
+        excess = len(self._records) - self.max_history
+        if excess > 0:
+            del self._records[:excess]
+            self._built = max(0, self._built - excess)
+        if self.log_path is not None:
+            if self._writer is None and ("{rank}" in self.log_path or rank == 0):
+                self._writer = JsonlWriter(self.log_path.format(rank=rank))
+            if self._writer is not None:
+                self._writer.write(self.last)
+        used, budget = arrays.modeled_bits_total, arrays.budget_bits_total
+        if used > budget:
+            self._violation_warning(
+                "SafeBits step %d: budget violation, %d bits used for a budget of %.0f (excess %.0f)%s",
+                arrays.step, used, budget, used - budget, ": no safe assignment fits" if arrays.infeasible else "")
+        if arrays.escalated.any() and self._escalation_warning.tick():
+            escalations = self._name_array[arrays.escalated]
+            self._escalation_warning.log("SafeBits step %d: %d tensors escalated (e.g. %s)", arrays.step,
+                                         len(escalations), escalations[:3].tolist())
+
+    def record(self, arrays: StepArrays) -> StepRecord:
+        """The :class:`StepRecord` of a step's arrays."""
+        used, budget = arrays.modeled_bits_total, arrays.budget_bits_total
+        names, action_names = self.names, self._action_names
+        return StepRecord(
+            step=arrays.step, budget_bits_total=budget, modeled_bits_total=used,
+            modeled_compression_ratio=(32.0 * self.total_elements / used) if used else math.inf,
+            violation=used > budget, excess_bits=max(0.0, used - budget),
+            escalations=self._name_array[arrays.escalated].tolist(),
+            actions=dict(zip(names, action_names[arrays.sent].tolist(), strict=True)),
+            distortion=dict(zip(names, arrays.distortion.tolist(), strict=True)),
+            cosine=dict(zip(names, arrays.cosine.tolist(), strict=True)),
+            allocation_digest=arrays.allocation_digest,
+            allocated=dict(zip(names, action_names[arrays.allocated].tolist(), strict=True)),
+            skipped=self._name_array[arrays.skipped].tolist(),
+            infeasible=arrays.infeasible)
+
+    @property
+    def last(self) -> StepRecord | None:
+        """The last finished step's record (None before the first)."""
+        if isinstance(self._last, StepArrays):
+            built = self.record(self._last)
+            if self._records and self._records[-1] is self._last:
+                self._records[-1] = built
+            self._last = built
+        return self._last
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """The last ``max_history`` records, oldest first (a new list each time)."""
+        records = self._records
+        for i in range(self._built, len(records)):          # only records added since the last call
+            if isinstance(records[i], StepArrays):
+                built = self.record(records[i])
+                if records[i] is self._last:
+                    self._last = built
+                records[i] = built
+        self._built = len(records)
+        return list(records)

@@ -44,9 +44,9 @@ def test_modeled_bits_match_action_cost(name: str, action: sb.Action) -> None:
     expected = sum(action.cost(p.numel()) for p in model.parameters())
     rec = comp.last_step
     assert rec is not None and rec.step == 0 and comp.step == 1
-    assert rec.used_bits_total == expected == comp.bits_per_step
+    assert rec.modeled_bits_total == expected == comp.bits_per_step
     n = sum(p.numel() for p in model.parameters())
-    assert rec.compression_ratio == pytest.approx(32 * n / expected)
+    assert rec.modeled_compression_ratio == pytest.approx(32 * n / expected)
     assert rec.violation is False and rec.escalations == []
     for name_p, p in model.named_parameters():
         assert sent[name_p].shape == p.grad.shape and sent[name_p].dtype == p.grad.dtype

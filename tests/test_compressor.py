@@ -59,9 +59,9 @@ def test_budget_respected_or_violation_recorded(budget: float) -> None:
     assert len(c.history) == 8
     for record in c.history:
         assert record.budget_bits_total == pytest.approx(budget * total)
-        assert record.violation == (record.used_bits_total > record.budget_bits_total)
-        assert record.excess_bits == pytest.approx(max(0, record.used_bits_total - record.budget_bits_total))
-        assert record.compression_ratio == pytest.approx(32 * total / record.used_bits_total)
+        assert record.violation == (record.modeled_bits_total > record.budget_bits_total)
+        assert record.excess_bits == pytest.approx(max(0, record.modeled_bits_total - record.budget_bits_total))
+        assert record.modeled_compression_ratio == pytest.approx(32 * total / record.modeled_bits_total)
     if budget >= 32:
         assert all(set(r.actions.values()) == {"fp32"} and not r.violation for r in c.history[1:])
     if budget >= 8:   # enough for int8 everywhere: after step 0 the allocation fits and is safe
@@ -108,15 +108,19 @@ def test_step_record_fields() -> None:
     record = c.last_step
     assert isinstance(record, StepRecord) and record.step == 1 and c.history[0].step == 0
     names = {name for name, _ in params}
-    for field in ["step", "budget_bits_total", "used_bits_total", "compression_ratio", "violation",
+    for field in ["step", "budget_bits_total", "modeled_bits_total", "modeled_compression_ratio", "violation",
                   "excess_bits", "escalations", "actions", "distortion", "cosine", "allocation_digest"]:
         assert hasattr(record, field)
+    with pytest.warns(DeprecationWarning, match="modeled_bits_total"):      # the old names, for one release
+        assert record.used_bits_total == record.modeled_bits_total
+    with pytest.warns(DeprecationWarning, match="modeled_compression_ratio"):
+        assert record.compression_ratio == record.modeled_compression_ratio
     assert set(record.actions) == set(record.distortion) == set(record.cosine) == names
     assert set(record.actions.values()) <= set(sb.DEFAULT_MENU.names)
     assert isinstance(record.escalations, list) and set(record.escalations) <= names
     assert len(record.allocation_digest) == 16
     expected_bits = sum(sb.ACTIONS[record.actions[n]].cost(p.numel()) for n, p in params)
-    assert record.used_bits_total == expected_bits
+    assert record.modeled_bits_total == expected_bits
 
 
 def test_log_path_writes_one_json_line_per_step(tmp_path) -> None:
@@ -218,7 +222,7 @@ def test_unscreened_ablation_sends_the_allocation() -> None:
     run_steps(c, params, 4)
     assert all(not r.escalations for r in c.history)
     assert all(r.actions == r.allocated for r in c.history)
-    assert np.mean([r.used_bits_total <= r.budget_bits_total for r in c.history[1:]]) == 1.0
+    assert np.mean([r.modeled_bits_total <= r.budget_bits_total for r in c.history[1:]]) == 1.0
 
 
 def test_records_read_late_equal_records_read_at_once() -> None:
@@ -241,22 +245,22 @@ def test_records_read_late_equal_records_read_at_once() -> None:
 class PairExchange:
     """Two SafeBits objects in one process as two ranks: the element-wise MAX of both vectors, in place."""
 
+    is_local = False
+    rank = 0
     size = 2
 
     def __init__(self) -> None:
         self.pending: list[np.ndarray] = []
 
-    def start(self, values: np.ndarray) -> np.ndarray:
+    def start(self, values: np.ndarray) -> None:
         self.pending.append(values)
-        return values
 
-    def wait(self, handle: np.ndarray) -> np.ndarray:
+    def wait(self, handle: None) -> None:
         if len(self.pending) == 2:          # the first rank to wait reduces for both
             first, second = self.pending
             np.maximum(first, second, out=first)
             second[:] = first
             self.pending = []
-        return handle
 
 
 def test_an_action_one_rank_screens_out_is_allocated_to_no_rank() -> None:
@@ -268,8 +272,7 @@ def test_an_action_one_rank_screens_out_is_allocated_to_no_rank() -> None:
     exchange = PairExchange()
     for _ in range(2):
         w, u = torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(4096))
-        c = sb.SafeBits([("w", w), ("u", u)], budget_bits=1.5, menu=menu)
-        c._exchange = exchange              # both "ranks" reduce through the pair
+        c = sb.SafeBits([("w", w), ("u", u)], budget_bits=1.5, menu=menu, exchange=exchange)   # both "ranks"
         ranks.append((c, w, u))
     spikes = torch.zeros(4096)
     spikes[::97] = torch.arange(1, 44, dtype=torch.float32)

@@ -1,0 +1,338 @@
+"""The framework-free core of SCGB-EF: :class:`SafeBitsCore`, one state object per set of parameters.
+
+A front end (the Horovod compressor in :mod:`.compressor`, the fixed-action baselines in :mod:`.baselines`) matches
+each gradient to a parameter index and drives the core through three calls:
+
+* :meth:`SafeBitsCore.send` (tensor *i*): quantize it for the wire, with error feedback. The first send of a step
+  begins the step; the last one (every registered tensor sent once) closes it and starts the statistics exchange.
+* :meth:`SafeBitsCore.finish` (step *t*): wait for that step's exchange, if it is still pending, and take in the
+  reduced statistics: the step's record and the next allocation's input.
+* :meth:`SafeBitsCore.state_dict` / :meth:`~SafeBitsCore.load_state_dict`: checkpointing.
+
+The life of one step (numbers reappear in the code; docs/DESIGN.md, "The life of one step"):
+
+1. **Begin**: finish the previous step's exchange if still pending; take the step's budget from the schedule; the
+   policy allocates an action per tensor from the previous step's reduced statistics (:mod:`.policy`); digest it.
+2. **Screen**: ``kernels.screen`` measures every menu action on ``v = g + e`` over a sample of whole buckets (all
+   buckets for small tensors); the policy turns that into the admissible set.
+3. **Send**: the allocated action if admissible, else the tensor *escalates*: ``kernels.quantize_ef`` writes
+   ``q = Q(v)`` and ``e <- v - q`` in one pass and returns the exact statistics of ``q``; if they fail the screen,
+   the next candidate is tried, and the lossless action always passes. Every sent tensor satisfies the screen.
+4. **Close**: when every tensor has been sent, start the statistics exchange (:mod:`.exchange`; layout:
+   :mod:`.statistics`). Starting needs nothing from other ranks, so it cannot deadlock.
+5. **Finish**: wait for the exchange; record the step (:mod:`.telemetry`); keep the reduced statistics for the next
+   allocation; check that every rank allocated the same way (the digest).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint, kernels
+from .actions import Menu
+from .allocator import Allocation
+from .errors import SafeBitsConsistencyError, SafeBitsNonFiniteError
+from .exchange import StatisticsExchange, allocation_digest, digest_words
+from .memory import ErrorFeedback
+from .policy import BudgetPolicy
+from .rng import stream_key
+from .screen import distortion_cosine
+from .statistics import StatisticsLayout, StepStatistics
+from .telemetry import StepArrays, StepLog, StepRecord, logger
+
+NONFINITE_MODES = ("raise", "skip")
+
+
+def check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
+    """``value`` as a float, or ``ValueError`` unless it is a finite number in ``[low, high]`` (``(low, high]``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value > high or value < low or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    return float(value)
+
+
+def check_count(name: str, value: Any, minimum: int) -> int:
+    """``value`` unless it is not an int >= ``minimum`` (``ValueError``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class SafeBitsCore:
+    """SCGB-EF for ``len(names)`` tensors: allocation, screen, escalation, error feedback, exchange, records.
+
+    Args:
+        names: parameter names (unique), in registration order; tensor *i* is ``names[i]``.
+        numels: element count of each tensor.
+        policy: the per-step decisions (:class:`~.policy.BudgetPolicy`; the baselines pass a fixed one).
+        schedule: ``step -> bits per parameter``.
+        seed: seed of the counter-based stochastic-rounding RNG.
+        exchange: the statistics transport, or a callable that makes it when the first step closes (Horovod may be
+            initialized after the front end is built).
+        error_feedback: keep the residual ``e <- v - q`` per tensor (else ``e = 0`` every step).
+        nonfinite: ``"raise"``, ``"skip"`` (see :class:`~.compressor.SafeBits`), or ``"propagate"``: no check, the
+            kernels quantize whatever arrives (the baselines, like Horovod's own compressors).
+        sample_buckets: buckets per tensor the screen estimates on.
+        consistency_check_every: compare allocation digests every this many steps (0: never).
+        max_history, log_path: see :class:`~.telemetry.StepLog`.
+    """
+
+    def __init__(self, names: list[str], numels: np.ndarray, *, policy: BudgetPolicy,
+                 schedule: Callable[[int], float], seed: int,
+                 exchange: StatisticsExchange | Callable[[], StatisticsExchange], error_feedback: bool = True,
+                 nonfinite: str = "raise", sample_buckets: int = 16, consistency_check_every: int = 1,
+                 max_history: int = 10000, log_path: str | os.PathLike[str] | None = None) -> None:
+        # -- what is being compressed, and how decisions are made
+        self.names = names
+        self.numels = numels
+        self.total_elements = int(numels.sum())
+        self.policy = policy
+        self.menu: Menu = policy.menu
+        self.schedule = schedule
+        self.seed = seed
+        self.error_feedback = error_feedback
+        self.nonfinite = nonfinite
+        self.sample_buckets = sample_buckets
+        self.consistency_check_every = consistency_check_every
+        self._exchange_or_factory = exchange
+        self.exchange: StatisticsExchange | None = exchange if isinstance(exchange, StatisticsExchange) else None
+
+        # -- state carried across steps (all of it checkpointed, see state_dict)
+        self.memory = ErrorFeedback()                  # per-tensor residuals e, per rank
+        self.step = 0                                  # index of the next step to begin
+        # The last finished step's reduced statistics: the next allocation's input (None before the first step).
+        self._previous_screened: np.ndarray | None = None
+        self._previous_v2: np.ndarray | None = None
+
+        # -- the step in progress
+        tensors, actions = len(names), len(self.menu)
+        self.unsent = np.ones(tensors, dtype=bool)     # tensors not sent yet in the step in progress
+        self.in_step = False
+        self._allocation: Allocation | None = None
+        self._budget_bits_total = 0.0
+        self._digest = ""
+        # The statistics go straight into the vector the exchange reduces in place. Two vectors, by step parity:
+        # the allocation made at the start of step t reads step t-1's reduced vector, which must stay intact.
+        self.layout = StatisticsLayout(tensors, actions)
+        self._vectors = (np.empty(self.layout.length), np.empty(self.layout.length))
+        self._views = tuple(self.layout.views(v) for v in self._vectors)
+        self._fields: StepStatistics = self._views[0]
+        # The exchange in flight: (step, handle, budget of that step), finished by finish() or the next begin.
+        self._pending: tuple[int, Any, float] | None = None
+        self._samples: dict[int, torch.Tensor | None] = {}
+        self.allocation_seconds = 0.0                  # wall time of the last allocation (overhead telemetry)
+
+        # -- records
+        self.log = StepLog(names, self.menu.names, self.total_elements, max_history,
+                           os.fspath(log_path) if log_path is not None else None)
+
+    # ------------------------------------------------------------------ the three calls
+    def send(self, index: int, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Quantize tensor ``index``'s gradient for the wire; returns ``(q, step)``: the dequantized float32 values
+        (flat) and the step they belong to (for :meth:`finish`)."""
+        if self.in_step and not self.unsent[index]:
+            # A tensor came twice: the previous step never sent some registered tensors.
+            missing = [self.names[i] for i in np.flatnonzero(self.unsent)]
+            logger.warning("SafeBits step %d closed with %d registered parameters never compressed (e.g. %s); "
+                           "pass SafeBits the same parameters as the optimizer", self.step, len(missing),
+                           missing[:3])
+            self._close()
+        if not self.in_step:
+            self._begin()
+        step = self.step
+        out = self._send(index, grad)
+        self.unsent[index] = False
+        if not self.unsent.any():
+            self._close()
+        return out, step
+
+    def finish(self, step: int | None = None) -> None:
+        """Finish the pending exchange (only if it is ``step``'s, when given)."""
+        if self._pending is not None and (step is None or self._pending[0] == step):
+            self._finish()
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        return self.log.last
+
+    @property
+    def history(self) -> list[StepRecord]:
+        return self.log.history
+
+    # ------------------------------------------------------------------ 1. begin
+    def _budget_now(self) -> float:
+        bits = self.schedule(self.step)
+        if isinstance(bits, bool) or not isinstance(bits, int | float) or not math.isfinite(bits) or bits <= 0:
+            raise ValueError(f"budget schedule {self.schedule!r} returned {bits!r} at step {self.step}; "
+                             f"it must return a finite number of bits per parameter > 0")
+        return float(bits)
+
+    def _begin(self) -> None:
+        self.finish()
+        bits_per_parameter = self._budget_now()
+        self._budget_bits_total = self.policy.budget_bits_total(bits_per_parameter, self.total_elements)
+        start = time.perf_counter()
+        self._allocation = self.policy.allocate(bits_per_parameter, self._budget_bits_total,
+                                                self._previous_screened, self._previous_v2)
+        self.allocation_seconds = time.perf_counter() - start
+        self._digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
+        self.unsent[:] = True
+        self._fields = self._views[self.step % 2]
+        self.layout.reset(self._fields, self.policy.lossless, digest_words(self._digest))
+        self.in_step = True
+
+    # ------------------------------------------------------------------ 2. screen, 3. send
+    def _sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:
+        if index not in self._samples:
+            buckets = -(-n // self.menu.bucket_size)
+            if buckets <= self.sample_buckets:
+                sample = None
+            else:   # evenly spaced whole buckets: unbiased for the per-bucket quantizers, same RNG draws
+                sample = ((torch.arange(self.sample_buckets, dtype=torch.float64) + 0.5)
+                          * (buckets / self.sample_buckets)).floor().to(torch.int64).to(device)
+            self._samples[index] = sample
+        return self._samples[index]
+
+    def _residual(self, index: int, n: int, device: torch.device) -> torch.Tensor:
+        if self.error_feedback:
+            return self.memory.residual(self.names[index], n, device)
+        return torch.zeros(n, dtype=torch.float32, device=device)   # no memory: dropped after the call
+
+    def _send(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        name = self.names[index]
+        if tensor.is_sparse:
+            raise TypeError(f"SafeBits got a sparse gradient for {name!r}; use "
+                            f"hvd.DistributedOptimizer(..., sparse_as_dense=True)")
+        if not tensor.dtype.is_floating_point:
+            raise TypeError(f"gradient of {name!r} has dtype {tensor.dtype}; SafeBits compresses floating point")
+        n = tensor.numel()
+        if n != self.numels[index]:
+            raise ValueError(f"gradient of {name!r} has {n} elements, its parameter {self.numels[index]}")
+        g = tensor.detach().reshape(-1)
+        if g.dtype != torch.float32:
+            g = g.to(torch.float32)
+        g = g.contiguous()
+        e = self._residual(index, n, g.device)
+        out = torch.empty(n, dtype=torch.float32, device=g.device)
+        fields = self._fields
+        if (self.nonfinite != "propagate" and n and not math.isfinite(float(g.sum()))
+                and not bool(torch.isfinite(g).all())):
+            if self.nonfinite == "raise":
+                raise SafeBitsNonFiniteError(f"gradient of {name!r} holds NaN or Inf at step {self.step}; "
+                                             f"nothing was sent and its error-feedback residual is unchanged "
+                                             f"(SafeBits(nonfinite='skip') sends zeros instead)")
+            out.zero_()
+            fields.skipped[index] = 1.0
+            fields.v2[index] = math.inf
+            return out
+
+        key = stream_key(self.seed, self.step, index)
+        assert self._allocation is not None
+        allocated = int(self._allocation.choice[index])
+        policy = self.policy
+        if policy.allocates_from_statistics:
+            estimate = kernels.screen(g, e, self.menu, key, self._sample_of(index, n, g.device)).cpu().numpy()
+            distortion, cosine = distortion_cosine(estimate)
+            ok = policy.screen(distortion, cosine)
+            # What the allocator needs of an action is its distortion if the screen admits it, +inf if not; the
+            # MAX over ranks then admits an action only if every rank's screen did, at the largest distortion.
+            fields.screened[index] = np.where(ok, distortion, np.inf)
+        else:
+            ok = np.ones(len(self.menu), dtype=bool)
+
+        source: torch.Tensor | None = g
+        for attempt, action_index in enumerate(policy.send_order(index, allocated, ok)):
+            if attempt:
+                e.add_(out)          # e held v - q: restore v (to float rounding) and quantize it again
+                source = None
+            stats = kernels.quantize_ef(source, e, out, self.menu[action_index], key).cpu().numpy()
+            d, c = distortion_cosine(stats)
+            if policy.accepts(action_index, float(d), float(c)):
+                break
+        fields.sent_position[index] = policy.position_in_cost_order[index, action_index]
+        fields.escalated[index] = action_index != allocated
+        fields.sent_distortion[index] = d
+        fields.neg_sent_cosine[index] = -c
+        fields.screened[index, action_index] = d      # the exact figure beats the estimate (and passed the screen)
+        v2 = float(stats[3])
+        fields.v2[index] = v2 if math.isfinite(v2) else math.inf     # never NaN: NaN would poison the MAX
+        return out
+
+    # ------------------------------------------------------------------ 4. close
+    def _close(self) -> None:
+        """Every tensor of the step is on its way: start the statistics exchange."""
+        if self.exchange is None:
+            factory = self._exchange_or_factory
+            assert callable(factory)
+            self.exchange = factory()
+        vector = self._vectors[self.step % 2]
+        self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total)
+        self.in_step = False
+        self.step += 1
+        if self.exchange.is_local:
+            self._finish()
+
+    # ------------------------------------------------------------------ 5. finish
+    def _finish(self) -> None:
+        assert self._pending is not None and self.exchange is not None and self._allocation is not None
+        step, handle, budget_total = self._pending
+        self._pending = None
+        self.exchange.wait(handle)                     # the step's own vector now holds the MAX over ranks
+        reduced = self._views[step % 2]
+        sent_position = reduced.sent_position.astype(np.int64)
+        skipped = reduced.skipped > 0
+        arrays = StepArrays(step=step, budget_bits_total=budget_total,
+                            modeled_bits_total=self.policy.modeled_bits(sent_position),
+                            sent=self.policy.actions_sent(sent_position), allocated=self._allocation.choice,
+                            distortion=reduced.sent_distortion.copy(), cosine=-reduced.neg_sent_cosine,
+                            escalated=reduced.escalated > 0, skipped=skipped, allocation_digest=self._digest,
+                            infeasible=not self._allocation.feasible)
+        # The next allocation's input. A skipped tensor has no statistics: only the lossless action is known safe.
+        screened = reduced.screened
+        if skipped.any():
+            screened[skipped] = np.where(self.policy.lossless, 0.0, np.inf)
+        v2 = reduced.v2
+        self._previous_screened, self._previous_v2 = screened, np.where(np.isfinite(v2), v2, 0.0)
+        self.log.add(arrays, self.exchange.rank)
+        observe = getattr(self.schedule, "observe", None)
+        if observe is not None:
+            observe(self.log.last)
+        if (self.consistency_check_every and step % self.consistency_check_every == 0
+                and (reduced.digest + reduced.neg_digest).any()):       # MAX - MIN of each word: 0 if all agree
+            raise SafeBitsConsistencyError(
+                f"ranks disagree on the allocation of step {step} (this rank's digest {self._digest}); every rank "
+                f"must build SafeBits with the same parameters, menu, budget and thresholds")
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically (see :mod:`.checkpoint`). Call between steps."""
+        if self.in_step:
+            raise RuntimeError("SafeBits.state_dict() called in the middle of a step; call it between steps")
+        self.finish()
+        schedule_state = getattr(self.schedule, "state_dict", None)
+        return checkpoint.make_state(step=self.step, seed=self.seed, names=self.names, numels=self.numels,
+                                     menu_names=self.menu.names, residuals=self.memory.state_dict(),
+                                     screened=self._previous_screened, v2=self._previous_v2,
+                                     schedule_state=schedule_state() if schedule_state is not None else None)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; ``ValueError`` if it was saved for another model or menu."""
+        checkpoint.check_state(state, self.names, self.numels, self.menu.names)
+        if self.in_step or self._pending is not None:
+            raise RuntimeError("load_state_dict() must be called between steps")
+        self.memory.load_state_dict(state["residuals"])
+        self.step = int(state["step"])
+        self.seed = int(state["seed"])
+        self._previous_screened, self._previous_v2 = checkpoint.previous_statistics(state)
+        if state["schedule"] is not None and hasattr(self.schedule, "load_state_dict"):
+            self.schedule.load_state_dict(state["schedule"])
+

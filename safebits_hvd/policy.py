@@ -1,0 +1,141 @@
+"""The per-step decisions of SCGB-EF (docs/DESIGN.md, "The algorithm as implemented"): what each tensor is
+allocated, which actions the screen admits, the order in which a tensor escalates, and the modeled bits sent.
+
+Everything here is deterministic and depends only on its inputs, never on the rank: every rank holds the same
+reduced statistics after the exchange, so every rank makes the same decisions.
+
+* **Start policy** (no statistics yet): each tensor gets the costliest action whose modeled cost fits the
+  per-parameter budget (the cheapest action if none fits); the screen then applies as usual.
+* **Allocation** (:mod:`.allocator`): minimise the total squared error, ``distortion * ||v||^2`` from the last
+  step's reduced statistics, subject to the step's budget; inadmissible actions carry +inf. When even the
+  cheapest admissible configuration exceeds the budget, that configuration is the **fallback**
+  (``Allocation.feasible`` is False and the step records a violation).
+* **Screen**: admissible iff ``distortion <= max_distortion`` and ``cosine >= min_cosine``; lossless always is.
+* **Escalation**: the allocated action if the current screen admits it, then the other admissible actions by
+  ascending cost, then the lossless action; the first whose *exact* statistics pass (with
+  :data:`~.screen.ACCEPT_MARGIN`) is sent.
+
+"Position in cost order" is an action's index among a tensor's actions sorted by (modeled cost, menu order); the
+exchange carries the position of the action sent, and its MAX over ranks is the costliest one any rank sent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .actions import Menu
+from .allocator import Allocation, allocate
+from .screen import ACCEPT_MARGIN, admissible
+
+
+class BudgetPolicy:
+    """Allocation, screening and escalation for ``len(numels)`` tensors over one menu.
+
+    Attributes:
+        costs: ``(tensors, actions)`` modeled bits of every action for every tensor, int64.
+        lossless: per action, True for the always-admissible lossless action.
+        cost_order: per tensor, menu indices in ascending (cost, menu order).
+        position_in_cost_order: its inverse: per tensor and menu index, the position in ``cost_order``.
+    """
+
+    allocates_from_statistics = True
+    """The allocation reads the last step's statistics, so every send measures the menu (``kernels.screen``)."""
+
+    def __init__(self, menu: Menu, numels: np.ndarray, max_distortion: float, min_cosine: float,
+                 screen: bool = True) -> None:
+        self.menu = menu
+        self.numels = numels
+        self.max_distortion = max_distortion
+        self.min_cosine = min_cosine
+        self.screen_enabled = screen
+        actions = len(menu)
+        tensors = len(numels)
+        self.costs = np.array([menu.costs(int(n)) for n in numels], dtype=np.int64).reshape(tensors, actions)
+        self.lossless = np.array([a.lossless for a in menu], dtype=bool)
+        self.lossless_index = int(menu.lossless_index)
+        self.cost_order = np.lexsort((np.broadcast_to(np.arange(actions), self.costs.shape), self.costs), axis=1)
+        self.position_in_cost_order = np.argsort(self.cost_order, axis=1)
+        # Costs by position, plus a last column of 0 bits that position -1 (nothing sent) reads.
+        self._costs_by_position = np.concatenate([np.take_along_axis(self.costs, self.cost_order, axis=1),
+                                                  np.zeros((tensors, 1), dtype=np.int64)], axis=1)
+        self._rows = np.arange(tensors)
+        self._lossless_columns = np.flatnonzero(self.lossless)
+        self._errors = np.empty((tensors, actions))   # reused every step: a fresh array faults its pages in
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, bits_per_parameter: float, budget_bits_total: float,
+                 screened: np.ndarray | None, v2: np.ndarray | None) -> Allocation:
+        """The step's allocation from the last step's reduced ``screened`` distortions and ``v2`` (None before
+        the first step: the start policy)."""
+        if screened is None or v2 is None:
+            return self.start_allocation(bits_per_parameter, budget_bits_total)
+        # Squared error = normalized distortion * ||v||^2; +inf (screened out on some rank, or no statistics) stays
+        # +inf: not admissible. Lossless always is, at zero error. v = 0 has zero error at any admissible action
+        # (distortion 0), so weighting it by 1 changes nothing but keeps inf * 0 from making a NaN.
+        weight = np.where(v2 > 0, v2, 1.0)
+        errors = np.multiply(screened, weight[:, None], out=self._errors)
+        errors[:, self._lossless_columns] = 0.0
+        return allocate(self.costs, errors, None, budget_bits_total)
+
+    def start_allocation(self, bits_per_parameter: float, budget_bits_total: float) -> Allocation:
+        """Start policy: the costliest action within ``bits_per_parameter`` per element, else the cheapest."""
+        fits = self.costs <= bits_per_parameter * self.numels[:, None]
+        positions = np.where(fits, self.position_in_cost_order, -1)
+        best = positions.max(axis=1)
+        choice = np.where(best >= 0, self.cost_order[self._rows, np.maximum(best, 0)], self.cost_order[:, 0])
+        cost = int(self.costs[self._rows, choice].sum())
+        return Allocation(choice, cost, float("nan"), budget_bits_total, cost, cost <= budget_bits_total)
+
+    def budget_bits_total(self, bits_per_parameter: float, total_elements: int) -> float:
+        """The step's budget in bits, all tensors."""
+        return bits_per_parameter * total_elements
+
+    # ------------------------------------------------------------------ screening and escalation
+    def screen(self, distortion: np.ndarray, cosine: np.ndarray) -> np.ndarray:
+        """Admissible actions of one tensor from the screen's estimates (every action admissible when off)."""
+        if not self.screen_enabled:
+            return np.ones(len(self.menu), dtype=bool)
+        return admissible(distortion, cosine, self.lossless, self.max_distortion, self.min_cosine)
+
+    def send_order(self, index: int, allocated: int, ok: np.ndarray) -> list[int]:
+        """Actions to try for tensor ``index``, in order: the allocated one if admissible, the other admissible
+        ones by cost, the lossless one last (unscreened: only the allocated one)."""
+        if not self.screen_enabled:
+            return [allocated]
+        order = [allocated] if ok[allocated] else []
+        order += [int(a) for a in self.cost_order[index] if ok[a] and a != allocated and not self.lossless[a]]
+        order.append(self.lossless_index)
+        return order
+
+    def accepts(self, action_index: int, distortion: float, cosine: float) -> bool:
+        """Whether the exact statistics of what would be sent pass (lossless and unscreened always do)."""
+        return bool(not self.screen_enabled or self.lossless[action_index]
+                    or admissible(distortion, cosine, False, self.max_distortion, self.min_cosine, ACCEPT_MARGIN))
+
+    # ------------------------------------------------------------------ accounting
+    def modeled_bits(self, sent_position: np.ndarray) -> int:
+        """Modeled bits of a step from each tensor's position in cost order of the action sent (-1: nothing)."""
+        return int(self._costs_by_position[self._rows, sent_position].sum())
+
+    def actions_sent(self, sent_position: np.ndarray) -> np.ndarray:
+        """Menu index of the action sent per tensor (-1 where nothing was sent)."""
+        return np.where(sent_position >= 0, self.cost_order[self._rows, np.maximum(sent_position, 0)], -1)
+
+
+class FixedActionPolicy(BudgetPolicy):
+    """Every tensor allocated one fixed action, no screen: the fixed-action baselines (:mod:`.baselines`)."""
+
+    def __init__(self, menu: Menu, numels: np.ndarray, action_index: int) -> None:
+        super().__init__(menu, numels, max_distortion=1.0, min_cosine=-1.0, screen=False)
+        self.allocates_from_statistics = False
+        self.action_index = action_index
+        self.bits_per_step = int(self.costs[:, action_index].sum())
+
+    def allocate(self, bits_per_parameter: float, budget_bits_total: float,
+                 screened: np.ndarray | None, v2: np.ndarray | None) -> Allocation:
+        choice = np.full(len(self.numels), self.action_index, dtype=np.int64)
+        # The budget is what the fixed action costs (budget_bits_total): no violation is possible.
+        return Allocation(choice, self.bits_per_step, float("nan"), budget_bits_total, self.bits_per_step, True)
+
+    def budget_bits_total(self, bits_per_parameter: float, total_elements: int) -> float:
+        return float(self.bits_per_step)     # exact: bits_per_parameter * total_elements may round
