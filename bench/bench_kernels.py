@@ -3,6 +3,10 @@
 Run: ``.venv/bin/python -m pytest bench/bench_kernels.py --benchmark-enable -q`` (add ``--device cuda`` via
 ``SAFEBITS_BENCH_DEVICE=cuda``). The ratio (kernel / clone, clone timed in the same process) is stored in
 ``benchmark.extra_info['ratio_to_clone']``.
+
+The packed wire format: ``test_quantize_pack_ef`` (the fused packing pass into a reused payload) and
+``test_decode_add`` (one payload added into a float32 tensor) on 16M floats; targets: pack <= 1.5x clone,
+decode_add <= 1x clone (reported as ``pack_vs_clone`` / ``decode_add_vs_clone``, not asserted).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from safebits_hvd import rng
 DEVICE = os.environ.get("SAFEBITS_BENCH_DEVICE", "cpu")
 SIZES = [1 << 16, 1 << 20, 1 << 24]
 ACTIONS = ["fp32", "fp16", "bf16", "int8", "int4", "int2", "ternary", "sign", "topk10", "topk1"]
+WIRE_N = 1 << 24
+WIRE_ACTIONS = ["int4", "int8", "ternary", "sign", "topk10"]
 KEY = rng.stream_key(0, 1, 2)
 
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -59,12 +65,50 @@ def _tensors(n: int):
     return g, e, torch.empty_like(g)
 
 
-def _run(benchmark, fn, x):
+def _run(benchmark, fn, x, ratio_key: str | None = None):
     t_clone = clone_time(x)
     t_kernel = best_time(fn)
     benchmark.extra_info.update(device=DEVICE, n=x.numel(), clone_s=t_clone, kernel_s=t_kernel,
                                 ratio_to_clone=t_kernel / t_clone)
+    if ratio_key:
+        benchmark.extra_info[ratio_key] = t_kernel / t_clone
     benchmark.pedantic(fn, rounds=5, iterations=1, warmup_rounds=1)
+
+
+_wire_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _wire_tensors(n: int = WIRE_N):
+    """One set of 16M-element tensors shared by the wire benchmarks (built once: randn of 16M takes a while)."""
+    if n not in _wire_cache:
+        _wire_cache[n] = _tensors(n)
+    return _wire_cache[n]
+
+
+@pytest.mark.parametrize("name", WIRE_ACTIONS)
+def test_quantize_pack_ef(benchmark, name):
+    g, e, _ = _wire_tensors()
+    action = A.ACTIONS[name]
+    payload, _ = K.quantize_pack_ef(g, e, action, KEY)               # reused, as a Horovod send buffer would be
+
+    def fn():
+        K.quantize_pack_ef(g, e, action, KEY, payload)
+        _sync()
+
+    _run(benchmark, fn, g, "pack_vs_clone")
+    benchmark.extra_info["payload_bytes"] = payload.numel()
+
+
+@pytest.mark.parametrize("name", WIRE_ACTIONS)
+def test_decode_add(benchmark, name):
+    g, e, out = _wire_tensors()
+    payload, _ = K.quantize_pack_ef(g, e.clone(), A.ACTIONS[name], KEY)
+
+    def fn():
+        K.decode_add(payload, out)
+        _sync()
+
+    _run(benchmark, fn, g, "decode_add_vs_clone")
 
 
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
@@ -124,3 +168,12 @@ if __name__ == "__main__":  # quick table without pytest-benchmark
             tq = best_time(lambda a=a, g=g, e=e, out=out: (K.quantize_ef(g, e, out, a, KEY), _sync()))
             cells.append(f"{name}={tq / tc:.2f}")
         print(" ".join(cells), flush=True)
+    g, e, out = _tensors(WIRE_N)
+    tc = clone_time(g)
+    for name in WIRE_ACTIONS:
+        a = A.ACTIONS[name]
+        p, _ = K.quantize_pack_ef(g, e, a, KEY)
+        tp = best_time(lambda a=a, p=p: (K.quantize_pack_ef(g, e, a, KEY, p), _sync()))
+        td = best_time(lambda p=p: (K.decode_add(p, out), _sync()))
+        print(f"wire n={WIRE_N} {name:8s} pack={tp / tc:.2f}x clone  decode_add={td / tc:.2f}x clone  "
+              f"payload={p.numel()} B", flush=True)

@@ -49,11 +49,12 @@ def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return time.perf_counter() - start
 
 
-def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, budget_bits: float) -> dict[str, Any]:
+def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, budget_bits: float,
+               collective: str = "auto") -> dict[str, Any]:
     """Median step time with SafeBits and with ``hvd.Compression.none``, interleaved in one run."""
     models = {"safebits": make_model(width, layers), "none": make_model(width, layers)}
     compression = sb.SafeBits(models["safebits"].named_parameters(), budget_bits=budget_bits,
-                              name="safebits.bench")
+                              name="safebits.bench", collective=collective)
     optimizers = {}
     for label, model in models.items():
         named = [(f"{label}.{n}", p) for n, p in model.named_parameters()]
@@ -84,6 +85,8 @@ def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, bud
         "step_ratio": medians["safebits"] / medians["none"],
         "compression_ratio": record.modeled_compression_ratio if record else None,
         "transport": type(compression.exchange).__name__,
+        "collective": record.collective if record else None,
+        "wire_bytes_per_rank": record.wire_bytes if record else None,
     }
 
 
@@ -141,6 +144,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--budget-bits", type=float, default=4.0)
+    parser.add_argument("--collective", default="auto", help="SafeBits(collective=...) of the step part")
     parser.add_argument("--exchange-tensors", type=int, default=1000)
     parser.add_argument("--exchange-numel", type=int, default=256)
     parser.add_argument("--exchange-steps", type=int, default=30)
@@ -154,7 +158,7 @@ def main() -> None:
                                             warmup=3)
     if "step" in parts:
         result["step"] = bench_step(args.width, args.layers, args.batch, args.steps, warmup=3,
-                                    budget_bits=args.budget_bits)
+                                    budget_bits=args.budget_bits, collective=args.collective)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

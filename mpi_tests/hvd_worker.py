@@ -83,6 +83,7 @@ class TrackingSafeBits(sb.SafeBits):
         self.abs_sum: dict[str, torch.Tensor] = {}
         self.step_sent: dict[str, torch.Tensor] = {}
         self.wire_problems: list[str] = []
+        self.collectives: set[str] = set()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         name = next((n for n, p in self.tracked if p.grad is tensor), None)
@@ -90,9 +91,15 @@ class TrackingSafeBits(sb.SafeBits):
         out, ctx = super().compress(tensor)
         if name is None:     # super() accepted it (e.g. sparse_as_dense); nothing to track
             return out, ctx
-        if out.dtype != torch.float32 or out.numel() != tensor.numel():
-            self.wire_problems.append(f"{name}: wire {out.dtype} x {out.numel()} for grad of {tensor.numel()}")
-        sent = out.detach().to(torch.float64).clone()
+        if ctx.collective == "allgather":       # Horovod reduces a one-element marker; the payload is allgathered
+            if out.numel() != 1 or ctx.wire.dtype != torch.uint8:
+                self.wire_problems.append(f"{name}: marker of {out.numel()}, payload {ctx.wire.dtype}")
+            sent = sb.kernels.decode(ctx.wire, name=name).to(torch.float64)
+        else:
+            if out.dtype != torch.float32 or out.numel() != tensor.numel():
+                self.wire_problems.append(f"{name}: wire {out.dtype} x {out.numel()} for grad of {tensor.numel()}")
+            sent = out.detach().to(torch.float64).clone()
+        self.collectives.add(ctx.collective)
         zeros = torch.zeros_like(grad)
         self.grad_sum[name] = self.grad_sum.get(name, zeros) + grad
         self.sent_sum[name] = self.sent_sum.get(name, zeros) + sent
@@ -121,6 +128,7 @@ class Scenario:
     loss_must_fall: bool = False
     expect_violation: bool = False
     expect_escalation: bool = False
+    collective: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -165,7 +173,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
     # Distinct names per scenario: a stale Horovod op of an earlier scenario can never match a later one.
     named = [(f"{sc.name}.{n}", p) for n, p in model.named_parameters()]
     compression = TrackingSafeBits(named, budget_bits=sc.budget_bits, max_distortion=sc.max_distortion,
-                                   min_cosine=sc.min_cosine, name=f"safebits.{sc.name}")
+                                   min_cosine=sc.min_cosine, name=f"safebits.{sc.name}", collective=sc.collective)
     base = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=sc.lr)
     kwargs: dict[str, Any] = {"backward_passes_per_step": sc.backward_passes_per_step,
                               "gradient_predivide_factor": sc.gradient_predivide_factor}
@@ -245,6 +253,10 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         lossy += bool(residual.abs().max() > 0)
     check(lossy > 0, "no residual is non-zero: nothing lossy was sent, the EF check proves nothing")
 
+    # 4 bits per parameter on a few ranks: "auto" moves packed payloads (collectives.choose).
+    expected = {"dense"} if sc.collective == "dense" else {"allgather"}
+    check(compression.collectives == expected, f"collectives used {compression.collectives}, expected {expected}")
+    check({r.collective for r in compression.history} == expected, "the records' collective differs")
     last_loss = global_loss(model)
     if sc.loss_must_fall:
         check(last_loss < 0.7 * first_loss, f"training loss did not fall: {first_loss:.4f} -> {last_loss:.4f}")
@@ -254,7 +266,8 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         check(escalations > 0, "expected escalations with these thresholds, got none")
     history_ratio = float(np.median([r.modeled_compression_ratio for r in compression.history]))
     return {"loss": f"{first_loss:.3f}->{last_loss:.3f}", "violations": violations, "escalations": escalations,
-            "ratio": round(history_ratio, 2), "transport": type(compression.exchange).__name__}
+            "ratio": round(history_ratio, 2), "transport": type(compression.exchange).__name__,
+            "collective": "+".join(sorted(compression.collectives))}
 
 
 def run_unregistered() -> dict[str, Any]:
@@ -370,6 +383,7 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
     """Every scenario by name, in the order they run (the inconsistent rank last)."""
     configs = [
         Scenario("train_average", steps=40, lr=0.5, loss_must_fall=True),
+        Scenario("dense_average", steps=20, lr=0.5, loss_must_fall=True, collective="dense"),
         Scenario("op_sum", op=hvd.Sum, lr=0.05),
         Scenario("bpps2", backward_passes_per_step=2),
         Scenario("groups_int", groups=2),

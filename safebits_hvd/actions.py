@@ -1,24 +1,27 @@
 """The action menu: what a tensor may be sent as, and what that costs in modeled bits.
 
 An :class:`Action` is a small immutable value: a quantizer *kind* (which the kernels implement), its
-parameters, and :meth:`Action.cost`, the number of bits a packed wire format would carry for ``n`` elements.
-The modeled bits are what SafeBits budgets; on the Horovod wire every action travels as float32 values
-(dequantized), so that ranks which escalate differently still exchange tensors of one dtype and shape.
+parameters, and :meth:`Action.cost`, the number of bits of the packed wire payload body for ``n`` elements
+(``safebits_hvd.wire``: ``payload bytes = 16 + cost(n) / 8`` exactly, byte padding included). Each section of a
+payload is padded to a whole byte, so every cost is a multiple of 8.
 
-Cost model (``n`` elements, ``B`` = bucket size in elements, ``nb = ceil(n / B)`` buckets):
+Cost model (``n`` elements, ``B`` = bucket size in elements, ``nb = ceil(n / B)`` buckets,
+``pad8(x) = 8 ceil(x / 8)``):
 
 =============  =====================================  =============================================
-kind           what a packed format carries           modeled bits
+kind           what the packed format carries         bits (= 8 x body bytes)
 =============  =====================================  =============================================
 FLOAT32        the values                             ``32 n``
 FLOAT16/BF16   the values cast to 16 bits             ``16 n``
-QUANT          signed codes in ``[-s, s]`` plus one   ``ceil(code_bits * n) + 32 nb``; ``code_bits`` is
-               fp32 scale (max ``|v|``) per bucket    ``1 + ceil(log2(s + 1))`` (int8: s=127, int4: s=7,
-                                                      int2: s=1) or ``log2(3)`` for packed ternary
-SIGN           one sign bit per element plus one fp32 ``n + 32 nb``
-               scale (mean ``|v|``) per bucket
-TOPK           per bucket the ``k`` largest ``|v|``:   ``sum_b min(k, len_b) * (ceil(log2 B) + 16)``
-               a local index and a bf16 value         with ``k = max(1, round(fraction * B))``
+QUANT          one fp32 scale (max ``|v|``) per       ``32 nb + pad8(cb n)``; ``cb = 1 + ceil(log2(s+1))``
+               bucket, then sign-magnitude codes in   (int8: s=127, cb=8; int4: s=7, cb=4; int2: s=1,
+               ``[-s, s]`` at ``cb`` bits each        cb=2)
+QUANT ternary  one fp32 scale per bucket, then 5      ``32 nb + 8 ceil(n / 5)`` (1.6 bits per element;
+               trits per byte (``code_bits == 1.6``)  the action built by :func:`ternary`)
+SIGN           one fp32 scale (mean ``|v|``) per      ``32 nb + pad8(n)``
+               bucket, then one sign bit per element
+TOPK           per bucket the ``k`` largest ``|v|``:   ``16 K + pad8(ceil(log2 B) K)``, ``K = sum_b
+               a bf16 value and a local index         min(k, len_b)``, ``k = max(1, round(fraction * B))``
 =============  =====================================  =============================================
 
 Every quantizer works within buckets, so one fused pass over the tensor computes it exactly and a sample of
@@ -53,6 +56,53 @@ class ActionKind(IntEnum):
     TOPK = 5
 
 
+TRIT_BITS = 1.6
+"""``code_bits`` of a QUANT action with ``levels == 1`` that is packed 5 trits per byte (:func:`ternary`)."""
+
+
+def quant_code_bits(levels: int) -> int:
+    """Bits of one sign-magnitude QUANT code with magnitudes ``0..levels``: a sign bit plus the magnitude."""
+    return 1 + math.ceil(math.log2(levels + 1))
+
+
+def index_bits(bucket_size: int) -> int:
+    """Bits of one top-k local index within a bucket of ``bucket_size`` elements."""
+    return math.ceil(math.log2(bucket_size))
+
+
+def _bytes_bits(bits: int) -> int:
+    """``bits`` rounded up to whole bytes (every payload section ends on a byte boundary)."""
+    return -(-bits // 8) * 8
+
+
+def body_bits(kind: ActionKind, n: int, bucket_size: int, levels: int = 0, topk: int = 0,
+              trits: bool = False) -> int:
+    """Bits of the packed payload body (``safebits_hvd.wire``) of ``n`` elements: the ONE size formula, used by
+    :meth:`Action.cost` and by the wire decoder's length check (from header fields).
+
+    ``levels``: QUANT magnitudes; ``topk``: TOPK elements kept per full bucket; ``trits``: QUANT with
+    ``levels == 1`` packed 5 trits per byte.
+    """
+    if n < 0:
+        raise ValueError(f"element count must be >= 0, got {n}")
+    buckets = -(-n // bucket_size)
+    if kind == ActionKind.FLOAT32:
+        return 32 * n
+    if kind in (ActionKind.FLOAT16, ActionKind.BFLOAT16):
+        return 16 * n
+    if kind == ActionKind.QUANT:
+        codes = 8 * -(-n // 5) if trits else _bytes_bits(quant_code_bits(levels) * n)
+        return SCALE_BITS * buckets + codes
+    if kind == ActionKind.SIGN:
+        return SCALE_BITS * buckets + _bytes_bits(n)
+    if kind == ActionKind.TOPK:
+        # full buckets keep k each, the last (partial) bucket keeps min(k, its length)
+        full, rest = divmod(n, bucket_size)
+        kept = full * min(topk, bucket_size) + min(topk, rest)
+        return TOPK_VALUE_BITS * kept + _bytes_bits(index_bits(bucket_size) * kept)
+    raise ValueError(f"unknown action kind {kind!r}")
+
+
 @dataclass(frozen=True)
 class Action:
     """One entry of the menu.
@@ -60,7 +110,8 @@ class Action:
     Attributes:
         name: unique name, used in telemetry and ``StepRecord.actions``.
         kind: the quantizer.
-        code_bits: modeled bits per element of the codes (32, 16, k, log2(3), 1; unused for TOPK).
+        code_bits: bits per element of the codes (32, 16, ``quant_code_bits(levels)``, :data:`TRIT_BITS` for
+            packed ternary, 1; unused for TOPK). For QUANT it must match the wire format (checked).
         levels: QUANT only: magnitudes are rounded to ``{0, 1, ..., levels} * scale / levels``.
         stochastic: QUANT only: stochastic (unbiased) rounding with the counter-based RNG, else nearest.
         topk_fraction: TOPK only: fraction of each bucket that is kept.
@@ -82,6 +133,10 @@ class Action:
             raise ValueError(f"action {self.name!r}: bucket_size must be in [2, 65536], got {self.bucket_size}")
         if self.kind == ActionKind.QUANT and not 1 <= self.levels <= 2**15 - 1:
             raise ValueError(f"action {self.name!r}: levels must be in [1, 32767], got {self.levels}")
+        if self.kind == ActionKind.QUANT and self.code_bits != quant_code_bits(self.levels) and not self.packs_trits:
+            raise ValueError(f"action {self.name!r}: QUANT with levels={self.levels} packs codes at "
+                             f"{quant_code_bits(self.levels)} bits (or {TRIT_BITS} for levels=1 trits), "
+                             f"got code_bits={self.code_bits}")
         if self.kind == ActionKind.TOPK and not 0.0 < self.topk_fraction <= 1.0:
             raise ValueError(f"action {self.name!r}: topk_fraction must be in (0, 1], got {self.topk_fraction}")
 
@@ -91,24 +146,19 @@ class Action:
         return self.kind == ActionKind.FLOAT32
 
     @property
+    def packs_trits(self) -> bool:
+        """QUANT with ``levels == 1`` and ``code_bits == TRIT_BITS``: packed 5 trits per byte (no -0.0)."""
+        return self.kind == ActionKind.QUANT and self.levels == 1 and self.code_bits == TRIT_BITS
+
+    @property
     def topk_per_bucket(self) -> int:
         """TOPK only: elements kept per full bucket."""
         return max(1, round(self.topk_fraction * self.bucket_size))
 
     def cost(self, n: int) -> int:
-        """Modeled bits to send ``n`` elements with this action (see the module docstring)."""
-        if n < 0:
-            raise ValueError(f"element count must be >= 0, got {n}")
-        buckets = -(-n // self.bucket_size)
-        if self.kind in (ActionKind.FLOAT32, ActionKind.FLOAT16, ActionKind.BFLOAT16):
-            return int(self.code_bits) * n
-        if self.kind in (ActionKind.QUANT, ActionKind.SIGN):
-            return math.ceil(self.code_bits * n) + SCALE_BITS * buckets
-        # TOPK: full buckets keep k each, the last (partial) bucket keeps min(k, its length).
-        k = self.topk_per_bucket
-        full, rest = divmod(n, self.bucket_size)
-        kept = full * min(k, self.bucket_size) + min(k, rest)
-        return kept * (math.ceil(math.log2(self.bucket_size)) + TOPK_VALUE_BITS)
+        """Bits of the packed payload body for ``n`` elements (see the module docstring and :func:`body_bits`)."""
+        topk = self.topk_per_bucket if self.kind == ActionKind.TOPK else 0
+        return body_bits(self.kind, n, self.bucket_size, self.levels, topk, self.packs_trits)
 
     def with_bucket_size(self, bucket_size: int) -> Action:
         """The same action with another bucket size."""
@@ -126,8 +176,8 @@ def qsgd(bits: int, *, stochastic: bool = True, bucket_size: int = DEFAULT_BUCKE
 
 
 def ternary(*, bucket_size: int = DEFAULT_BUCKET_SIZE) -> Action:
-    """TernGrad: stochastic ``{-1, 0, +1} * max|v|`` per bucket, packed at log2(3) bits per element."""
-    return Action("ternary", ActionKind.QUANT, math.log2(3), levels=1, stochastic=True, bucket_size=bucket_size)
+    """TernGrad: stochastic ``{-1, 0, +1} * max|v|`` per bucket, packed 5 trits per byte (1.6 bits each)."""
+    return Action("ternary", ActionKind.QUANT, TRIT_BITS, levels=1, stochastic=True, bucket_size=bucket_size)
 
 
 def scaled_sign(*, bucket_size: int = DEFAULT_BUCKET_SIZE) -> Action:

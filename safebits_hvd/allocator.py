@@ -20,9 +20,9 @@ Everything is deterministic and uses only its inputs (no rank, no randomness): u
 by position along the hull, then tensor index; equal points by menu order.
 
 Two implementations of steps 1-3, one arithmetic: ``kernels/allocator.c`` (the default: an order of magnitude
-faster, docs/RESULTS.md, measured by ``bench/bench_allocator.py``) and :func:`_hull_greedy` here in NumPy (used without a C compiler; the C file's test oracle). They perform
-the same float64 operations with the same tie-breaking and return the same choice bit for bit, so ranks agree
-whichever one they run.
+faster, docs/RESULTS.md, measured by ``bench/bench_allocator.py``) and :func:`_hull_greedy` here in NumPy (used
+without a C compiler; the C file's test oracle). They perform the same float64 operations with the same
+tie-breaking and return the same choice bit for bit, so ranks agree whichever one they run.
 """
 
 from __future__ import annotations
@@ -41,15 +41,15 @@ class Allocation:
         choice: action index (into the menu) per tensor, int64.
         cost_bits: modeled bits of ``choice``.
         squared_error: its total squared error (inf if it uses an inadmissible action, which never happens).
-        budget_bits: the budget it was asked to fit.
+        budget_bits_total: the budget it was asked to fit.
         min_cost_bits: bits of the cheapest admissible configuration.
-        feasible: ``min_cost_bits <= budget_bits``; if False, ``choice`` is that cheapest configuration.
+        feasible: ``min_cost_bits <= budget_bits_total``; if False, ``choice`` is that cheapest configuration.
     """
 
     choice: np.ndarray
     cost_bits: int
     squared_error: float
-    budget_bits: float
+    budget_bits_total: float
     min_cost_bits: int
     feasible: bool
 
@@ -82,15 +82,14 @@ def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | None,
     return costs, err
 
 
-def _integer_budget(budget_bits: float) -> int:
+def _integer_budget(bits: float) -> int:
     """Costs are whole bits, so ``sum <= budget`` is ``sum <= floor(budget)``. Totals stay below 2^62 bits (checked),
     so a budget beyond +-2^62 is as good as unlimited, or as impossible."""
-    if isinstance(budget_bits, bool) or not isinstance(budget_bits, int | float | np.integer | np.floating) \
-            or math.isnan(budget_bits):
-        raise ValueError(f"budget_bits must be a number of bits, got {budget_bits!r}")
-    if isinstance(budget_bits, int | np.integer):
-        return min(max(int(budget_bits), -(2**62)), 2**62)
-    return math.floor(min(max(float(budget_bits), -(2.0**62)), 2.0**62))
+    if isinstance(bits, bool) or not isinstance(bits, int | float | np.integer | np.floating) or math.isnan(bits):
+        raise ValueError(f"budget_bits_total must be a number of bits, got {bits!r}")
+    if isinstance(bits, int | np.integer):
+        return min(max(int(bits), -(2**62)), 2**62)
+    return math.floor(min(max(float(bits), -(2.0**62)), 2.0**62))
 
 
 def cheapest_admissible(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray) -> np.ndarray:
@@ -125,7 +124,7 @@ def compiled_available() -> bool:
     return _compiled
 
 
-def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | None, budget_bits: float, *,
+def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | None, budget_bits_total: float, *,
              compiled: bool | None = None) -> Allocation:
     """Convex-hull greedy allocation (see the module docstring). Arrays are ``(tensors, actions)``.
 
@@ -134,17 +133,17 @@ def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | Non
         errors: squared error of every action (>= 0; ignored where inadmissible).
         admissible: the screen's verdict, or None when ``errors`` is already +inf exactly where inadmissible.
             Every tensor needs at least one admissible action.
-        budget_bits: the budget in bits (the whole step, all tensors).
+        budget_bits_total: the budget in bits (the whole step, all tensors).
         compiled: True runs ``kernels/allocator.c``, False the NumPy version in this module, None (default) the
             compiled one when the C library is available. Both give the same choice, bit for bit.
     """
     if compiled is None:
         compiled = compiled_available()
     costs, err = _check(costs, errors, admissible, values_checked_later=compiled)
-    budget = _integer_budget(budget_bits)
+    budget = _integer_budget(budget_bits_total)
     tensors = costs.shape[0]
     if tensors == 0:
-        return Allocation(np.zeros(0, dtype=np.int64), 0, 0.0, budget_bits, 0, budget >= 0)
+        return Allocation(np.zeros(0, dtype=np.int64), 0, 0.0, budget_bits_total, 0, budget >= 0)
     if compiled:
         from .kernels import cpu
 
@@ -152,7 +151,7 @@ def allocate(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | Non
     else:
         choice, min_cost, feasible = _hull_greedy(costs, err, budget)
     rows = np.arange(tensors)
-    return Allocation(choice, int(costs[rows, choice].sum()), float(err[rows, choice].sum()), budget_bits,
+    return Allocation(choice, int(costs[rows, choice].sum()), float(err[rows, choice].sum()), budget_bits_total,
                       min_cost, feasible)
 
 
@@ -247,7 +246,7 @@ def greedy_error_bound(costs: np.ndarray, errors: np.ndarray, admissible: np.nda
 
 
 def allocate_exact(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray,
-                   budget_bits: float) -> Allocation:
+                   budget_bits_total: float) -> Allocation:
     """Exact multiple-choice knapsack by dynamic programming over Pareto frontiers (the test oracle).
 
     Exponential in the worst case; meant for small instances (tens of tensors, a handful of actions).
@@ -257,9 +256,9 @@ def allocate_exact(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray
     rows = np.arange(tensors)
     floor_choice = cheapest_admissible(costs, err, np.isfinite(err))
     min_cost = int(costs[rows, floor_choice].sum())
-    if min_cost > budget_bits or tensors == 0:
-        return Allocation(floor_choice, min_cost, float(err[rows, floor_choice].sum()), budget_bits,
-                          min_cost, feasible=min_cost <= budget_bits)
+    if min_cost > budget_bits_total or tensors == 0:
+        return Allocation(floor_choice, min_cost, float(err[rows, floor_choice].sum()), budget_bits_total,
+                          min_cost, feasible=min_cost <= budget_bits_total)
     # frontier: list of (cost, error, choices) with strictly decreasing error as cost grows.
     frontier: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
     for i in range(tensors):
@@ -267,7 +266,7 @@ def allocate_exact(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray
         for c0, e0, ch in frontier:
             for a in np.flatnonzero(np.isfinite(err[i])):
                 c = c0 + int(costs[i, a])
-                if c <= budget_bits:
+                if c <= budget_bits_total:
                     candidates.append((c, e0 + float(err[i, a]), (*ch, int(a))))
         candidates.sort(key=lambda x: (x[0], x[1]))
         frontier = []
@@ -276,4 +275,4 @@ def allocate_exact(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray
                 frontier.append(cand)
     best = min(frontier, key=lambda x: (x[1], x[0]))
     choice = np.array(best[2], dtype=np.int64)
-    return Allocation(choice, best[0], best[1], budget_bits, min_cost, True)
+    return Allocation(choice, best[0], best[1], budget_bits_total, min_cost, True)

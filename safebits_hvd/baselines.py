@@ -60,6 +60,8 @@ class FixedActionCompressor(CoreCompressor):
         wire_dtype: None: the kernel's float32 output is sent (dequantized values). ``torch.float16``:
             Horovod's FP16Compressor semantics (allreduce in float16, cast back); fp16 action only.
         max_history: records kept in :attr:`history`.
+        collective: as :class:`~safebits_hvd.SafeBits`' (``"auto"``: packed payloads by allgather where they move
+            fewer bytes than a float32 allreduce).
 
     Attributes:
         bits_per_step: modeled bits of one step (sum over parameters of ``action.cost(numel)``).
@@ -68,7 +70,7 @@ class FixedActionCompressor(CoreCompressor):
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], action: Action, *,
                  error_feedback: bool, seed: int = 0, wire_dtype: torch.dtype | None = None,
-                 max_history: int = 10000) -> None:
+                 max_history: int = 10000, collective: str = "auto") -> None:
         if wire_dtype is not None and action.name != FP16.name:
             raise ValueError("wire_dtype=float16 is only meaningful with the fp16 action")
         names, params = registered_parameters(named_parameters)
@@ -78,7 +80,10 @@ class FixedActionCompressor(CoreCompressor):
         self.bits_per_step = policy.bits_per_step
         core = SafeBitsCore(names, numels, policy=policy, schedule=lambda step: self.bits_per_element, seed=seed,
                             exchange=LocalExchange(), error_feedback=error_feedback, nonfinite="propagate",
-                            max_history=max_history)
+                            max_history=max_history,
+                            # Horovod's fp16 compressor semantics need its allreduce of float16 values.
+                            collective="dense" if wire_dtype is not None else collective,
+                            dense_wire_bytes=2 if wire_dtype is not None else 4, name=f"baseline.{action.name}")
         self._attach(params, core)
         self.action = action
         self.error_feedback = error_feedback
@@ -102,11 +107,11 @@ Factory = Callable[..., Compressor]
 
 def _fixed(action: Action, error_feedback: bool, wire_dtype: torch.dtype | None = None) -> Factory:
     def factory(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], *, seed: int = 0,
-                budget_bits: float | None = None, **_: Any) -> FixedActionCompressor:
+                budget_bits: float | None = None, collective: str = "auto", **_: Any) -> FixedActionCompressor:
         if budget_bits is not None:
             raise ValueError(f"{action.name}: a fixed baseline takes no budget_bits")
         return FixedActionCompressor(named_parameters, action, error_feedback=error_feedback, seed=seed,
-                                     wire_dtype=wire_dtype)
+                                     wire_dtype=wire_dtype, collective=collective)
     factory.__doc__ = f"Every tensor as {action.name!r}{' with error feedback' if error_feedback else ''}."
     return factory
 

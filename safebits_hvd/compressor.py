@@ -15,7 +15,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from . import collectives
 from .actions import DEFAULT_MENU, Menu, make_menu
+from .collectives import PayloadAllgather
 from .core import NONFINITE_MODES, SafeBitsCore, check_count, check_number
 from .exchange import StatisticsExchange, make_exchange
 from .memory import ErrorFeedback
@@ -32,11 +34,30 @@ except ImportError:  # pragma: no cover - exercised only without Horovod
 
 
 class Context(NamedTuple):
-    """What ``decompress`` needs of a ``compress``: the step (to finish its exchange), shape and dtype."""
+    """What ``decompress`` needs of a ``compress``."""
 
-    step: int
+    step: int                   # to finish that step's statistics exchange
     shape: torch.Size
     dtype: torch.dtype
+    index: int                  # the parameter
+    collective: str             # "dense" or "allgather"
+    handle: Any                 # "allgather": the payload collective in flight
+    wire: torch.Tensor          # what this rank sent: the packed payload (uint8) or the dense float32 values
+
+
+def op_factor(reduced_marker: torch.Tensor, ranks: int) -> float:
+    """What Horovod's reduction did to the marker ``compress`` returned on the allgather path (a float32 1): 1 after
+    ``op=Average`` (with or without ``gradient_predivide_factor``), ``ranks`` after ``op=Sum``. The reduced
+    gradient is the sum of the decoded payloads times ``factor / ranks``. A pre/postscale pair leaves a float
+    rounding of the exact factor, so a value within 1e-4 of an integer is taken as that integer."""
+    value = float(reduced_marker.reshape(-1)[0])
+    nearest = round(value)
+    if nearest >= 1 and abs(value - nearest) <= 1e-4 * nearest:
+        return float(nearest)
+    if not value > 0:
+        raise ValueError(f"the allgather path's marker came back from Horovod's reduction as {value}; SafeBits' "
+                         f"packed collectives support op=Average and op=Sum (use collective='dense' for Adasum)")
+    return value
 
 
 def registered_parameters(named_parameters: Iterable[tuple[str, torch.nn.Parameter]]
@@ -81,19 +102,32 @@ class CoreCompressor(Compressor):
         self._index = GradientIndex(params)
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
-        """Quantize one gradient (with error feedback) for the wire.
+        """Quantize one gradient (with error feedback) for the wire; returns what Horovod is to allreduce and the
+        context :meth:`decompress` needs.
 
-        Returns a flat float32 tensor of ``tensor.numel()`` elements holding the dequantized values (the modeled
-        wire format is what the budget counts), and the context :meth:`decompress` needs.
+        On the allgather path the packed payload's allgather is started here, and Horovod allreduces a one-element
+        marker whose reduced value tells :meth:`decompress` whether the op averaged or summed. On the dense path
+        Horovod allreduces the flat float32 dequantized values.
         """
         core = self.core
         index = self._index.find(tensor, core.unsent if core.in_step else None)
-        out, step = core.send(index, tensor)
-        return out, Context(step, tensor.shape, tensor.dtype)
+        sent = core.send(index, tensor)
+        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.handle, sent.wire)
+        if sent.collective == "allgather":
+            return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
+        return sent.wire, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """The reduced wire tensor back in the gradient's shape and dtype (finishes the step's exchange)."""
-        self.core.finish(ctx.step)
+        """The reduced gradient in its shape and dtype (finishes the step's statistics exchange)."""
+        core = self.core
+        if ctx.collective == "allgather":
+            total = core.gather_sum(ctx.index, ctx.handle)
+            ranks = core.allgather.size if core.allgather is not None else 1
+            factor = op_factor(tensor, ranks)
+            if factor != ranks:
+                total.mul_(factor / ranks) if factor != 1.0 else total.div_(ranks)
+            tensor = total
+        core.finish(ctx.step)
         if tensor.dtype != ctx.dtype:
             tensor = tensor.to(ctx.dtype)
         return tensor.view(ctx.shape)
@@ -179,9 +213,15 @@ class SafeBits(CoreCompressor):
         screen: False switches the screen off (the unscreened global-budgeting ablation; no guarantee).
         name: Horovod tensor name of the statistics exchange (distinct per compressor object). Default "safebits".
         max_history: records kept in :attr:`history` (the last one is always in :attr:`last_step`). Default 10000.
+        collective: how gradients travel (:mod:`safebits_hvd.collectives`): ``"allgather"`` (packed payloads, the
+            real bytes), ``"dense"`` (dequantized float32 through Horovod's allreduce: no fewer bytes; for
+            ``op=hvd.Adasum``), or ``"auto"`` (default: per step, the one that moves fewer bytes; dense in one
+            process).
         exchange: the statistics transport (:class:`~safebits_hvd.exchange.StatisticsExchange`). Default None:
             chosen when the first step closes (Horovod's MPI or Gloo, or none for one process). Tests and
             benchmarks pass their own here.
+        allgather: the payload transport (:class:`~safebits_hvd.collectives.PayloadAllgather`). Default None:
+            Horovod's allgather when Horovod runs several ranks, else none.
 
     Attributes:
         last_step: the :class:`StepRecord` of the last completed step (None before the first).
@@ -193,8 +233,8 @@ class SafeBits(CoreCompressor):
                  min_cosine: float = 0.8, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
                  log_path: str | os.PathLike[str] | None = None, *, sample_buckets: int = 16,
                  consistency_check_every: int = 1, nonfinite: str = "raise", screen: bool = True,
-                 name: str = "safebits", max_history: int = 10000,
-                 exchange: StatisticsExchange | None = None) -> None:
+                 name: str = "safebits", max_history: int = 10000, collective: str = "auto",
+                 exchange: StatisticsExchange | None = None, allgather: PayloadAllgather | None = None) -> None:
         names, params = registered_parameters(named_parameters)
         schedule = as_schedule(budget_bits)
         if not callable(budget_bits):
@@ -216,7 +256,8 @@ class SafeBits(CoreCompressor):
             exchange=exchange if exchange is not None else (lambda: make_exchange(name)),
             nonfinite=nonfinite, sample_buckets=check_count("sample_buckets", sample_buckets, 1),
             consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
-            max_history=check_count("max_history", max_history, 0), log_path=log_path)
+            max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
+            allgather=allgather if allgather is not None else collectives.make_allgather, name=name)
         self._attach(params, core)
         self.menu = menu
         self.schedule = schedule

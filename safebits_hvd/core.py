@@ -30,14 +30,15 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from . import checkpoint, kernels
+from . import checkpoint, collectives, kernels
 from .actions import Menu
 from .allocator import Allocation
+from .collectives import PayloadAllgather
 from .errors import SafeBitsConsistencyError, SafeBitsNonFiniteError
 from .exchange import StatisticsExchange, allocation_digest, digest_words
 from .memory import ErrorFeedback
@@ -48,6 +49,15 @@ from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepArrays, StepLog, StepRecord, logger
 
 NONFINITE_MODES = ("raise", "skip")
+
+
+class Sent(NamedTuple):
+    """What :meth:`SafeBitsCore.send` hands the front end for one tensor."""
+
+    wire: torch.Tensor          # "dense": the dequantized float32 values; "allgather": this rank's packed payload
+    step: int                   # the step it belongs to (for finish)
+    collective: str             # "dense" or "allgather" (the step's choice, identical on every rank)
+    handle: Any                 # "allgather": the started collective, for gather_sum
 
 
 def check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
@@ -84,13 +94,20 @@ class SafeBitsCore:
         sample_buckets: buckets per tensor the screen estimates on.
         consistency_check_every: compare allocation digests every this many steps (0: never).
         max_history, log_path: see :class:`~.telemetry.StepLog`.
+        collective: ``"auto"``, ``"allgather"`` or ``"dense"`` (:mod:`.collectives`).
+        allgather: the payload transport, or a callable that makes it when the first step begins.
+        dense_wire_bytes: bytes per element the front end puts on the wire on the dense path (4: float32).
+        name: prefix of the payload collectives' names (distinct per object).
     """
 
     def __init__(self, names: list[str], numels: np.ndarray, *, policy: BudgetPolicy,
                  schedule: Callable[[int], float], seed: int,
                  exchange: StatisticsExchange | Callable[[], StatisticsExchange], error_feedback: bool = True,
                  nonfinite: str = "raise", sample_buckets: int = 16, consistency_check_every: int = 1,
-                 max_history: int = 10000, log_path: str | os.PathLike[str] | None = None) -> None:
+                 max_history: int = 10000, log_path: str | os.PathLike[str] | None = None,
+                 collective: str = "dense",
+                 allgather: PayloadAllgather | Callable[[], PayloadAllgather] = collectives.make_allgather,
+                 dense_wire_bytes: int = 4, name: str = "safebits") -> None:
         # -- what is being compressed, and how decisions are made
         self.names = names
         self.numels = numels
@@ -105,6 +122,13 @@ class SafeBitsCore:
         self.consistency_check_every = consistency_check_every
         self._exchange_or_factory = exchange
         self.exchange: StatisticsExchange | None = exchange if isinstance(exchange, StatisticsExchange) else None
+        if collective not in collectives.COLLECTIVES:
+            raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
+        self.collective_setting = collective
+        self._allgather_or_factory = allgather
+        self.allgather: PayloadAllgather | None = allgather if isinstance(allgather, PayloadAllgather) else None
+        self.dense_wire_bytes = dense_wire_bytes
+        self.name = name
 
         # -- state carried across steps (all of it checkpointed, see state_dict)
         self.memory = ErrorFeedback()                  # per-tensor residuals e, per rank
@@ -120,6 +144,8 @@ class SafeBitsCore:
         self._allocation: Allocation | None = None
         self._budget_bits_total = 0.0
         self._digest = ""
+        self.collective = "dense"                      # the step's collective (collectives.choose)
+        self._wire_bytes = 0                           # bytes this rank has put on the wire in the step
         # The statistics go straight into the vector the exchange reduces in place. Two vectors, by step parity:
         # the allocation made at the start of step t reads step t-1's reduced vector, which must stay intact.
         self.layout = StatisticsLayout(tensors, actions)
@@ -127,7 +153,7 @@ class SafeBitsCore:
         self._views = tuple(self.layout.views(v) for v in self._vectors)
         self._fields: StepStatistics = self._views[0]
         # The exchange in flight: (step, handle, budget of that step), finished by finish() or the next begin.
-        self._pending: tuple[int, Any, float] | None = None
+        self._pending: tuple[int, Any, float, int, str] | None = None
         self._samples: dict[int, torch.Tensor | None] = {}
         self.allocation_seconds = 0.0                  # wall time of the last allocation (overhead telemetry)
 
@@ -136,9 +162,8 @@ class SafeBitsCore:
                            os.fspath(log_path) if log_path is not None else None)
 
     # ------------------------------------------------------------------ the three calls
-    def send(self, index: int, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Quantize tensor ``index``'s gradient for the wire; returns ``(q, step)``: the dequantized float32 values
-        (flat) and the step they belong to (for :meth:`finish`)."""
+    def send(self, index: int, grad: torch.Tensor) -> Sent:
+        """Quantize tensor ``index``'s gradient for the wire (and start its payload collective, if any)."""
         if self.in_step and not self.unsent[index]:
             # A tensor came twice: the previous step never sent some registered tensors.
             missing = [self.names[i] for i in np.flatnonzero(self.unsent)]
@@ -148,12 +173,25 @@ class SafeBitsCore:
             self._close()
         if not self.in_step:
             self._begin()
-        step = self.step
-        out = self._send(index, grad)
+        step, collective = self.step, self.collective
+        wire = self._send(index, grad)
+        self._wire_bytes += wire.numel() * (1 if collective == "allgather" else self.dense_wire_bytes)
+        handle = None
+        if collective == "allgather":
+            assert self.allgather is not None
+            handle = self.allgather.start(f"{self.name}.payload.{index}", wire)
         self.unsent[index] = False
         if not self.unsent.any():
             self._close()
-        return out, step
+        return Sent(wire, step, collective, handle)
+
+    def gather_sum(self, index: int, handle: Any) -> torch.Tensor:
+        """Wait for tensor ``index``'s payload allgather and return the sum of every rank's decoded payload,
+        added in rank order (bitwise the same on every rank), as a flat float32 tensor."""
+        assert self.allgather is not None
+        gathered = self.allgather.wait(handle)
+        out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
+        return collectives.sum_payloads(gathered, self.allgather.size, out, self.names[index])
 
     def finish(self, step: int | None = None) -> None:
         """Finish the pending exchange (only if it is ``step``'s, when given)."""
@@ -185,6 +223,14 @@ class SafeBitsCore:
                                                 self._previous_screened, self._previous_v2)
         self.allocation_seconds = time.perf_counter() - start
         self._digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
+        if self.allgather is None:
+            factory = self._allgather_or_factory
+            assert callable(factory)
+            self.allgather = factory()
+        self.collective = collectives.choose(self.collective_setting,
+                                             self._allocation.cost_bits / max(1, self.total_elements),
+                                             self.allgather.size)
+        self._wire_bytes = 0
         self.unsent[:] = True
         self._fields = self._views[self.step % 2]
         self.layout.reset(self._fields, self.policy.lossless, digest_words(self._digest))
@@ -222,7 +268,8 @@ class SafeBitsCore:
             g = g.to(torch.float32)
         g = g.contiguous()
         e = self._residual(index, n, g.device)
-        out = torch.empty(n, dtype=torch.float32, device=g.device)
+        packed = self.collective == "allgather"
+        out = torch.empty(0 if packed else n, dtype=torch.float32, device=g.device)
         fields = self._fields
         if (self.nonfinite != "propagate" and n and not math.isfinite(float(g.sum()))
                 and not bool(torch.isfinite(g).all())):
@@ -230,10 +277,12 @@ class SafeBitsCore:
                 raise SafeBitsNonFiniteError(f"gradient of {name!r} holds NaN or Inf at step {self.step}; "
                                              f"nothing was sent and its error-feedback residual is unchanged "
                                              f"(SafeBits(nonfinite='skip') sends zeros instead)")
-            out.zero_()
             fields.skipped[index] = 1.0
             fields.v2[index] = math.inf
-            return out
+            zeros = torch.zeros(n, dtype=torch.float32, device=g.device)
+            if packed:      # the cheapest action's payload of zeros; the residual is untouched
+                return kernels.quantize_pack_ef(None, zeros, self.menu[int(self.policy.cost_order[index, 0])], 0)[0]
+            return zeros
 
         key = stream_key(self.seed, self.step, index)
         assert self._allocation is not None
@@ -250,11 +299,19 @@ class SafeBitsCore:
             ok = np.ones(len(self.menu), dtype=bool)
 
         source: torch.Tensor | None = g
+        payload = out
         for attempt, action_index in enumerate(policy.send_order(index, allocated, ok)):
-            if attempt:
-                e.add_(out)          # e held v - q: restore v (to float rounding) and quantize it again
+            if attempt:              # e held v - q: restore v (to float rounding) and quantize it again
+                if packed:
+                    kernels.decode_add(payload, e, name=name)
+                else:
+                    e.add_(out)
                 source = None
-            stats = kernels.quantize_ef(source, e, out, self.menu[action_index], key).cpu().numpy()
+            if packed:
+                payload, stats_tensor = kernels.quantize_pack_ef(source, e, self.menu[action_index], key)
+            else:
+                stats_tensor = kernels.quantize_ef(source, e, out, self.menu[action_index], key)
+            stats = stats_tensor.cpu().numpy()
             d, c = distortion_cosine(stats)
             if policy.accepts(action_index, float(d), float(c)):
                 break
@@ -265,7 +322,7 @@ class SafeBitsCore:
         fields.screened[index, action_index] = d      # the exact figure beats the estimate (and passed the screen)
         v2 = float(stats[3])
         fields.v2[index] = v2 if math.isfinite(v2) else math.inf     # never NaN: NaN would poison the MAX
-        return out
+        return payload if packed else out
 
     # ------------------------------------------------------------------ 4. close
     def _close(self) -> None:
@@ -275,7 +332,8 @@ class SafeBitsCore:
             assert callable(factory)
             self.exchange = factory()
         vector = self._vectors[self.step % 2]
-        self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total)
+        self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total, self._wire_bytes,
+                         self.collective)
         self.in_step = False
         self.step += 1
         if self.exchange.is_local:
@@ -284,7 +342,7 @@ class SafeBitsCore:
     # ------------------------------------------------------------------ 5. finish
     def _finish(self) -> None:
         assert self._pending is not None and self.exchange is not None and self._allocation is not None
-        step, handle, budget_total = self._pending
+        step, handle, budget_total, wire_bytes, collective = self._pending
         self._pending = None
         self.exchange.wait(handle)                     # the step's own vector now holds the MAX over ranks
         reduced = self._views[step % 2]
@@ -295,7 +353,8 @@ class SafeBitsCore:
                             sent=self.policy.actions_sent(sent_position), allocated=self._allocation.choice,
                             distortion=reduced.sent_distortion.copy(), cosine=-reduced.neg_sent_cosine,
                             escalated=reduced.escalated > 0, skipped=skipped, allocation_digest=self._digest,
-                            infeasible=not self._allocation.feasible)
+                            infeasible=not self._allocation.feasible, wire_bytes=wire_bytes,
+                            collective=collective)
         # The next allocation's input. A skipped tensor has no statistics: only the lossless action is known safe.
         screened = reduced.screened
         if skipped.any():

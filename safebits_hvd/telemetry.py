@@ -43,6 +43,9 @@ class StepRecord:
         allocated: parameter name -> action the global allocation chose for this step.
         skipped: parameters whose gradient was non-finite and skipped (``nonfinite='skip'``).
         infeasible: the allocator found no safe assignment within the budget and fell back to minimum cost.
+        wire_bytes: bytes this rank handed to the collectives for the step (packed payloads with their headers, or
+            the dense values): the one field that may differ between ranks.
+        collective: how the step's gradients travelled: ``"allgather"`` (packed payloads) or ``"dense"``.
 
     ``used_bits_total`` and ``compression_ratio`` are deprecated aliases of the ``modeled_`` fields (one release).
     """
@@ -61,6 +64,8 @@ class StepRecord:
     allocated: dict[str, str] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     infeasible: bool = False
+    wire_bytes: int = 0
+    collective: str = "dense"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, allow_nan=True)
@@ -138,6 +143,8 @@ class StepArrays(NamedTuple):
     skipped: np.ndarray         # bool
     allocation_digest: str
     infeasible: bool
+    wire_bytes: int
+    collective: str
 
 
 class StepLog:
@@ -204,7 +211,7 @@ class StepLog:
             allocation_digest=arrays.allocation_digest,
             allocated=dict(zip(names, action_names[arrays.allocated].tolist(), strict=True)),
             skipped=self._name_array[arrays.skipped].tolist(),
-            infeasible=arrays.infeasible)
+            infeasible=arrays.infeasible, wire_bytes=arrays.wire_bytes, collective=arrays.collective)
 
     @property
     def last(self) -> StepRecord | None:

@@ -5,31 +5,59 @@ import math
 import pytest
 
 import safebits_hvd as sb
-from safebits_hvd.actions import ACTIONS, ActionKind, qsgd, scaled_sign, ternary, topk
+from safebits_hvd.actions import (
+    ACTIONS,
+    TRIT_BITS,
+    Action,
+    ActionKind,
+    qsgd,
+    quant_code_bits,
+    scaled_sign,
+    ternary,
+    topk,
+)
 
 
-@pytest.mark.parametrize("n", [0, 1, 511, 512, 513, 100_000])
+def pad8(bits: int) -> int:
+    """Bits rounded up to whole bytes: every section of a payload body ends on a byte boundary."""
+    return 8 * math.ceil(bits / 8)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 5, 7, 511, 512, 513, 100_000, 100_001])
 def test_cost_formulas(n: int) -> None:
     buckets = math.ceil(n / 512)
     assert ACTIONS["fp32"].cost(n) == 32 * n
     assert ACTIONS["fp16"].cost(n) == 16 * n
     assert ACTIONS["bf16"].cost(n) == 16 * n
     assert ACTIONS["int8"].cost(n) == 8 * n + 32 * buckets
-    assert ACTIONS["int4"].cost(n) == 4 * n + 32 * buckets
-    assert ACTIONS["int2"].cost(n) == 2 * n + 32 * buckets
-    assert ACTIONS["ternary"].cost(n) == math.ceil(math.log2(3) * n) + 32 * buckets
-    assert ACTIONS["sign"].cost(n) == n + 32 * buckets
-    # top-k 10%: 51 per full bucket, min(51, rest) in the last; 9 index bits + 16 value bits each.
+    assert ACTIONS["int4"].cost(n) == pad8(4 * n) + 32 * buckets
+    assert ACTIONS["int2"].cost(n) == pad8(2 * n) + 32 * buckets
+    assert ACTIONS["ternary"].cost(n) == 8 * math.ceil(n / 5) + 32 * buckets      # 5 trits per byte
+    assert ACTIONS["sign"].cost(n) == pad8(n) + 32 * buckets
+    # top-k 10%: 51 per full bucket, min(51, rest) in the last; a bf16 value each, then 9-bit indices.
     full, rest = divmod(n, 512)
-    assert ACTIONS["topk10"].cost(n) == (51 * full + min(51, rest)) * (9 + 16)
-    assert ACTIONS["topk1"].cost(n) == (5 * full + min(5, rest)) * 25
+    kept10, kept1 = 51 * full + min(51, rest), 5 * full + min(5, rest)
+    assert ACTIONS["topk10"].cost(n) == 16 * kept10 + pad8(9 * kept10)
+    assert ACTIONS["topk1"].cost(n) == 16 * kept1 + pad8(9 * kept1)
+    for action in ACTIONS.values():
+        assert action.cost(n) % 8 == 0, action.name
 
 
 def test_bucket_size_changes_scale_overhead() -> None:
     assert qsgd(4, bucket_size=128).cost(1024) == 4 * 1024 + 32 * 8
-    assert scaled_sign(bucket_size=64).cost(100) == 100 + 32 * 2
-    assert ternary(bucket_size=1024).cost(2048) == math.ceil(math.log2(3) * 2048) + 64
-    assert topk(0.5, bucket_size=16).cost(40) == (8 + 8 + 8) * (4 + 16)
+    assert scaled_sign(bucket_size=64).cost(100) == pad8(100) + 32 * 2
+    assert ternary(bucket_size=1024).cost(2048) == 8 * math.ceil(2048 / 5) + 64
+    assert topk(0.5, bucket_size=16).cost(40) == 16 * (8 + 8 + 8) + pad8(4 * (8 + 8 + 8))
+
+
+def test_quant_code_bits_follow_levels() -> None:
+    assert [quant_code_bits(levels) for levels in (1, 3, 7, 127, 32767)] == [2, 3, 4, 8, 16]
+    assert ternary().packs_trits and ternary().code_bits == TRIT_BITS
+    assert not qsgd(2).packs_trits and qsgd(2).code_bits == 2
+    with pytest.raises(ValueError, match="code_bits"):
+        Action("int4_wrong", ActionKind.QUANT, 5, levels=7)
+    with pytest.raises(ValueError, match="code_bits"):
+        Action("trits_wrong", ActionKind.QUANT, TRIT_BITS, levels=3)
 
 
 def test_qsgd_levels_and_names() -> None:

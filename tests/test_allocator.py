@@ -49,7 +49,7 @@ def test_infeasible_falls_back_to_minimum_cost(compiled: bool) -> None:
     costs = np.array([[32, 4, 1], [32, 4, 1]])
     errors = np.array([[0.0, 1.0, 5.0], [0.0, 1.0, 5.0]])
     admissible = np.array([[True, True, False], [True, False, False]])
-    result = allocate(costs, errors, admissible, budget_bits=10, compiled=compiled)
+    result = allocate(costs, errors, admissible, budget_bits_total=10, compiled=compiled)
     assert not result.feasible
     assert result.choice.tolist() == [1, 0]                # cheapest admissible each
     assert result.min_cost_bits == result.cost_bits == 36

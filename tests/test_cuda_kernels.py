@@ -15,6 +15,8 @@ from safebits_hvd import kernels as K
 from safebits_hvd import rng
 from safebits_hvd.kernels import cuda
 
+from .kernel_cases import bits, make
+
 REQUIRE_NVRTC = os.environ.get("SAFEBITS_REQUIRE_NVRTC") == "1"
 KEY = rng.stream_key(5, 9, 2)
 
@@ -36,7 +38,9 @@ def test_nvrtc_compiles_cuda_source():
                         "(pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12)")
         pytest.skip("CuPy/NVRTC not installed")
     ptx = cuda.compile_nvrtc()
-    assert "sb_quantize_ef_kernel" in ptx and "sb_screen_kernel" in ptx
+    for kernel in ("sb_quantize_ef_kernel", "sb_screen_kernel", "sb_quantize_pack_ef_kernel", "sb_decode_kernel",
+                   "sb_check_topk_kernel"):
+        assert kernel in ptx, kernel
     assert "fma." not in ptx  # --fmad=false: no contraction, bit-identical to the C backend
 
 
@@ -60,20 +64,10 @@ def _gpu_available() -> bool:
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to PyTorch")
 ACTIONS = [*A.DEFAULT_MENU, A.ACTIONS["int8_nearest"], A.ACTIONS["int4_nearest"], A.ACTIONS["int2_nearest"]]
+# odd geometries: bit ranges of buckets that do not start on byte boundaries, trits across bytes
+ODD_ACTIONS = [A.qsgd(3, bucket_size=100), A.ternary(bucket_size=7), A.topk(0.3, bucket_size=10),
+               A.scaled_sign(bucket_size=13), A.qsgd(16, stochastic=False, bucket_size=77)]
 SIZES = [1, 7, 511, 512, 513, 5000, 100_003, 1 << 20]
-
-
-def _make(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    g = torch.randn(n, generator=gen) * torch.logspace(-4, 4, n) if n > 1 else torch.randn(n, generator=gen)
-    e = torch.randn(n, generator=gen) * 0.1
-    if n > 1200:
-        g[:512], e[:512] = 0.0, 0.0
-        g[600:610], e[600:610] = 1e-30, 0.0
-        g[700:720], e[700:720] = 1e30, 0.0
-        g[800:900], e[800:900] = 3.0, 0.0
-        g[1100:1200], e[1100:1200] = 2.0**-140, 0.0
-    return g, e
 
 
 def _stats_close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -86,15 +80,15 @@ def _stats_close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("action", ACTIONS, ids=lambda a: a.name)
 @pytest.mark.parametrize("with_g", [True, False])
 def test_quantize_ef_cuda_matches_cpu(n, action, with_g):
-    g, e = _make(n)
+    g, e = make(n)
     gc = g if with_g else None
     e_cpu, out_cpu = e.clone(), torch.empty(n)
     s_cpu = K.quantize_ef(gc, e_cpu, out_cpu, action, KEY)
     e_gpu, out_gpu = e.cuda(), torch.empty(n, device="cuda")
     s_gpu = K.quantize_ef(gc.cuda() if gc is not None else None, e_gpu, out_gpu, action, KEY)
     torch.cuda.synchronize()
-    assert torch.equal(out_gpu.cpu().view(torch.int32), out_cpu.view(torch.int32))
-    assert torch.equal(e_gpu.cpu().view(torch.int32), e_cpu.view(torch.int32))
+    assert torch.equal(bits(out_gpu.cpu()), bits(out_cpu))
+    assert torch.equal(bits(e_gpu.cpu()), bits(e_cpu))
     assert _stats_close(s_gpu, s_cpu), (s_gpu, s_cpu)
 
 
@@ -102,7 +96,7 @@ def test_quantize_ef_cuda_matches_cpu(n, action, with_g):
 @needs_gpu
 @pytest.mark.parametrize("n", SIZES)
 def test_screen_cuda_matches_cpu(n):
-    g, e = _make(n, seed=1)
+    g, e = make(n, seed=1)
     nb = -(-n // 512)
     for buckets in (None, torch.arange(0, nb, 3)):
         s_cpu = K.screen(g, e, A.DEFAULT_MENU, KEY, buckets)
@@ -118,3 +112,42 @@ def test_gpu_visible_when_expected():
     if not torch.cuda.is_available():
         pytest.skip("CuPy sees a GPU but this PyTorch build has no CUDA")
     assert K.backend_name("cuda") == "cuda"
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("action", [*ACTIONS, *ODD_ACTIONS], ids=lambda a: f"{a.name}-B{a.bucket_size}")
+def test_quantize_pack_ef_cuda_matches_cpu(n, action):
+    """The CUDA payload is byte-identical to the C one; e bitwise; decoding on the GPU gives the CPU's q."""
+    g, e = make(n)
+    e_cpu = e.clone()
+    p_cpu, s_cpu = K.quantize_pack_ef(g, e_cpu, action, KEY)
+    e_gpu = e.cuda()
+    p_gpu, s_gpu = K.quantize_pack_ef(g.cuda(), e_gpu, action, KEY)
+    torch.cuda.synchronize()
+    assert torch.equal(p_gpu.cpu(), p_cpu)
+    assert torch.equal(bits(e_gpu.cpu()), bits(e_cpu))
+    assert _stats_close(s_gpu, s_cpu), (s_gpu, s_cpu)
+    e_ref, out_ref = e.cuda(), torch.empty(n, device="cuda")
+    s_ref = K.quantize_ef(g.cuda(), e_ref, out_ref, action, KEY)
+    assert torch.equal(s_gpu, s_ref)                          # same kernel statistics, bitwise
+    assert torch.equal(bits(K.decode(p_gpu)), bits(out_ref))
+    acc = torch.randn(n, device="cuda")
+    expect = acc + out_ref
+    assert torch.equal(bits(K.decode_add(p_gpu, acc)), bits(expect))
+    assert torch.equal(bits(K.decode(p_cpu.cuda()).cpu()), bits(K.decode(p_cpu)))
+
+
+@gpu
+@needs_gpu
+def test_decode_cuda_rejects_bad_topk_indices():
+    from safebits_hvd.wire import WireFormatError
+
+    g, e = make(5000)
+    p, _ = K.quantize_pack_ef(g.cuda(), e.cuda(), A.ACTIONS["topk10"], KEY)
+    p[-1] = 0xFF                                              # the last bucket's last index: out of range
+    out = torch.zeros(5000, device="cuda")
+    with pytest.raises(WireFormatError, match=r"grads\.w: top-k bucket 9"):
+        K.decode_add(p, out, name="grads.w")
+    assert not out.any()

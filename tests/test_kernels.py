@@ -11,35 +11,14 @@ from safebits_hvd import rng
 from safebits_hvd.kernels import cpu
 from safebits_hvd.kernels import reference as R
 
+from .kernel_cases import bits, make
+
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
 
 ACTIONS = [*A.DEFAULT_MENU, A.ACTIONS["int8_nearest"], A.ACTIONS["int4_nearest"], A.ACTIONS["int2_nearest"],
            A.ternary(bucket_size=512)]
 SIZES = [1, 7, 511, 512, 513, 5000, 100_003]
 KEY = rng.stream_key(7, 3, 11)
-
-
-def make(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    g = torch.randn(n, generator=gen) * torch.logspace(-4, 4, n) if n > 1 else torch.randn(n, generator=gen)
-    e = torch.randn(n, generator=gen) * 0.1
-    if n > 1200:
-        g[:512] = 0.0                                   # an exact zero bucket
-        e[:512] = 0.0
-        g[600:610], e[600:610] = 1e-30, 0.0             # tiny
-        g[700:720], e[700:720] = 1e30, 0.0              # fp16 overflow
-        g[800:900], e[800:900] = 3.0, 0.0               # ties
-        g[1100:1200], e[1100:1200] = 2.0**-140, 0.0     # float32 subnormal
-        g[1030:1034] = -0.0
-        e[1030:1034] = -0.0
-    if n > 5000:
-        g[-700:], e[-700:] = 0.0, 0.0                   # zero last buckets (one partial)
-        g[-513:-500] = 6e-8                             # fp16 subnormal range
-    return g, e
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
 
 
 def assert_stats_close(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -8,6 +8,10 @@ Backends, chosen by the device of ``e``:
 
 All backends produce bit-identical ``out`` and ``e``; statistics agree to float64 rounding.
 Statistics columns: ``[sum (q-v)^2, sum q*v, sum q^2, sum v^2]`` (see :data:`STAT_COLUMNS`).
+
+The packed wire format (:mod:`safebits_hvd.wire`): :func:`quantize_pack_ef` is the sending pass that writes the
+payload instead of float32 values (same ``e``, same statistics, bitwise), :func:`decode_add` adds a payload's
+values into a float32 tensor, :func:`decode` returns them.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ import logging
 
 import torch
 
+from .. import wire
 from ..actions import Action, Menu
 from . import reference
 
-__all__ = ["STAT_COLUMNS", "backend_name", "quantize_ef", "screen"]
+__all__ = ["STAT_COLUMNS", "backend_name", "decode", "decode_add", "quantize_ef", "quantize_pack_ef", "screen"]
+
+PAYLOAD_ALIGN = 16
+"""Byte alignment the kernels need of a payload (its float32 and 16-bit sections are then naturally aligned)."""
 
 STAT_COLUMNS = ("err2", "qv", "q2", "v2")
 
@@ -116,3 +124,79 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
     if not isinstance(action, Action):
         raise TypeError(f"action must be a safebits_hvd.actions.Action, got {type(action).__name__}")
     return _backend(e.device).quantize_ef(g, e, out, action, int(key))
+
+
+def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+                     payload: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused packing pass: ``v = g + e``; the packed payload of ``q = Q_action(v)``; ``e = v - q`` (in place).
+
+    ``e`` and the statistics are bitwise those of :func:`quantize_ef` on the same inputs, and decoding the payload
+    gives bitwise its ``out``.
+
+    Args:
+        g: gradient (1-D contiguous float32) or None (then ``v = e``).
+        e: error-feedback residual, updated in place.
+        action: the quantizer.
+        key: ``safebits_hvd.rng.stream_key(seed, step, tensor_index)``.
+        payload: optional 1-D uint8 tensor of exactly ``wire.payload_nbytes(action, n)`` bytes on ``e``'s device,
+            16-byte aligned, to write into; a new one when None.
+
+    Returns:
+        ``(payload, stats)``: the uint8 payload (header + body) and float64 ``(4,)`` statistics
+        ``[sum (q-v)^2, sum q*v, sum q^2, sum v^2]``.
+    """
+    _check("e", e)
+    if g is not None:
+        _check("g", g, e)
+    if not isinstance(action, Action):
+        raise TypeError(f"action must be a safebits_hvd.actions.Action, got {type(action).__name__}")
+    header = wire.header_of(action, e.numel())
+    nbytes = header.payload_nbytes
+    if payload is None:
+        # rounded up so that word-wide device writes of the last bytes stay inside the allocation
+        payload = torch.empty(-(-nbytes // PAYLOAD_ALIGN) * PAYLOAD_ALIGN, dtype=torch.uint8, device=e.device)
+        payload = payload[:nbytes]
+    elif not (isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8 and payload.dim() == 1
+              and payload.is_contiguous() and payload.numel() == nbytes and payload.device == e.device):
+        raise ValueError(f"payload must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {e.device}")
+    elif payload.data_ptr() % PAYLOAD_ALIGN:
+        raise ValueError(f"payload must be {PAYLOAD_ALIGN}-byte aligned")
+    head = torch.frombuffer(bytearray(wire.pack_header(header)), dtype=torch.uint8)
+    payload[:wire.HEADER_BYTES].copy_(head)
+    stats = _backend(e.device).quantize_pack_ef(g, e, payload, action, int(key))
+    return payload, stats
+
+
+def _decode(payload: torch.Tensor, out: torch.Tensor, accumulate: bool, name: str) -> None:
+    if not isinstance(payload, torch.Tensor):
+        raise wire.WireFormatError(f"{name}: a payload is a uint8 tensor, got {type(payload).__name__}")
+    header = wire.parse_header(payload, name)
+    if header.n != out.numel():
+        raise wire.WireFormatError(f"{name}: payload holds {header.n} elements, the tensor has {out.numel()}")
+    if payload.device != out.device:
+        raise ValueError(f"{name}: payload is on {payload.device}, out on {out.device}")
+    if not payload.is_contiguous() or payload.data_ptr() % PAYLOAD_ALIGN:
+        payload = payload.clone()            # e.g. a slice of a gathered buffer: realign once
+    _backend(out.device).decode(payload, header, out, accumulate, name)
+
+
+def decode_add(payload: torch.Tensor, out: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
+    """``out += decode(payload)`` in place (elementwise float32 add); returns ``out``.
+
+    ``out``: 1-D contiguous float32 with the payload's element count. An invalid payload (truncated or extra
+    bytes, unknown version or kind, wrong element count, insane fields, top-k indices out of range) raises
+    :class:`safebits_hvd.wire.WireFormatError` naming ``name``; nothing is added then.
+    """
+    _check("out", out)
+    _decode(payload, out, True, name)
+    return out
+
+
+def decode(payload: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
+    """The float32 values of ``payload`` (bitwise the ``out`` of :func:`quantize_ef`, -0.0 included)."""
+    header = wire.parse_header(payload, name) if isinstance(payload, torch.Tensor) else None
+    if header is None:
+        raise wire.WireFormatError(f"{name}: a payload is a uint8 tensor, got {type(payload).__name__}")
+    out = torch.empty(header.n, dtype=torch.float32, device=payload.device)
+    _decode(payload, out, False, name)
+    return out

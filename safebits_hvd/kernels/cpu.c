@@ -25,7 +25,7 @@
 #endif
 
 typedef struct {
-    int kind, levels, stochastic, topk;
+    int kind, levels, stochastic, topk, trits; /* trits: QUANT levels == 1 packed 5 trits per byte (no -0.0) */
 } sb_action;
 
 /* k-th largest (k in 1..n) of a[0..n) by quickselect (Hoare partition, median of three); reorders a. */
@@ -54,38 +54,56 @@ static sb_u32 sb_select_kth_largest(sb_u32 *a, int n, int k) {
     return a[lo];
 }
 
-/* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words. */
-SB_CLONES void sb_quant_bucket(const sb_action *act, const float *restrict v, float *restrict q, int len,
-                               sb_i64 j0, sb_u32 key, sb_u32 *restrict kb) {
+/* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words.
+ * With word != NULL (the packing pass) also the wire codes: QUANT: len sb_quant_word()s and *scale; SIGN: len
+ * sign codes and *scale; TOPK: the kept local indices in ascending order. Returns the number of words written
+ * (0 for the float kinds, whose wire values the packer takes from q). */
+SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, float *restrict q, int len,
+                              sb_i64 j0, sb_u32 key, sb_u32 *restrict kb, sb_u32 *restrict word, float *scale_out) {
     int i;
     switch (act->kind) {
     case SB_FLOAT32:
         memcpy(q, v, (size_t)len * sizeof(float));
-        return;
+        return 0;
     case SB_FLOAT16:
         for (i = 0; i < len; i++) q[i] = sb_fp16_rne(v[i]);
-        return;
+        return 0;
     case SB_BFLOAT16:
         for (i = 0; i < len; i++) q[i] = sb_bf16_rne(v[i]);
-        return;
+        return 0;
     case SB_QUANT: {
         sb_u32 mk = 0;
         for (i = 0; i < len; i++) {
             sb_u32 k = sb_abs_key(v[i]);
             mk = k > mk ? k : mk;
         }
-        if (mk == 0) {
-            for (i = 0; i < len; i++) q[i] = 0.0f;
-            return;
-        }
         float scale = sb_u2f(mk), s = (float)act->levels;
+        int trits = act->trits, cb = sb_quant_bits(act->levels);
+        if (scale_out) *scale_out = scale;
+        if (mk == 0) { /* zero bucket: +0.0 everywhere, codes 0 (decodes to 0 * (0 / s) = +0.0) */
+            for (i = 0; i < len; i++) q[i] = 0.0f;
+            if (word) memset(word, 0, (size_t)len * sizeof(sb_u32));
+            return word ? len : 0;
+        }
+        if (word) { /* packing pass: the same code and value functions, keeping the code */
+            sb_u32 j32 = (sb_u32)j0;
+            for (i = 0; i < len; i++) {
+                float u = act->stochastic ? sb_uniform(key, (sb_i64)(j32 + (sb_u32)i)) : 0.5f;
+                float c = sb_quant_code(v[i], scale, s, u);
+                sb_u32 neg = sb_quant_sign(v[i], c, trits);
+                q[i] = sb_quant_value(c, neg, scale, s);
+                word[i] = sb_quant_word(c, neg, cb, trits);
+            }
+            return len;
+        }
         if (act->stochastic) {
             sb_u32 j32 = (sb_u32)j0;
-            for (i = 0; i < len; i++) q[i] = sb_quant(v[i], scale, s, sb_uniform(key, (sb_i64)(j32 + (sb_u32)i)));
+            for (i = 0; i < len; i++)
+                q[i] = sb_quant(v[i], scale, s, sb_uniform(key, (sb_i64)(j32 + (sb_u32)i)), trits);
         } else {
-            for (i = 0; i < len; i++) q[i] = sb_quant(v[i], scale, s, 0.5f);
+            for (i = 0; i < len; i++) q[i] = sb_quant(v[i], scale, s, 0.5f, trits);
         }
-        return;
+        return 0;
     }
     case SB_SIGN: {
         double lane[SB_SUM_LANES] = {0};
@@ -102,14 +120,24 @@ SB_CLONES void sb_quant_bucket(const sb_action *act, const float *restrict v, fl
         double total = lane[0];
         for (l = 1; l < SB_SUM_LANES; l++) total += lane[l];
         float scale = (float)(total / (double)len);
+        if (scale_out) *scale_out = scale;
+        if (word) {
+            for (i = 0; i < len; i++) {
+                word[i] = sb_sign_code(v[i]);
+                q[i] = sb_sign_value(word[i], scale);
+            }
+            return len;
+        }
         for (i = 0; i < len; i++) q[i] = sb_sign(v[i], scale);
-        return;
+        return 0;
     }
     case SB_TOPK: {
         int kk = act->topk < len ? act->topk : len;
         if (kk >= len) {
             for (i = 0; i < len; i++) q[i] = sb_bf16_rne(v[i]);
-            return;
+            if (word)
+                for (i = 0; i < len; i++) word[i] = (sb_u32)i;
+            return word ? len : 0;
         }
         for (i = 0; i < len; i++) kb[i] = sb_abs_key(v[i]);
         sb_u32 t = sb_select_kth_largest(kb, len, kk);
@@ -126,11 +154,21 @@ SB_CLONES void sb_quant_bucket(const sb_action *act, const float *restrict v, fl
                 eq_left--;
             }
         }
-        return;
+        if (!word) return 0;
+        /* the kept set, ascending: keys above t, and the first (kk - gt) keys equal to t */
+        int m = 0;
+        eq_left = kk - gt;
+        for (i = 0; i < len; i++) {
+            sb_u32 k = sb_abs_key(v[i]);
+            int keep = k > t || (k == t && eq_left > 0);
+            eq_left -= k == t && keep;
+            if (keep) word[m++] = (sb_u32)i;
+        }
+        return m;
     }
     default:
         for (i = 0; i < len; i++) q[i] = 0.0f;
-        return;
+        return 0;
     }
 }
 
@@ -195,8 +233,8 @@ static void sb_sum_partials(const double *part, sb_i64 m, int stride, int col, d
 
 /* The fused sending pass. Returns 0, or -1 when out of memory. */
 int sb_quantize_ef(const float *g, float *e, float *out, sb_i64 n, sb_i64 bucket, int kind, int levels,
-                   int stochastic, int topk, sb_u32 key, double *stats, int nthreads) {
-    sb_action act = {kind, levels, stochastic, topk};
+                   int stochastic, int topk, int trits, sb_u32 key, double *stats, int nthreads) {
+    sb_action act = {kind, levels, stochastic, topk, trits};
     sb_i64 nb = (n + bucket - 1) / bucket;
     int fail = 0;
     memset(stats, 0, 4 * sizeof(double));
@@ -219,7 +257,7 @@ int sb_quantize_ef(const float *g, float *e, float *out, sb_i64 n, sb_i64 bucket
             sb_i64 j0 = b * bucket;
             int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
             sb_load_v(g ? g + j0 : NULL, e + j0, vb, len);
-            sb_quant_bucket(&act, vb, out + j0, len, j0, key, kb);
+            sb_quant_bucket(&act, vb, out + j0, len, j0, key, kb, NULL, NULL);
             sb_bucket_stats(out + j0, vb, e + j0, len, part + 4 * b);
         }
         free(vb);
@@ -232,8 +270,8 @@ int sb_quantize_ef(const float *g, float *e, float *out, sb_i64 n, sb_i64 bucket
 
 /* Statistics of every action on the listed buckets (all when buckets is NULL). stats: nact x 4. */
 int sb_screen(const float *g, const float *e, sb_i64 n, sb_i64 bucket, const sb_i64 *buckets, sb_i64 nsel,
-              int nact, const int *kinds, const int *levels, const int *stochastic, const int *topks, sb_u32 key,
-              double *stats, int nthreads) {
+              int nact, const int *kinds, const int *levels, const int *stochastic, const int *topks,
+              const int *trits, sb_u32 key, double *stats, int nthreads) {
     sb_i64 nb = (n + bucket - 1) / bucket;
     int fail = 0, a;
     memset(stats, 0, (size_t)nact * 4 * sizeof(double));
@@ -266,8 +304,8 @@ int sb_screen(const float *g, const float *e, sb_i64 n, sb_i64 bucket, const sb_
             int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
             sb_load_v(g ? g + j0 : NULL, e + j0, vb, len);
             for (int ia = 0; ia < nact; ia++) {
-                sb_action act = {kinds[ia], levels[ia], stochastic[ia], topks[ia]};
-                sb_quant_bucket(&act, vb, qb, len, j0, key, kb);
+                sb_action act = {kinds[ia], levels[ia], stochastic[ia], topks[ia], trits[ia]};
+                sb_quant_bucket(&act, vb, qb, len, j0, key, kb, NULL, NULL);
                 sb_bucket_stats(qb, vb, NULL, len, p + 4 * ia);
             }
         }

@@ -1,6 +1,7 @@
 """CPU backend: compiles ``cpu.c`` (with ``safebits_math.h``) once per source version and calls it via ctypes.
 
-The same shared object carries ``allocator.c``, the compiled convex-hull greedy of :mod:`safebits_hvd.allocator`.
+The same shared object carries ``pack.c`` (the packed wire format: the fused packing pass and the decoder, see
+:mod:`safebits_hvd.wire`) and ``allocator.c``, the compiled convex-hull greedy of :mod:`safebits_hvd.allocator`.
 
 The shared object lives in ``${SAFEBITS_CACHE:-~/.cache/safebits}/kernels/<sha256>.so``, where the hash covers
 the full source text (RNG defines + header + cpu.c), the compiler path and the flags. It is built under a
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from ..actions import Action, ActionKind, Menu
+from ..wire import HEADER_BYTES, Header, WireFormatError
 from .source import translation_unit
 
 HERE = Path(__file__).resolve().parent
@@ -46,8 +48,9 @@ def compiler() -> str | None:
 
 
 def source() -> str:
-    """The exact C translation unit: shared constants, ``safebits_math.h``, ``cpu.c``, ``allocator.c``."""
-    return translation_unit("cpu.c") + '\n#line 1 "allocator.c"\n' + (HERE / "allocator.c").read_text()
+    """The exact C translation unit: shared constants, ``safebits_math.h``, ``cpu.c``, ``pack.c``, ``allocator.c``."""
+    return translation_unit("cpu.c") + "".join(f'\n#line 1 "{name}"\n' + (HERE / name).read_text()
+                                               for name in ("pack.c", "allocator.c"))
 
 
 def cache_dir() -> Path:
@@ -85,9 +88,13 @@ def load() -> ctypes.CDLL:
         if _lib is None:
             lib = ctypes.CDLL(str(build()))
             p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
-            lib.sb_quantize_ef.argtypes = [p, p, p, i64, i64, i32, i32, i32, i32, u32, p, i32]
+            lib.sb_quantize_ef.argtypes = [p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
             lib.sb_quantize_ef.restype = i32
-            lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, u32, p, i32]
+            lib.sb_quantize_pack_ef.argtypes = [p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
+            lib.sb_quantize_pack_ef.restype = i32
+            lib.sb_decode.argtypes = [p, p, i64, i64, i32, i32, i32, i32, i32, i32]
+            lib.sb_decode.restype = i32
+            lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, p, u32, p, i32]
             lib.sb_screen.restype = i32
             lib.sb_allocate.argtypes = [p, p, i64, i32, i64, p, p, p]
             lib.sb_allocate.restype = i32
@@ -144,16 +151,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _action_args(a: Action) -> tuple[int, int, int, int]:
+def _action_args(a: Action) -> tuple[int, int, int, int, int]:
+    """The kernels' per-action arguments: kind, levels, stochastic, topk per bucket, trits."""
     topk = a.topk_per_bucket if a.kind == ActionKind.TOPK else 0
-    return int(a.kind), int(a.levels), int(bool(a.stochastic)), int(topk)
+    return int(a.kind), int(a.levels), int(bool(a.stochastic)), int(topk), int(a.packs_trits)
 
 
 @functools.lru_cache(maxsize=64)
 def _menu_args(menu: Menu) -> tuple[torch.Tensor, ...]:
-    """Per-action kernel arguments of a menu as four int32 arrays (kind, levels, stochastic, topk); built once."""
+    """Per-action kernel arguments of a menu as five int32 arrays (see :func:`_action_args`); built once."""
     args = [_action_args(a) for a in menu]
-    return tuple(torch.tensor([x[c] for x in args], dtype=torch.int32) for c in range(4))
+    return tuple(torch.tensor([x[c] for x in args], dtype=torch.int32) for c in range(5))
 
 
 def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
@@ -166,6 +174,31 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
     if rc != 0:
         raise MemoryError("sb_quantize_ef: out of memory")
     return stats
+
+
+def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
+                     key: int) -> torch.Tensor:
+    """``pack.c``'s fused packing pass into ``payload`` (header already written); returns the statistics."""
+    lib = load()
+    stats = torch.zeros(4, dtype=torch.float64)
+    rc = lib.sb_quantize_pack_ef(_ptr(g), e.data_ptr(), payload.data_ptr() + HEADER_BYTES, e.numel(),
+                                 action.bucket_size, *_action_args(action), key & 0xFFFFFFFF, stats.data_ptr(),
+                                 torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("sb_quantize_pack_ef: out of memory")
+    return stats
+
+
+def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str) -> None:
+    """``pack.c``'s decoder: ``out = decode`` or ``out += decode`` of a payload whose header was validated."""
+    lib = load()
+    rc = lib.sb_decode(payload.data_ptr() + HEADER_BYTES, out.data_ptr(), header.n, header.bucket_size,
+                       int(header.kind), header.levels, header.topk, int(header.trits), int(accumulate),
+                       torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("sb_decode: out of memory")
+    if rc <= -2:
+        raise WireFormatError(f"{name}: top-k bucket {-2 - rc} has local indices out of range or not ascending")
 
 
 def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,

@@ -12,6 +12,7 @@ import functools
 import torch
 
 from ..actions import Action, ActionKind, Menu
+from ..wire import HEADER_BYTES, Header, WireFormatError
 from .source import translation_unit
 
 THREADS = 256
@@ -82,12 +83,58 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
         return torch.zeros(4, dtype=torch.float64, device=e.device)
     nb = -(-n // action.bucket_size)
     part = torch.empty((nb, 4), dtype=torch.float64, device=e.device)
-    topk = action.topk_per_bucket if action.kind == ActionKind.TOPK else 0
     args = (_cp(g if g is not None else e), _cp(e), _cp(out), np.int32(g is not None), np.int64(n),
-            np.int32(action.bucket_size), np.int32(action.kind), np.int32(action.levels),
-            np.int32(action.stochastic), np.int32(topk), np.uint32(key & 0xFFFFFFFF), _cp(part))
+            np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _cp(part))
     _launch("sb_quantize_ef_kernel", nb, args, e.device)
     return part.sum(dim=0)
+
+
+def _action_args(action: Action) -> tuple:
+    """kind, levels, stochastic, topk per bucket, trits: the kernels' per-action arguments (as in cpu.py)."""
+    import numpy as np
+
+    topk = action.topk_per_bucket if action.kind == ActionKind.TOPK else 0
+    return (np.int32(action.kind), np.int32(action.levels), np.int32(action.stochastic), np.int32(topk),
+            np.int32(action.packs_trits))
+
+
+def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
+                     key: int) -> torch.Tensor:
+    """The fused packing pass into ``payload`` (header written, 16-byte aligned); returns the statistics."""
+    import numpy as np
+
+    n = e.numel()
+    if n == 0:
+        return torch.zeros(4, dtype=torch.float64, device=e.device)
+    payload[HEADER_BYTES:].zero_()              # the kernel ORs / adds the packed codes into zeroed words
+    nb = -(-n // action.bucket_size)
+    part = torch.empty((nb, 4), dtype=torch.float64, device=e.device)
+    args = (_cp(g if g is not None else e), _cp(e), _cp(payload), np.int32(g is not None), np.int64(n),
+            np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _cp(part))
+    _launch("sb_quantize_pack_ef_kernel", nb, args, e.device)
+    return part.sum(dim=0)
+
+
+def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str) -> None:
+    """``out = decode`` or ``out += decode`` of a payload whose header was validated (16-byte aligned)."""
+    import numpy as np
+
+    n = header.n
+    if n == 0:
+        return
+    nb = -(-n // header.bucket_size)
+    if header.kind == ActionKind.TOPK:          # check the indices first: a corrupt payload writes nothing
+        bad = torch.full((1,), 2**31 - 1, dtype=torch.int32, device=out.device)
+        _launch("sb_check_topk_kernel", -(-nb // THREADS),
+                (_cp(payload), np.int64(n), np.int32(header.bucket_size), np.int32(header.topk), _cp(bad)),
+                out.device)
+        first_bad = int(bad.item())
+        if first_bad != 2**31 - 1:
+            raise WireFormatError(f"{name}: top-k bucket {first_bad} has local indices out of range or not "
+                                  "ascending")
+    args = (_cp(payload), _cp(out), np.int64(n), np.int32(header.bucket_size), np.int32(header.kind),
+            np.int32(header.levels), np.int32(header.topk), np.int32(header.trits), np.int32(accumulate))
+    _launch("sb_decode_kernel", nb, args, out.device)
 
 
 def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
@@ -108,8 +155,9 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     levels = _ints([a.levels for a in menu], e.device)
     stoch = _ints([int(a.stochastic) for a in menu], e.device)
     topks = _ints([a.topk_per_bucket if a.kind == ActionKind.TOPK else 0 for a in menu], e.device)
+    trits = _ints([int(a.packs_trits) for a in menu], e.device)
     args = (_cp(g if g is not None else e), _cp(e), np.int32(g is not None), np.int64(n),
             np.int32(menu.bucket_size), _cp(buckets), np.int32(len(menu)), _cp(kinds), _cp(levels),
-            _cp(stoch), _cp(topks), np.uint32(key & 0xFFFFFFFF), _cp(part))
+            _cp(stoch), _cp(topks), _cp(trits), np.uint32(key & 0xFFFFFFFF), _cp(part))
     _launch("sb_screen_kernel", m, args, e.device)
     return part.sum(dim=0)

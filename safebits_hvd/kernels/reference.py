@@ -4,6 +4,9 @@ Readable rather than fast: every quantizer works on a ``(buckets, B)`` matrix (t
 bucket, the last bucket padded) and mirrors ``safebits_math.h`` operation by operation, so that ``out`` and
 ``e`` are bit-identical to the C and CUDA backends. Statistics are float64 sums (their summation order differs
 from the compiled backends, so they agree to ~1e-12 relative, not bitwise).
+
+The packed wire format (:mod:`safebits_hvd.wire`): :func:`quantize_pack_ef` and :func:`decode` build and read
+payloads from the same code/value split as ``safebits_math.h`` (``sb_quant_code``/``sb_quant_value``...).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from ..actions import Action, ActionKind, Menu
+from ..actions import Action, ActionKind, Menu, index_bits, quant_code_bits
+from ..wire import HEADER_BYTES, Header, WireFormatError
 
 _SIGN_BIT = -(2**31)
 
@@ -39,6 +43,61 @@ def _buckets(v: torch.Tensor, bucket_size: int, buckets: torch.Tensor | None):
     return vp, j, lens
 
 
+def quant_code(vp: torch.Tensor, j: torch.Tensor, action: Action,
+               key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """QUANT codes of the bucket matrix, as ``sb_quant_code`` / ``sb_quant_sign``: ``(scale (m, 1), c, neg)``
+    with magnitudes ``c`` (exact float32 integers) and the int32 sign bits ``neg`` of q. A zero bucket has
+    ``scale`` 0 and codes 0 (it decodes to +0.0)."""
+    f32 = torch.float32
+    scale = abs_key(vp).amax(dim=1, keepdim=True).view(f32)  # max |v| (bit pattern max)
+    s = torch.tensor(float(action.levels), dtype=f32, device=vp.device)
+    u = rng.uniform(key, j) if action.stochastic else torch.full_like(vp, 0.5)
+    bits = vp.view(torch.int32)
+    r = ((bits & 0x7FFFFFFF).view(f32) / scale) * s               # |v| / scale * s
+    t = r + u
+    t = torch.where(t < s, t, s)                                 # min(., s); NaN -> s, as the C clamp
+    c = torch.trunc(t)                                           # t >= 0: truncation is floor
+    neg = bits & _SIGN_BIT                                       # the sign bit of v ...
+    if action.packs_trits:
+        neg = torch.where(c != 0, neg, 0)                        # ... but a trit has no -0
+    zero_bucket = scale == 0
+    return scale, torch.where(zero_bucket, 0.0, c), torch.where(zero_bucket, 0, neg)
+
+
+def quant_value(c: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor, levels: float) -> torch.Tensor:
+    """``sb_quant_value``: ``c * (scale / s)`` carrying the sign bits ``neg``."""
+    s = torch.tensor(levels, dtype=torch.float32, device=c.device)
+    return ((c * (scale / s)).view(torch.int32) | neg).view(torch.float32)
+
+
+def sign_scale(vp: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """SIGN scale per bucket ``(m, 1)``: the lane-ordered float64 mean of ``|v|``, as in ``cpu.c``."""
+    a = torch.where(vp < 0, -vp, vp).double()
+    m, b = a.shape
+    bp = -(-b // SUM_LANES) * SUM_LANES
+    a = torch.nn.functional.pad(a, (0, bp - b)).view(m, bp // SUM_LANES, SUM_LANES)
+    acc = torch.zeros((m, SUM_LANES), dtype=torch.float64, device=vp.device)
+    for step in range(bp // SUM_LANES):                         # each lane sums in element order
+        acc = acc + a[:, step, :]
+    total = acc[:, 0]
+    for lane in range(1, SUM_LANES):                             # then lanes 0, 1, ..., 7
+        total = total + acc[:, lane]
+    return (total / lens.double()).float()[:, None]
+
+
+def topk_kept(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, action: Action) -> torch.Tensor:
+    """TOPK: the boolean mask of kept cells (the ``min(k, len)`` largest ``|v|``, ties lowest index first)."""
+    m, b = vp.shape
+    keys = abs_key(vp)
+    valid = j < j[:, :1] + lens[:, None]
+    keys = torch.where(valid, keys, torch.full_like(keys, -1))                   # padding never kept
+    # stable descending sort: ties keep the lower index first
+    order = torch.sort(keys, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(b, device=vp.device).expand(m, b).contiguous())
+    return rank < lens.clamp(max=action.topk_per_bucket)[:, None]
+
+
 def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, action: Action,
                      key: int) -> torch.Tensor:
     """``Q_action`` of the ``(m, B)`` bucket matrix ``vp``.
@@ -46,8 +105,7 @@ def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, acti
     Padding cells are zeros; their outputs are ignored.
     """
     kind = action.kind
-    f32 = torch.float32
-    zero = torch.zeros((), dtype=f32, device=vp.device)
+    zero = torch.zeros((), dtype=torch.float32, device=vp.device)
     if kind == ActionKind.FLOAT32:
         return vp.clone()
     if kind == ActionKind.FLOAT16:
@@ -55,41 +113,13 @@ def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, acti
     if kind == ActionKind.BFLOAT16:
         return vp.bfloat16().float()
     if kind == ActionKind.QUANT:
-        scale = abs_key(vp).amax(dim=1, keepdim=True).view(f32)  # max |v| (bit pattern max)
-        s = torch.tensor(float(action.levels), dtype=f32, device=vp.device)
-        u = rng.uniform(key, j) if action.stochastic else torch.full_like(vp, 0.5)
-        bits = vp.view(torch.int32)
-        r = ((bits & 0x7FFFFFFF).view(f32) / scale) * s               # |v| / scale * s
-        t = r + u
-        t = torch.where(t < s, t, s)                                 # min(., s); NaN -> s, as the C clamp
-        c = torch.trunc(t)                                           # t >= 0: truncation is floor
-        m = c * (scale / s)
-        q = (m.view(torch.int32) | (bits & _SIGN_BIT)).view(f32)     # the sign bit of v
-        return torch.where(scale == 0, zero, q)
+        scale, c, neg = quant_code(vp, j, action, key)
+        return quant_value(c, neg, scale, float(action.levels))
     if kind == ActionKind.SIGN:
-        a = torch.where(vp < 0, -vp, vp).double()
-        m, b = a.shape
-        bp = -(-b // SUM_LANES) * SUM_LANES
-        a = torch.nn.functional.pad(a, (0, bp - b)).view(m, bp // SUM_LANES, SUM_LANES)
-        acc = torch.zeros((m, SUM_LANES), dtype=torch.float64, device=vp.device)
-        for step in range(bp // SUM_LANES):                         # each lane sums in element order
-            acc = acc + a[:, step, :]
-        total = acc[:, 0]
-        for lane in range(1, SUM_LANES):                             # then lanes 0, 1, ..., 7
-            total = total + acc[:, lane]
-        scale = (total / lens.double()).float()[:, None]
+        scale = sign_scale(vp, lens)
         return torch.where(vp >= 0, scale, -scale)
     if kind == ActionKind.TOPK:
-        m, b = vp.shape
-        keys = abs_key(vp)
-        valid = j < j[:, :1] + lens[:, None]
-        keys = torch.where(valid, keys, torch.full_like(keys, -1))                   # padding never kept
-        # stable descending sort: ties keep the lower index first
-        order = torch.sort(keys, dim=1, descending=True, stable=True).indices
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(b, device=vp.device).expand(m, b).contiguous())
-        kk = lens.clamp(max=action.topk_per_bucket)[:, None]
-        return torch.where(rank < kk, vp.bfloat16().float(), zero)
+        return torch.where(topk_kept(vp, j, lens, action), vp.bfloat16().float(), zero)
     raise ValueError(f"unknown action kind {kind!r}")
 
 
@@ -133,3 +163,139 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
     e.copy_(v - q)
     qb = torch.nn.functional.pad(q, (0, vp.numel() - n)).view_as(vp)
     return _stats(qb, vp)
+
+
+_POW3 = (1, 3, 9, 27, 81)
+
+
+def pack_bits(words: torch.Tensor, nbits: int) -> torch.Tensor:
+    """LSB-first bitstream of ``nbits``-bit words, zero-padded to a whole byte (uint8)."""
+    if words.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=words.device)
+    shifts = torch.arange(nbits, device=words.device)
+    bits = ((words.to(torch.int64)[:, None] >> shifts) & 1).reshape(-1)
+    bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8)).view(-1, 8)
+    return (bits << torch.arange(8, device=words.device)).sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, count: int, nbits: int) -> torch.Tensor:
+    """The first ``count`` words of ``nbits`` bits of an LSB-first bitstream (int64)."""
+    bits = (data.to(torch.int64)[:, None] >> torch.arange(8, device=data.device)) & 1
+    bits = bits.reshape(-1)[:count * nbits].view(count, nbits)
+    return (bits << torch.arange(nbits, device=data.device)).sum(dim=1)
+
+
+def pack_trits(digits: torch.Tensor) -> torch.Tensor:
+    """5 base-3 digits per byte, digit i weighing 3^i (uint8)."""
+    d = torch.nn.functional.pad(digits.to(torch.int64), (0, -digits.numel() % 5)).view(-1, 5)
+    return (d * torch.tensor(_POW3, device=d.device)).sum(dim=1).to(torch.uint8)
+
+
+def unpack_trits(data: torch.Tensor, count: int) -> torch.Tensor:
+    d = (data.to(torch.int64)[:, None] // torch.tensor(_POW3, device=data.device)) % 3
+    return d.reshape(-1)[:count]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
+                     key: int) -> torch.Tensor:
+    """Reference of :func:`safebits_hvd.kernels.quantize_pack_ef` (the header is already in ``payload``)."""
+    n = e.numel()
+    if n == 0:
+        return torch.zeros(4, dtype=torch.float64, device=e.device)
+    v = _v(g, e)
+    vp, j, lens = _buckets(v, action.bucket_size, None)
+    valid = j < n
+    kind = action.kind
+    if kind == ActionKind.FLOAT32:
+        q = vp.clone()
+        parts = [q[valid]]
+    elif kind == ActionKind.FLOAT16:
+        q = vp.half().float()
+        parts = [q[valid].half()]                                   # exact: q is a half value
+    elif kind == ActionKind.BFLOAT16:
+        q = vp.bfloat16().float()
+        parts = [(q[valid].view(torch.int32) >> 16).to(torch.int16)]
+    elif kind == ActionKind.QUANT:
+        scale, c, neg = quant_code(vp, j, action, key)
+        q = quant_value(c, neg, scale, float(action.levels))
+        negbit = (neg != 0).to(torch.int64)[valid]
+        ci = c[valid].to(torch.int64)
+        if action.packs_trits:
+            codes = pack_trits(ci + negbit)
+        else:
+            codes = pack_bits(ci | (negbit << (quant_code_bits(action.levels) - 1)), quant_code_bits(action.levels))
+        parts = [scale.reshape(-1), codes]
+    elif kind == ActionKind.SIGN:
+        scale = sign_scale(vp, lens)
+        q = torch.where(vp >= 0, scale, -scale)
+        parts = [scale.reshape(-1), pack_bits((~(vp >= 0)).to(torch.int64)[valid], 1)]
+    elif kind == ActionKind.TOPK:
+        kept = topk_kept(vp, j, lens, action)
+        q = torch.where(kept, vp.bfloat16().float(), torch.zeros((), device=vp.device))
+        local = torch.arange(action.bucket_size, device=vp.device).expand_as(vp)
+        parts = [(q[kept].view(torch.int32) >> 16).to(torch.int16),       # row-major: bucket, then index
+                 pack_bits(local[kept], index_bits(action.bucket_size))]
+    else:
+        raise ValueError(f"unknown action kind {kind!r}")
+    body = torch.cat([_bytes(p) for p in parts])
+    payload[HEADER_BYTES:].copy_(body)
+    qf = q.reshape(-1)[:n]
+    e.copy_(v - qf)
+    return _stats(torch.where(valid, q, torch.zeros((), device=q.device)), vp)
+
+
+def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str) -> None:
+    """Reference of the decoder: ``out = decode`` or ``out += decode`` of a payload whose header was validated."""
+    n, bsize = header.n, header.bucket_size
+    if n == 0:
+        return
+    body = payload[HEADER_BYTES:].clone()           # aligned copy, so that dtype views are allowed
+    nb = -(-n // bsize)
+    bucket_of = torch.arange(n, device=out.device) // bsize
+    if header.kind == ActionKind.FLOAT32:
+        x = body.view(torch.float32)
+    elif header.kind == ActionKind.FLOAT16:
+        x = body.view(torch.float16).float()
+    elif header.kind == ActionKind.BFLOAT16:
+        x = (body.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+    elif header.kind in (ActionKind.QUANT, ActionKind.SIGN):
+        scale = body[:4 * nb].view(torch.float32)[bucket_of]
+        codes = body[4 * nb:]
+        if header.kind == ActionKind.SIGN:
+            x = torch.where(unpack_bits(codes, n, 1) == 1, -scale, scale)
+        elif header.trits:
+            w = unpack_trits(codes, n)
+            x = quant_value((w != 0).float(), torch.where(w == 2, _SIGN_BIT, 0).to(torch.int32), scale,
+                            float(header.levels))
+        else:
+            cb = quant_code_bits(header.levels)
+            w = unpack_bits(codes, n, cb)
+            neg = torch.where((w >> (cb - 1)) & 1 == 1, _SIGN_BIT, 0).to(torch.int32)
+            x = quant_value((w & ((1 << (cb - 1)) - 1)).float(), neg, scale, float(header.levels))
+    elif header.kind == ActionKind.TOPK:
+        lens = torch.clamp(n - torch.arange(nb, device=out.device) * bsize, max=bsize)
+        kk = lens.clamp(max=header.topk)
+        total = int(kk.sum())
+        values = (body[:2 * total].view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+        idx = unpack_bits(body[2 * total:], total, index_bits(bsize))
+        owner = torch.repeat_interleave(torch.arange(nb, device=out.device), kk)
+        first = torch.cumsum(kk, 0) - kk                            # each bucket's first entry
+        ascending = torch.ones_like(idx, dtype=torch.bool)
+        ascending[1:] = idx[1:] > idx[:-1]
+        ascending[first[kk > 0]] = True                             # a bucket's first index has no predecessor
+        bad = (idx >= lens[owner]) | ~ascending
+        if bool(bad.any()):
+            b = int(owner[bad.nonzero()[0, 0]])
+            raise WireFormatError(f"{name}: top-k bucket {b} has local indices out of range or not ascending")
+        x = torch.zeros(n, dtype=torch.float32, device=out.device)
+        x[owner * bsize + idx] = values
+    else:
+        raise WireFormatError(f"{name}: unknown action kind {header.kind}")
+    if accumulate:
+        out.add_(x)
+    else:
+        out.copy_(x)

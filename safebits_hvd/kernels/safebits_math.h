@@ -76,23 +76,43 @@ SB_HD float sb_uniform(sb_u32 key, sb_i64 j) {
     return (float)(x >> (32 - SB_UNIFORM_BITS)) * (1.0f / (float)(1u << SB_UNIFORM_BITS));
 }
 
-/* float32 -> fp16 (round to nearest, ties to even) -> float32, exactly torch's x.half().float():
- * overflow gives +-inf, half subnormals are kept, signed zeros kept. NaN gives a quiet NaN. Branch-free. */
-SB_HD float sb_fp16_rne(float x) {
+/* Every quantizer below is split into a CODE function (what the packed wire format carries, see
+ * safebits_hvd/wire.py) and a VALUE function (the float32 that code stands for). The sending pass (quantize_ef),
+ * the packing pass (quantize_pack_ef) and the decoder all go through them, so q == decode(encode(v)) bitwise. */
+
+/* float32 -> IEEE half bits, round to nearest, ties to even (torch's x.half()): overflow gives +-inf, half
+ * subnormals are kept, signed zeros kept, NaN gives the quiet NaN 0x7e00. Branch-free. */
+SB_HD sb_u32 sb_fp16_code(float x) {
     sb_u32 b = sb_f2u(x);
-    sb_u32 sign = b & 0x80000000u;
+    sb_u32 sign = (b >> 16) & 0x8000u;
     sb_u32 a = b & 0x7fffffffu;
-    /* normal halves: keep 10 mantissa bits, RNE on the 13 dropped bits (a carry may bump the exponent) */
+    /* normal halves: keep 10 mantissa bits, RNE on the 13 dropped bits (a carry may bump the exponent), then
+     * rebias the exponent from 127 to 15 (unsigned wrap for small a is discarded by the select below) */
     sb_u32 rn = (a + 0x0fffu + ((a >> 13) & 1u)) & 0xffffe000u;
-    /* subnormal halves (|x| < 2^-14): multiples of 2^-24; (y + 2^23) - 2^23 rounds y < 2^22 to an integer, RNE */
-    float y = sb_u2f(a) * 16777216.0f;
+    sb_u32 hn = (rn >> 13) - 0x1c000u;
+    /* subnormal halves (|x| < 2^-14): multiples of 2^-24; (y + 2^23) - 2^23 rounds y < 2^22 to an integer, RNE.
+     * Large a is replaced by 0 first so that the float -> int conversion stays in range (no UB). */
+    float y = sb_u2f(a < 0x38800000u ? a : 0u) * 16777216.0f;
     float r = (y + 8388608.0f) - 8388608.0f;
-    sb_u32 rs = sb_f2u(r * 5.9604644775390625e-08f);
-    sb_u32 m = a < 0x38800000u ? rs : rn;
-    m = a >= 0x477ff000u ? 0x7f800000u : m;          /* >= 65520 rounds to inf */
-    m = a > 0x7f800000u ? 0x7fc00000u : m;           /* NaN */
-    return sb_u2f(sign | m);
+    sb_u32 h = a < 0x38800000u ? (sb_u32)(int)r : hn;
+    h = a >= 0x477ff000u ? 0x7c00u : h;           /* >= 65520 rounds to inf */
+    h = a > 0x7f800000u ? 0x7e00u : h;            /* NaN */
+    return sign | h;
 }
+
+/* IEEE half bits -> float32 (exact; NaN gives sign | 0x7fc00000). */
+SB_HD float sb_fp16_value(sb_u32 h) {
+    sb_u32 sign = (h & 0x8000u) << 16;
+    sb_u32 ex = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    sb_u32 normal = ((ex + 112u) << 23) | (m << 13);
+    sb_u32 sub = sb_f2u((float)(int)m * 5.9604644775390625e-08f); /* m * 2^-24, exact */
+    sb_u32 r = ex == 0u ? sub : normal;
+    r = ex == 31u ? (m ? 0x7fc00000u : 0x7f800000u) : r;
+    return sb_u2f(sign | r);
+}
+
+/* float32 -> fp16 (RNE) -> float32, exactly torch's x.half().float(). */
+SB_HD float sb_fp16_rne(float x) { return sb_fp16_value(sb_fp16_code(x)); }
 
 /* float32 -> bfloat16 (RNE) -> float32, exactly torch's x.bfloat16().float() (NaN gives +quiet NaN). */
 SB_HD float sb_bf16_rne(float x) {
@@ -102,21 +122,90 @@ SB_HD float sb_bf16_rne(float x) {
     return sb_u2f(r);
 }
 
-/* QUANT element: scale = max|v| of the bucket (> 0; the caller writes 0 for a zero bucket), s = levels as
- * float, u = the uniform draw (stochastic) or 0.5f (nearest). c = min(floor(|v|/scale*s + u), s) computed as a
- * clamp then a truncation (t >= 0, so truncation is floor; a NaN t clamps to s); q = c * (scale / s) carrying
- * the sign bit of v (so -0.0 gives -0.0). Sign handling by bit operations keeps the loop branch-free (gcc does
- * not if-convert two float selects on one condition). */
-SB_HD float sb_quant(float v, float scale, float s, float u) {
-    sb_u32 b = sb_f2u(v);
-    float r = (sb_u2f(b & 0x7fffffffu) / scale) * s;
+/* The bf16 word of an already rounded value q = sb_bf16_rne(v) (its low 16 bits are zero), and back. */
+SB_HD sb_u32 sb_bf16_code(float q) { return sb_f2u(q) >> 16; }
+SB_HD float sb_bf16_value(sb_u32 w) { return sb_u2f(w << 16); }
+
+/* QUANT element: scale = max|v| of the bucket (> 0; a zero bucket is all +0.0 with codes 0, handled by the
+ * caller), s = levels as float, u = the uniform draw (stochastic) or 0.5f (nearest).
+ * Magnitude code c = min(floor(|v|/scale*s + u), s) computed as a clamp then a truncation (t >= 0, so truncation
+ * is floor; a NaN t clamps to s), returned as an exact small float. */
+SB_HD float sb_quant_code(float v, float scale, float s, float u) {
+    float r = (sb_u2f(sb_f2u(v) & 0x7fffffffu) / scale) * s;
     float t = r + u;
     t = t < s ? t : s;
-    float c = (float)(int)t;
-    return sb_u2f(sb_f2u(c * (scale / s)) | (b & 0x80000000u));
+    return (float)(int)t;
 }
 
-/* SIGN element: scale = (float)(lane-ordered double sum of |v| / len). sign(0) = +1. */
-SB_HD float sb_sign(float v, float scale) { return v >= 0.0f ? scale : -scale; }
+/* The sign bit (0 or 0x80000000) that travels with magnitude c: the sign bit of v (so -0.0 gives -0.0), except
+ * that a trit has no -0 (trits != 0: c == 0 is +0.0). Bit operations keep the loops branch-free. */
+SB_HD sb_u32 sb_quant_sign(float v, float c, int trits) {
+    sb_u32 keep = (sb_u32)((c != 0.0f) | (trits == 0)) << 31;
+    return sb_f2u(v) & keep;
+}
+
+/* QUANT value of (c, sign): c * (scale / s) carrying the sign bit. */
+SB_HD float sb_quant_value(float c, sb_u32 neg, float scale, float s) {
+    return sb_u2f(sb_f2u(c * (scale / s)) | neg);
+}
+
+/* q = Q(v) for a QUANT element (sb_quant_value of sb_quant_code). */
+SB_HD float sb_quant(float v, float scale, float s, float u, int trits) {
+    float c = sb_quant_code(v, scale, s, u);
+    return sb_quant_value(c, sb_quant_sign(v, c, trits), scale, s);
+}
+
+/* The wire word of (c, neg): a trit digit (0: 0, 1: +1, 2: -1; trits have neg == 0 when c == 0) or a
+ * sign-magnitude code of cb bits (sign at bit cb - 1, magnitude below). */
+SB_HD sb_u32 sb_quant_word(float c, sb_u32 neg, int cb, int trits) {
+    sb_u32 ci = (sb_u32)(int)c, nb = neg >> 31;
+    return trits ? ci + nb : ci | (nb << (cb - 1));
+}
+
+/* The decoder's inverse of sb_quant_word: magnitude c (as float) and sign bit. */
+SB_HD float sb_quant_word_code(sb_u32 w, int cb, int trits) {
+    return (float)(int)(trits ? (sb_u32)(w != 0u) : (w & ((1u << (cb - 1)) - 1u)));
+}
+SB_HD sb_u32 sb_quant_word_sign(sb_u32 w, int cb, int trits) {
+    return (trits ? (sb_u32)(w == 2u) : (w >> (cb - 1)) & 1u) << 31;
+}
+
+/* SIGN element: code 1 = negative (sign(0) = +1, NaN counts as negative); scale = (float)(lane-ordered double sum
+ * of |v| / len). */
+SB_HD sb_u32 sb_sign_code(float v) { return (sb_u32)!(v >= 0.0f); }
+SB_HD float sb_sign_value(sb_u32 code, float scale) { return code ? -scale : scale; }
+SB_HD float sb_sign(float v, float scale) { return sb_sign_value(sb_sign_code(v), scale); }
+
+/* nbits (1..16) bits at bit position `bit` of an LSB-first bitstream; reads only the bytes that hold them. */
+SB_HD sb_u32 sb_get_bits(const unsigned char *p, sb_i64 bit, int nbits) {
+    const unsigned char *q = p + (bit >> 3);
+    int sh = (int)(bit & 7);
+    int nbytes = (sh + nbits + 7) >> 3;
+    sb_u32 acc = 0;
+    for (int i = 0; i < nbytes; i++) acc |= (sb_u32)q[i] << (8 * i);
+    return (acc >> sh) & ((1u << nbits) - 1u);
+}
+
+/* 3^i for i in 0..4: the weight of trit i within its byte (byte = sum_i digit_i * 3^i). */
+SB_HD sb_u32 sb_pow3(int i) {
+    sb_u32 p = 1u;
+    for (int k = 0; k < i; k++) p *= 3u;
+    return p;
+}
+
+/* Trit digit of element j of a 5-trits-per-byte stream. */
+SB_HD sb_u32 sb_get_trit(const unsigned char *p, sb_i64 j) {
+    return ((sb_u32)p[j / 5] / sb_pow3((int)(j % 5))) % 3u;
+}
+
+/* Bits of one top-k local index for buckets of `bucket` elements: ceil(log2(bucket)). */
+SB_HD int sb_index_bits(sb_i64 bucket) {
+    int b = 0;
+    while (((sb_i64)1 << b) < bucket) b++;
+    return b;
+}
+
+/* Bits of one sign-magnitude QUANT code: 1 + ceil(log2(levels + 1)). */
+SB_HD int sb_quant_bits(int levels) { return 1 + sb_index_bits((sb_i64)levels + 1); }
 
 #endif /* SAFEBITS_MATH_H */

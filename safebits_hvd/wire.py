@@ -1,0 +1,204 @@
+"""The packed wire format (version 1): what one tensor quantized with one action looks like as bytes.
+
+A payload is a 16-byte header and a body. :meth:`Action.cost` is exactly ``8 * (payload bytes - 16)`` for every
+action and element count (so :func:`payload_nbytes` is ``16 + cost / 8``).
+
+Header (little-endian, 16 bytes):
+
+======  ====  =================================================================================================
+offset  type  field
+======  ====  =================================================================================================
+0       u8    format version (:data:`FORMAT_VERSION` = 1)
+1       u8    action kind (:class:`~safebits_hvd.actions.ActionKind` value: 0 fp32, 1 fp16, 2 bf16, 3 QUANT,
+              4 SIGN, 5 TOPK)
+2       u16   QUANT: ``levels`` (1..32767); other kinds: 0
+4       u16   ``bucket_size - 1`` (bucket sizes 2..65536)
+6       u16   TOPK: ``topk_per_bucket - 1`` (k in 1..bucket_size); QUANT: code packing, 0 = sign-magnitude
+              bitstream, 1 = 5 trits per byte (``levels`` must be 1; the :func:`~safebits_hvd.actions.ternary`
+              action); other kinds: 0
+8       u64   element count ``n``
+======  ====  =================================================================================================
+
+Body (``B`` = bucket size, ``nb = ceil(n / B)``, ``len_b`` = elements of bucket ``b``; every section starts
+naturally aligned and ends padded with zero bits to a whole byte):
+
+=========================  ===============================================================  ===================
+kind                       sections, in order                                               body bytes
+=========================  ===============================================================  ===================
+FLOAT32                    ``n`` float32                                                    ``4 n``
+FLOAT16                    ``n`` IEEE half (RNE of v; subnormals kept, overflow to inf)     ``2 n``
+BFLOAT16                   ``n`` raw bf16 words (RNE of v: the top 16 bits of the float32)  ``2 n``
+QUANT (bitstream)          ``nb`` float32 scales (max ``|v|`` of the bucket, 0 for an       ``4 nb +
+                           all-zero bucket), then ``n`` codes of ``cb = 1 + ceil(log2(       ceil(cb n / 8)``
+                           levels + 1))`` bits, sign-magnitude: bit ``cb - 1`` is the sign
+                           bit of q (so -0.0 survives), the bits below the magnitude ``c``
+                           in ``0..levels``; one LSB-first bitstream over the tensor
+QUANT (trits, levels = 1)  ``nb`` float32 scales, then 5 trits per byte: byte ``j // 5``    ``4 nb +
+                           is ``sum_i d_i 3^i`` over elements ``5 (j // 5) + i``, digit     ceil(n / 5)``
+                           ``d`` = 0 for 0 (+0.0: no -0.0), 1 for ``+scale``, 2 for
+                           ``-scale``
+SIGN                       ``nb`` float32 scales (mean ``|v|``), then ``n`` sign bits       ``4 nb +
+                           (1 = negative, ``v >= 0`` is positive), LSB-first                ceil(n / 8)``
+TOPK                       ``K = sum_b min(k, len_b)`` bf16 words: the kept values,         ``2 K +
+                           bucket by bucket, ascending local index within a bucket; then    ceil(ib K / 8)``
+                           the ``K`` local indices at ``ib = ceil(log2 B)`` bits each,
+                           LSB-first, same order (also when ``k >= len_b`` keeps the
+                           whole bucket: indices are always written)
+=========================  ===============================================================  ===================
+
+Decoding: QUANT ``q = c * (scale / levels)`` with the sign bit set by the code (bit-exact with the sending pass,
+``safebits_math.h``'s ``sb_quant_value``); SIGN ``q = code ? -scale : scale``; TOPK elements not listed are +0.0.
+A decoded payload is bitwise the ``out`` that :func:`safebits_hvd.kernels.quantize_ef` writes on the same inputs.
+Code values are not range checked beyond memory safety (a QUANT magnitude above ``levels`` decodes to more than
+the scale); top-k indices are checked (inside the bucket, strictly ascending) before anything is written.
+
+Functions: :func:`encode_ef` (= :func:`safebits_hvd.kernels.quantize_pack_ef`), :func:`decode_add`,
+:func:`decode`, :func:`payload_nbytes`, :func:`pack_header`, :func:`parse_header`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .actions import Action, ActionKind, body_bits
+
+__all__ = ["FORMAT_VERSION", "HEADER_BYTES", "Header", "WireFormatError", "decode", "decode_add", "encode_ef",
+           "header_of", "pack_header", "parse_header", "payload_nbytes"]
+
+FORMAT_VERSION = 1
+HEADER_BYTES = 16
+_HEADER = struct.Struct("<BBHHHQ")
+_MAX_N = 2**62   # far above any tensor; keeps every size computation inside int64 in the kernels
+
+
+class WireFormatError(ValueError):
+    """A payload that is not a valid version-1 SafeBits payload for the tensor it is decoded into."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """The decoded 16-byte header."""
+
+    kind: ActionKind
+    n: int
+    bucket_size: int
+    levels: int = 0
+    topk: int = 0
+    trits: bool = False
+    version: int = FORMAT_VERSION
+
+    @property
+    def body_nbytes(self) -> int:
+        """Bytes of the body this header announces (the one size formula, :func:`actions.body_bits`)."""
+        return body_bits(self.kind, self.n, self.bucket_size, self.levels, self.topk, self.trits) // 8
+
+    @property
+    def payload_nbytes(self) -> int:
+        return HEADER_BYTES + self.body_nbytes
+
+
+def header_of(action: Action, n: int) -> Header:
+    """The header of ``n`` elements sent with ``action``."""
+    quant = action.kind == ActionKind.QUANT
+    return Header(ActionKind(action.kind), int(n), action.bucket_size, action.levels if quant else 0,
+                  action.topk_per_bucket if action.kind == ActionKind.TOPK else 0, action.packs_trits)
+
+
+def payload_nbytes(action: Action, n: int) -> int:
+    """Bytes of the payload of ``n`` elements: ``16 + action.cost(n) // 8``."""
+    return HEADER_BYTES + action.cost(n) // 8
+
+
+def pack_header(header: Header) -> bytes:
+    """The 16 header bytes."""
+    param = header.topk - 1 if header.kind == ActionKind.TOPK else int(header.trits)
+    return _HEADER.pack(header.version, int(header.kind), header.levels, header.bucket_size - 1, param, header.n)
+
+
+def parse_header(payload: torch.Tensor | bytes, name: str = "tensor", *, check_length: bool = True) -> Header:
+    """Parse and validate the header of ``payload`` (a uint8 tensor or bytes), including that its length is the
+    one the header announces. Raises :class:`WireFormatError` naming ``name`` and what is wrong."""
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise WireFormatError(f"{name}: a payload is a 1-D uint8 tensor, got {payload.dtype} of shape "
+                                  f"{tuple(payload.shape)}")
+        size = payload.numel()
+        head = bytes(payload[:HEADER_BYTES].cpu().numpy().tobytes()) if size >= HEADER_BYTES else b""
+    else:
+        size, head = len(payload), bytes(payload[:HEADER_BYTES])
+    if size < HEADER_BYTES:
+        raise WireFormatError(f"{name}: truncated payload: got {size} bytes, a header alone is {HEADER_BYTES}")
+    version, kind, levels, bucket_m1, param, n = _HEADER.unpack(head)
+    if version != FORMAT_VERSION:
+        raise WireFormatError(f"{name}: payload format version {version} unsupported (this build reads version "
+                              f"{FORMAT_VERSION})")
+    if kind not in ActionKind._value2member_map_:
+        raise WireFormatError(f"{name}: unknown action kind {kind} (known: "
+                              f"{', '.join(f'{k.value} {k.name}' for k in ActionKind)})")
+    kind = ActionKind(kind)
+    bucket = bucket_m1 + 1
+    if bucket < 2:
+        raise WireFormatError(f"{name}: bucket size {bucket} is below 2")
+    if n > _MAX_N:
+        raise WireFormatError(f"{name}: element count {n} is not plausible")
+    topk, trits = 0, False
+    if kind == ActionKind.QUANT:
+        if not 1 <= levels <= 2**15 - 1:
+            raise WireFormatError(f"{name}: QUANT levels {levels} outside [1, 32767]")
+        if param > 1 or (param == 1 and levels != 1):
+            raise WireFormatError(f"{name}: QUANT code packing {param} invalid (0: bitstream, 1: trits with "
+                                  f"levels 1; levels is {levels})")
+        trits = param == 1
+    elif levels != 0:
+        raise WireFormatError(f"{name}: levels field is {levels}, must be 0 for {kind.name}")
+    if kind == ActionKind.TOPK:
+        topk = param + 1
+        if topk > bucket:
+            raise WireFormatError(f"{name}: top-k keeps {topk} per bucket of {bucket}")
+    elif kind != ActionKind.QUANT and param != 0:
+        raise WireFormatError(f"{name}: parameter field is {param}, must be 0 for {kind.name}")
+    header = Header(kind, n, bucket, levels, topk, trits, version)
+    expected = header.payload_nbytes
+    if check_length and size != expected:
+        what = "truncated payload" if size < expected else f"{size - expected} extra bytes in payload"
+        raise WireFormatError(f"{name}: {what}: got {size} bytes, expected {expected} ({kind.name}, n={n})")
+    return header
+
+
+def payload_length(buffer: torch.Tensor, offset: int = 0, name: str = "tensor") -> int:
+    """Bytes of the payload that starts at ``offset`` of ``buffer`` (uint8, payloads back to back, as an allgather
+    delivers them): its header is validated and the buffer must hold all of it, else :class:`WireFormatError`."""
+    available = buffer.numel() - offset
+    if available < HEADER_BYTES:
+        raise WireFormatError(f"{name}: truncated payload: {available} bytes left, a header alone is {HEADER_BYTES}")
+    header = parse_header(buffer[offset:offset + HEADER_BYTES], name, check_length=False)
+    if available < header.payload_nbytes:
+        raise WireFormatError(f"{name}: truncated payload: {available} bytes left, expected "
+                              f"{header.payload_nbytes} ({header.kind.name}, n={header.n})")
+    return header.payload_nbytes
+
+
+def encode_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+              payload: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`safebits_hvd.kernels.quantize_pack_ef`: the fused pass ``v = g + e``, payload of ``Q(v)``,
+    ``e <- v - q``; returns ``(payload, stats)``."""
+    from . import kernels
+
+    return kernels.quantize_pack_ef(g, e, action, key, payload)
+
+
+def decode_add(payload: torch.Tensor, out: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
+    """:func:`safebits_hvd.kernels.decode_add`: ``out += decode(payload)`` in place; returns ``out``."""
+    from . import kernels
+
+    return kernels.decode_add(payload, out, name=name)
+
+
+def decode(payload: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
+    """:func:`safebits_hvd.kernels.decode`: the float32 values of a payload."""
+    from . import kernels
+
+    return kernels.decode(payload, name=name)
