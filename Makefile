@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export SAFEBITS_REQUIRE_NVRTC := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test demo demo-full lint unit mpi bench bench-smoke clean
+.PHONY: setup test demo demo-full lint unit mpi bench bench-smoke bench-link clean
 
 setup:
 	@bash scripts/setup.sh
@@ -30,6 +30,9 @@ bench-smoke: setup
 
 bench: setup
 	$(PY) -m pytest bench -q --benchmark-enable --benchmark-json=results/bench-full.json
+
+bench-link: setup
+	$(PY) bench/link.py
 
 demo: setup
 	$(PY) bench/demo.py

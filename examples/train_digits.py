@@ -4,7 +4,8 @@
 
 Every rank trains on its own shard of the training set; ``SafeBits`` is the ``compression=`` of Horovod's stock
 ``hvd.DistributedOptimizer``. Rank 0 prints, per epoch, the training loss (averaged over ranks), the test accuracy
-and SafeBits' figures: median compression ratio, budget violations and escalations of the epoch's steps.
+and SafeBits' figures: median modeled compression ratio, budget violations, escalations, and the bytes this rank
+put on the wire per step.
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ def main() -> None:
         ratio = statistics.median(r.modeled_compression_ratio for r in records)
         violations = sum(r.violation for r in records)
         escalations = sum(len(r.escalations) for r in records)
+        wire_kb = statistics.median(r.wire_bytes for r in records) / 1e3
         if hvd.rank() == 0:
             print(f"epoch {epoch}  loss {mean_loss:.4f}  test accuracy {accuracy:.3f}  SafeBits: compression "
                   f"ratio {ratio:.2f}x, {violations} budget violations and {escalations} escalations "
-                  f"in {len(records)} steps", flush=True)
+                  f"in {len(records)} steps, {wire_kb:.1f} kB on the wire per step ({records[-1].collective})",
+                  flush=True)
 
 
 if __name__ == "__main__":

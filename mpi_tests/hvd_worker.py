@@ -91,10 +91,11 @@ class TrackingSafeBits(sb.SafeBits):
         out, ctx = super().compress(tensor)
         if name is None:     # super() accepted it (e.g. sparse_as_dense); nothing to track
             return out, ctx
-        if ctx.collective == "allgather":       # Horovod reduces a one-element marker; the payload is allgathered
+        if ctx.collective != "dense":       # Horovod reduces a one-element marker; the payloads travel beside it
             if out.numel() != 1 or ctx.wire.dtype != torch.uint8:
                 self.wire_problems.append(f"{name}: marker of {out.numel()}, payload {ctx.wire.dtype}")
-            sent = sb.kernels.decode(ctx.wire, name=name).to(torch.float64)
+            decoded = sb.collectives.decode_sequence(ctx.wire, torch.zeros(tensor.numel()), name)
+            sent = decoded.to(torch.float64)
         else:
             if out.dtype != torch.float32 or out.numel() != tensor.numel():
                 self.wire_problems.append(f"{name}: wire {out.dtype} x {out.numel()} for grad of {tensor.numel()}")
@@ -190,6 +191,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
           "parameters differ across ranks after broadcast")
 
     trainable = [(n, p) for n, p in named if p.requires_grad]
+    two_phase_sums: dict[str, np.ndarray] = {}     # per parameter: [sum of reduced sums, sum of what ranks sent]
     frozen_before = {n: p.detach().clone() for n, p in named if not p.requires_grad}
     first_loss = global_loss(model)
     violations = escalations = 0
@@ -232,6 +234,11 @@ def run_training(sc: Scenario) -> dict[str, Any]:
             stacked = np.stack([s[n] for s in sent_all])
             expected = stacked.sum(axis=0) if sc.op is hvd.Sum else stacked.mean(axis=0)
             got = p.grad.detach().reshape(-1).to(torch.float64).numpy()
+            if compression.last_step.collective == "two_phase":
+                # The second hop re-quantizes the sums with its own error feedback: conserved over the run (below).
+                scale = 1.0 if sc.op is hvd.Sum else float(hvd.size())
+                two_phase_sums[n] = two_phase_sums.get(n, 0) + np.stack([got * scale, stacked.sum(axis=0)])
+                continue
             tol = 1e-6 * (np.abs(stacked).sum(axis=0) + 1e-30)
             check(bool(np.all(np.abs(got - expected) <= tol + 1e-12)),
                   f"step {step}: reduced gradient of {n} is not the op of the wire tensors "
@@ -240,6 +247,20 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         if n in frozen_before:
             check(torch.equal(p.detach(), frozen_before[n]), f"frozen parameter {n} changed")
             check(n not in compression.names, f"frozen parameter {n} registered with SafeBits")
+
+    # Two-phase, second hop: what the ranks sent = what the owners re-sent + the owners' second-hop residuals.
+    if two_phase_sums:
+        second = hvd.allgather_object({n: t.numpy() for n, t in compression.core.second_hop_memory.residuals.items()},
+                                      name=f"{sc.name}.second_hop")
+        for n, p in trainable:
+            bounds = sb.collectives.segment_bounds(p.numel(), compression.menu.bucket_size, hvd.size())
+            residual = np.concatenate([second[owner][n] for owner in range(hvd.size())]).astype(np.float64)
+            check(len(residual) == p.numel() and [stop - start for start, stop in bounds] == [len(second[o][n])
+                  for o in range(hvd.size())], f"second-hop residuals of {n} do not tile the tensor")
+            resent, sent = two_phase_sums[n]
+            err = np.abs(resent + residual - sent)
+            check(bool(np.all(err <= 1e-4 * (np.abs(sent) + np.abs(resent)) + 1e-6)),
+                  f"second-hop conservation fails for {n}: max error {err.max():.3g}")
 
     # Error-feedback conservation, per rank: sum(sent) + residual == sum(gradients).
     lossy = 0
@@ -254,7 +275,8 @@ def run_training(sc: Scenario) -> dict[str, Any]:
     check(lossy > 0, "no residual is non-zero: nothing lossy was sent, the EF check proves nothing")
 
     # 4 bits per parameter on a few ranks: "auto" moves packed payloads (collectives.choose).
-    expected = {"dense"} if sc.collective == "dense" else {"allgather"}
+    packed = sc.collective if sc.collective != "auto" else ("allgather" if hvd.size() == 2 else "two_phase")
+    expected = {"dense"} if sc.collective == "dense" else {packed}
     check(compression.collectives == expected, f"collectives used {compression.collectives}, expected {expected}")
     check({r.collective for r in compression.history} == expected, "the records' collective differs")
     last_loss = global_loss(model)
@@ -336,14 +358,16 @@ def run_inconsistent_menu() -> dict[str, Any]:
     return expect_consistency_error("incmenu", "different lengths", menu=["fp32", "fp16", "int8"])
 
 
-def run_checkpoint_restore() -> dict[str, Any]:
+def run_checkpoint_restore(collective: str = "auto") -> dict[str, Any]:
     """Stop at step 3, save model, optimizer and SafeBits state per rank, rebuild everything, restore and go on:
-    the parameters after step 6 are bitwise those of an uninterrupted run, on every rank."""
+    the parameters after step 6 are bitwise those of an uninterrupted run, on every rank (with the two-phase
+    collective that needs the second hop's residuals too)."""
     def build(tag: str) -> tuple[nn.Module, Any, sb.SafeBits]:
         torch.manual_seed(0)
         model = Net()
         named = [(f"ckpt.{n}", p) for n, p in model.named_parameters()]
-        compression = sb.SafeBits(named, budget_bits=3.0, name=f"safebits.ckpt.{tag}")
+        compression = sb.SafeBits(named, budget_bits=3.0, name=f"safebits.ckpt.{collective}.{tag}",
+                                  collective=collective)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=named, compression=compression)
         return model, opt, compression
@@ -374,9 +398,10 @@ def run_checkpoint_restore() -> dict[str, Any]:
     train(model, opt, range(3, 6))
     resumed = params_digest(model)
     check(resumed == straight, "parameters after stop/restore differ from the uninterrupted run")
-    digests = hvd.allgather_object(resumed, name="ckpt.digests")
+    digests = hvd.allgather_object(resumed, name=f"ckpt.{collective}.digests")
     check(len(set(digests)) == 1, f"ranks differ after restore: {digests}")
-    return {"digest": resumed[:12]}
+    check(compression.last_step.collective in ("allgather", "two_phase"), "checkpoint run on the dense path")
+    return {"digest": resumed[:12], "collective": compression.last_step.collective}
 
 
 def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
@@ -384,6 +409,7 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
     configs = [
         Scenario("train_average", steps=40, lr=0.5, loss_must_fall=True),
         Scenario("dense_average", steps=20, lr=0.5, loss_must_fall=True, collective="dense"),
+        Scenario("two_phase", steps=20, lr=0.5, loss_must_fall=True, collective="two_phase"),
         Scenario("op_sum", op=hvd.Sum, lr=0.05),
         Scenario("bpps2", backward_passes_per_step=2),
         Scenario("groups_int", groups=2),
@@ -398,6 +424,7 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
     table: dict[str, Callable[[], dict[str, Any]]] = {c.name: (lambda c=c: run_training(c)) for c in configs}
     table["unregistered"] = run_unregistered
     table["checkpoint_restore"] = run_checkpoint_restore
+    table["checkpoint_two_phase"] = lambda: run_checkpoint_restore("two_phase")
     table["inconsistent"] = run_inconsistent
     table["inconsistent_menu"] = run_inconsistent_menu
     return table

@@ -1,6 +1,7 @@
 """Checkpoint state of the core: what continuing bit-identically needs, as plain tensors, numbers and strings.
 
-A state holds the error-feedback residuals (per rank: under Horovod each rank saves its own), the step counter,
+A state holds the error-feedback residuals (per rank: under Horovod each rank saves its own; with the two-phase
+collective also the second hop's residuals of the segments the rank owns), the step counter,
 the seed, the last step's reduced statistics (the next allocation's input) and the schedule's state. It names the
 parameters, their sizes and the menu, so a state saved for another model is refused with a clear error.
 """
@@ -12,13 +13,14 @@ from typing import Any
 import numpy as np
 import torch
 
-STATE_FORMAT = 2
-"""Version of the state dict layout; a state of another format is refused."""
+STATE_FORMAT = 3
+"""Version of the state dict layout. Format 2 (no second-hop residuals) is still read; others are refused."""
+READABLE_FORMATS = (2, 3)
 
 
 def make_state(*, step: int, seed: int, names: list[str], numels: np.ndarray, menu_names: list[str],
-               residuals: dict[str, torch.Tensor], screened: np.ndarray | None, v2: np.ndarray | None,
-               schedule_state: Any) -> dict[str, Any]:
+               residuals: dict[str, torch.Tensor], second_hop_residuals: dict[str, torch.Tensor],
+               screened: np.ndarray | None, v2: np.ndarray | None, schedule_state: Any) -> dict[str, Any]:
     """The state dict (arrays copied: the caller may go on training)."""
     previous = screened is not None and v2 is not None
     return {
@@ -29,6 +31,7 @@ def make_state(*, step: int, seed: int, names: list[str], numels: np.ndarray, me
         "numels": [int(n) for n in numels],
         "menu": list(menu_names),
         "residuals": residuals,
+        "second_hop_residuals": second_hop_residuals,
         "prev_screened": torch.from_numpy(screened.copy()) if previous else None,
         "prev_v2": torch.from_numpy(v2.copy()) if previous else None,
         "schedule": schedule_state,
@@ -40,15 +43,16 @@ def check_state(state: Any, names: list[str], numels: np.ndarray, menu_names: li
     if not isinstance(state, dict) or "format" not in state:
         raise ValueError(f"not a SafeBits state dict (format {STATE_FORMAT}): got "
                          + (f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__))
-    if state["format"] != STATE_FORMAT:
-        raise ValueError(f"SafeBits state of format {state['format']!r}; this version reads format {STATE_FORMAT}")
+    if state["format"] not in READABLE_FORMATS:
+        raise ValueError(f"SafeBits state of format {state['format']!r}; this version reads formats "
+                         f"{READABLE_FORMATS}")
     if state["names"] != names or state["numels"] != [int(n) for n in numels]:
         raise ValueError(f"this SafeBits state was saved for a different model: {len(state['names'])} "
                          f"parameters (first {state['names'][:3]}) vs {len(names)} here "
                          f"(first {names[:3]}), or different sizes")
     if state["menu"] != menu_names:
         raise ValueError(f"state saved with menu {state['menu']}, this object has {menu_names}")
-    unknown = set(state["residuals"]) - set(names)
+    unknown = (set(state["residuals"]) | set(state.get("second_hop_residuals", {}))) - set(names)
     if unknown:
         raise ValueError(f"state holds residuals of unknown parameters {sorted(unknown)[:3]}")
 

@@ -4,64 +4,93 @@
 * ``"allgather"``: every rank's payload of a tensor (uint8; lengths may differ, since ranks may escalate
   differently) reaches every rank; every rank decodes all of them and sums them **in rank order**, so the reduced
   gradient is bitwise identical everywhere. Per element a rank moves ``b (P - 1)`` bits for ``b``-bit payloads.
-* ``"dense"``: today's float32 values through Horovod's allreduce (``2 * 32 (P - 1) / P`` bits per element on a
-  ring); kept for comparison, for ``op=hvd.Adasum``, and where it moves fewer bytes.
-* ``"auto"`` (default) picks, per step and identically on every rank, the one that moves fewer bytes for the
-  step's allocation: allgather when ``b (P - 1) < 64 (P - 1) / P``, i.e. ``b < 64 / P`` bits per parameter.
+* ``"two_phase"`` (scatter-reduce then allgather, as CGX and DeepSpeed's compressed allreduce): each tensor is cut
+  into ``P`` segments at bucket boundaries, each segment packed on its own; one alltoall per step sends segment
+  ``r`` of every tensor to rank ``r``, which sums the ``P`` decoded payloads of its segment, re-encodes the sum with
+  a second error-feedback residual it owns (screened like the first hop, with the same safe fallback), and one
+  allgather per step delivers every owner's segment to every rank. About ``2 b (P - 1) / P`` bits per element.
+* ``"dense"``: the float32 values through Horovod's allreduce (``2 * 32 (P - 1) / P`` bits per element on a ring);
+  kept for comparison, for ``op=hvd.Adasum``, and where it moves fewer bytes.
+* ``"auto"`` (default) picks, per step and identically on every rank, from the allocation's modeled bits per
+  parameter ``b``: dense in one process or when ``b >= 32``; allgather on 2 ranks (the same bytes as two-phase,
+  one quantization); two-phase from 3 ranks on.
 
-Many small tensors must not each pay a collective's latency: each tensor's allgather is submitted asynchronously
-under its own fixed name, and Horovod fuses allgathers of one dtype submitted in the same cycle into one.
+Many small tensors must not each pay a collective's latency: allgathers are submitted asynchronously per tensor
+under fixed names and Horovod fuses those of one dtype ready in the same cycle; alltoalls never fuse, so the
+two-phase path batches every tensor of the step into one alltoall and one allgather.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from . import kernels, wire
+from .actions import Action
+from .rng import stream_key
 
-COLLECTIVES = ("auto", "allgather", "dense")
+COLLECTIVES = ("auto", "allgather", "two_phase", "dense")
 
 
 def choose(collective: str, bits_per_parameter: float, world_size: int) -> str:
     """The collective of a step: ``collective`` unless it is ``"auto"`` (see the module docstring)."""
     if collective != "auto":
         return collective
-    if world_size <= 1:
-        return "dense"          # one process: nothing moves; the float32 values are the answer
-    return "allgather" if bits_per_parameter < 64.0 / world_size else "dense"
+    if world_size <= 1 or bits_per_parameter >= 32.0:
+        return "dense"          # one process: nothing moves; 32 bits: float32 on a ring is as cheap
+    return "allgather" if world_size == 2 else "two_phase"
+
+
+def link_bytes(collective: str, payload_bytes: int, ranks: int) -> int:
+    """Bytes one rank's payload costs the link: allgather delivers it to ``ranks - 1`` peers; a ring allreduce of
+    dense values sends ``2 (P - 1) / P`` of them; ``two_phase`` counts its two hops itself."""
+    if collective == "allgather":
+        return payload_bytes * (ranks - 1)
+    if collective == "dense":
+        return (2 * payload_bytes * (ranks - 1)) // ranks
+    raise ValueError(f"link_bytes is not defined for {collective!r}")
 
 
 @runtime_checkable
-class PayloadAllgather(Protocol):
-    """Gathers one uint8 payload per rank, concatenated in rank order. ``start`` must not block."""
+class PayloadTransport(Protocol):
+    """Moves uint8 buffers between ranks; ``start_*`` must not block, ``wait`` returns the result:
+    ``start_allgather``: every rank's buffer, concatenated in rank order; ``start_alltoall``: ``(received,
+    received_splits)``, the pieces every rank sent this one, in rank order."""
 
     rank: int
     size: int
 
-    def start(self, name: str, payload: torch.Tensor) -> Any:
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
         ...
 
-    def wait(self, handle: Any) -> torch.Tensor:
+    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+        ...
+
+    def wait(self, handle: Any) -> Any:
         ...
 
 
-class LocalAllgather:
-    """One process: the gathered payloads are this rank's."""
+class LocalTransport:
+    """One process: every collective returns this rank's own buffer."""
 
     rank = 0
     size = 1
 
-    def start(self, name: str, payload: torch.Tensor) -> Any:
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
         return payload
 
-    def wait(self, handle: Any) -> torch.Tensor:
+    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+        return buffer, torch.tensor(splits, dtype=torch.int32)
+
+    def wait(self, handle: Any) -> Any:
         return handle
 
 
-class HorovodAllgather:
-    """``hvd.allgather_async`` of uint8 payloads under fixed per-tensor names (fused by Horovod)."""
+class HorovodTransport:
+    """Horovod's ``allgather_async`` and ``alltoall_async`` of uint8 buffers under fixed names."""
 
     def __init__(self) -> None:
         import horovod.torch as hvd
@@ -70,25 +99,89 @@ class HorovodAllgather:
         self.rank = hvd.rank()
         self.size = hvd.size()
 
-    def start(self, name: str, payload: torch.Tensor) -> Any:
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
         return self._hvd.allgather_async(payload, name=name)
 
-    def wait(self, handle: Any) -> torch.Tensor:
+    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+        return self._hvd.alltoall_async(buffer, splits=torch.tensor(splits, dtype=torch.int32), name=name)
+
+    def wait(self, handle: Any) -> Any:
         return self._hvd.synchronize(handle)
 
 
-def make_allgather() -> LocalAllgather | HorovodAllgather:
+def make_transport() -> LocalTransport | HorovodTransport:
     """The payload transport of the current process (Horovod when it is initialized with several ranks)."""
     try:
         import horovod.torch as hvd
     except ImportError:
-        return LocalAllgather()
+        return LocalTransport()
     try:
         if not hvd.is_initialized() or hvd.size() == 1:
-            return LocalAllgather()
+            return LocalTransport()
     except ValueError:
-        return LocalAllgather()
-    return HorovodAllgather()
+        return LocalTransport()
+    return HorovodTransport()
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+def segment_bounds(n: int, bucket_size: int, ranks: int) -> list[tuple[int, int]]:
+    """Two-phase: ``ranks`` element ranges of a tensor of ``n`` elements, cut at bucket boundaries (some may be
+    empty), so every segment quantizes exactly as the same buckets of the whole tensor would."""
+    buckets = -(-n // bucket_size)
+    cuts = [min(n, (r * buckets // ranks) * bucket_size) for r in range(ranks)] + [n]
+    return list(itertools.pairwise(cuts))
+
+
+def segment_key(key: int, segment: int) -> int:
+    """The RNG stream of one segment: segments restart element numbering at 0, so each needs its own draws."""
+    return stream_key(key, segment + 1, 0)
+
+
+def encode(collective: str, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+           segments: list[tuple[int, int]], out: torch.Tensor) -> tuple[Any, np.ndarray]:
+    """One send pass for ``collective``: ``v = g + e``, ``q = Q(v)``, ``e <- v - q``; returns what travels (dense:
+    ``out`` filled with ``q``; allgather: a payload; two-phase: one payload per segment) and the float64 statistics
+    of all of ``q`` (the segments' sums added in segment order)."""
+    if collective == "dense":
+        return out, kernels.quantize_ef(g, e, out, action, key).cpu().numpy()
+    if collective == "allgather":
+        payload, stats = kernels.quantize_pack_ef(g, e, action, key)
+        return payload, stats.cpu().numpy()
+    payloads, total = [], np.zeros(4)
+    for segment, (start, stop) in enumerate(segments):
+        payload, stats = kernels.quantize_pack_ef(None if g is None else g[start:stop], e[start:stop], action,
+                                                  segment_key(key, segment))
+        payloads.append(payload)
+        total += stats.cpu().numpy()
+    return payloads, total
+
+
+def restore(collective: str, sent: Any, e: torch.Tensor, segments: list[tuple[int, int]], name: str) -> None:
+    """Undo :func:`encode`'s residual update: ``e <- e + q`` (``e`` then holds ``v`` to float rounding)."""
+    if collective == "dense":
+        e.add_(sent)
+    elif collective == "allgather":
+        kernels.decode_add(sent, e, name=name)
+    else:
+        for payload, (start, stop) in zip(sent, segments, strict=True):
+            kernels.decode_add(payload, e[start:stop], name=name)
+
+
+def decode_sequence(buffer: torch.Tensor, out: torch.Tensor, name: str) -> torch.Tensor:
+    """Decode payloads lying back to back in ``buffer`` into consecutive ranges of ``out`` (added), e.g. what one
+    rank sent of a tensor on any packed path: one payload, or its segments in order. Returns ``out``."""
+    offset = position = 0
+    while offset < buffer.numel():
+        length = wire.payload_length(buffer, offset, name=name)
+        count = wire.parse_header(buffer[offset:offset + length], name).n
+        if position + count > out.numel():
+            raise wire.WireFormatError(f"{name}: payloads hold more than the {out.numel()} elements of the tensor")
+        kernels.decode_add(buffer[offset:offset + length], out[position:position + count], name=name)
+        offset += length
+        position += count
+    if position != out.numel():
+        raise wire.WireFormatError(f"{name}: payloads hold {position} elements, the tensor {out.numel()}")
+    return out
 
 
 def sum_payloads(gathered: torch.Tensor, ranks: int, out: torch.Tensor, name: str) -> torch.Tensor:
@@ -103,3 +196,15 @@ def sum_payloads(gathered: torch.Tensor, ranks: int, out: torch.Tensor, name: st
     if offset != total:
         raise wire.WireFormatError(f"{name}: {total - offset} bytes after the {ranks} ranks' payloads")
     return out
+
+
+def split_payloads(buffer: torch.Tensor, count: int, name: str) -> list[torch.Tensor]:
+    """The ``count`` payloads lying back to back in ``buffer`` (which must hold exactly them)."""
+    views, offset = [], 0
+    for k in range(count):
+        length = wire.payload_length(buffer, offset, name=f"{name} (payload {k})")
+        views.append(buffer[offset:offset + length])
+        offset += length
+    if offset != buffer.numel():
+        raise wire.WireFormatError(f"{name}: {buffer.numel() - offset} bytes after {count} payloads")
+    return views

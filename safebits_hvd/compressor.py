@@ -17,7 +17,7 @@ import torch
 
 from . import collectives
 from .actions import DEFAULT_MENU, Menu, make_menu
-from .collectives import PayloadAllgather
+from .collectives import PayloadTransport
 from .core import NONFINITE_MODES, SafeBitsCore, check_count, check_number
 from .exchange import StatisticsExchange, make_exchange
 from .memory import ErrorFeedback
@@ -113,16 +113,16 @@ class CoreCompressor(Compressor):
         index = self._index.find(tensor, core.unsent if core.in_step else None)
         sent = core.send(index, tensor)
         ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.handle, sent.wire)
-        if sent.collective == "allgather":
+        if sent.collective != "dense":
             return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
         return sent.wire, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
         """The reduced gradient in its shape and dtype (finishes the step's statistics exchange)."""
         core = self.core
-        if ctx.collective == "allgather":
-            total = core.gather_sum(ctx.index, ctx.handle)
-            ranks = core.allgather.size if core.allgather is not None else 1
+        if ctx.collective != "dense":
+            total = core.reduced_sum(ctx.index, ctx.step, ctx.collective, ctx.handle)
+            ranks = core.transport.size if core.transport is not None else 1
             factor = op_factor(tensor, ranks)
             if factor != ranks:
                 total.mul_(factor / ranks) if factor != 1.0 else total.div_(ranks)
@@ -213,15 +213,16 @@ class SafeBits(CoreCompressor):
         screen: False switches the screen off (the unscreened global-budgeting ablation; no guarantee).
         name: Horovod tensor name of the statistics exchange (distinct per compressor object). Default "safebits".
         max_history: records kept in :attr:`history` (the last one is always in :attr:`last_step`). Default 10000.
-        collective: how gradients travel (:mod:`safebits_hvd.collectives`): ``"allgather"`` (packed payloads, the
-            real bytes), ``"dense"`` (dequantized float32 through Horovod's allreduce: no fewer bytes; for
+        collective: how gradients travel (:mod:`safebits_hvd.collectives`): ``"allgather"`` (every rank's packed
+            payload to every rank), ``"two_phase"`` (packed scatter-reduce then allgather, with a second error
+            feedback), ``"dense"`` (dequantized float32 through Horovod's allreduce: no fewer bytes; for
             ``op=hvd.Adasum``), or ``"auto"`` (default: per step, the one that moves fewer bytes; dense in one
             process).
         exchange: the statistics transport (:class:`~safebits_hvd.exchange.StatisticsExchange`). Default None:
             chosen when the first step closes (Horovod's MPI or Gloo, or none for one process). Tests and
             benchmarks pass their own here.
-        allgather: the payload transport (:class:`~safebits_hvd.collectives.PayloadAllgather`). Default None:
-            Horovod's allgather when Horovod runs several ranks, else none.
+        transport: the payload transport (:class:`~safebits_hvd.collectives.PayloadTransport`). Default None:
+            Horovod's allgather and alltoall when Horovod runs several ranks, else none.
 
     Attributes:
         last_step: the :class:`StepRecord` of the last completed step (None before the first).
@@ -234,7 +235,7 @@ class SafeBits(CoreCompressor):
                  log_path: str | os.PathLike[str] | None = None, *, sample_buckets: int = 16,
                  consistency_check_every: int = 1, nonfinite: str = "raise", screen: bool = True,
                  name: str = "safebits", max_history: int = 10000, collective: str = "auto",
-                 exchange: StatisticsExchange | None = None, allgather: PayloadAllgather | None = None) -> None:
+                 exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
         names, params = registered_parameters(named_parameters)
         schedule = as_schedule(budget_bits)
         if not callable(budget_bits):
@@ -257,7 +258,7 @@ class SafeBits(CoreCompressor):
             nonfinite=nonfinite, sample_buckets=check_count("sample_buckets", sample_buckets, 1),
             consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
             max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
-            allgather=allgather if allgather is not None else collectives.make_allgather, name=name)
+            transport=transport if transport is not None else collectives.make_transport, name=name)
         self._attach(params, core)
         self.menu = menu
         self.schedule = schedule

@@ -38,7 +38,7 @@ import torch
 from . import checkpoint, collectives, kernels
 from .actions import Menu
 from .allocator import Allocation
-from .collectives import PayloadAllgather
+from .collectives import PayloadTransport
 from .errors import SafeBitsConsistencyError, SafeBitsNonFiniteError
 from .exchange import StatisticsExchange, allocation_digest, digest_words
 from .memory import ErrorFeedback
@@ -54,10 +54,11 @@ NONFINITE_MODES = ("raise", "skip")
 class Sent(NamedTuple):
     """What :meth:`SafeBitsCore.send` hands the front end for one tensor."""
 
-    wire: torch.Tensor          # "dense": the dequantized float32 values; "allgather": this rank's packed payload
+    wire: torch.Tensor          # dense: the dequantized float32 values; allgather: this rank's packed payload;
+    #                             two_phase: its segments' payloads back to back (collectives.decode_sequence)
     step: int                   # the step it belongs to (for finish)
-    collective: str             # "dense" or "allgather" (the step's choice, identical on every rank)
-    handle: Any                 # "allgather": the started collective, for gather_sum
+    collective: str             # "dense", "allgather" or "two_phase" (the step's choice, identical on every rank)
+    handle: Any                 # allgather: the started collective, for reduced_sum
 
 
 def check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
@@ -94,8 +95,8 @@ class SafeBitsCore:
         sample_buckets: buckets per tensor the screen estimates on.
         consistency_check_every: compare allocation digests every this many steps (0: never).
         max_history, log_path: see :class:`~.telemetry.StepLog`.
-        collective: ``"auto"``, ``"allgather"`` or ``"dense"`` (:mod:`.collectives`).
-        allgather: the payload transport, or a callable that makes it when the first step begins.
+        collective: ``"auto"``, ``"allgather"``, ``"two_phase"`` or ``"dense"`` (:mod:`.collectives`).
+        transport: the payload transport, or a callable that makes it when the first step begins.
         dense_wire_bytes: bytes per element the front end puts on the wire on the dense path (4: float32).
         name: prefix of the payload collectives' names (distinct per object).
     """
@@ -106,7 +107,7 @@ class SafeBitsCore:
                  nonfinite: str = "raise", sample_buckets: int = 16, consistency_check_every: int = 1,
                  max_history: int = 10000, log_path: str | os.PathLike[str] | None = None,
                  collective: str = "dense",
-                 allgather: PayloadAllgather | Callable[[], PayloadAllgather] = collectives.make_allgather,
+                 transport: PayloadTransport | Callable[[], PayloadTransport] = collectives.make_transport,
                  dense_wire_bytes: int = 4, name: str = "safebits") -> None:
         # -- what is being compressed, and how decisions are made
         self.names = names
@@ -125,13 +126,15 @@ class SafeBitsCore:
         if collective not in collectives.COLLECTIVES:
             raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
         self.collective_setting = collective
-        self._allgather_or_factory = allgather
-        self.allgather: PayloadAllgather | None = allgather if isinstance(allgather, PayloadAllgather) else None
+        self._transport_or_factory = transport
+        self.transport: PayloadTransport | None = transport if isinstance(transport, PayloadTransport) else None
         self.dense_wire_bytes = dense_wire_bytes
         self.name = name
 
         # -- state carried across steps (all of it checkpointed, see state_dict)
         self.memory = ErrorFeedback()                  # per-tensor residuals e, per rank
+        # Two-phase: the residual of the second hop, per tensor, of the segment this rank owns and re-encodes.
+        self.second_hop_memory = ErrorFeedback()
         self.step = 0                                  # index of the next step to begin
         # The last finished step's reduced statistics: the next allocation's input (None before the first step).
         self._previous_screened: np.ndarray | None = None
@@ -145,7 +148,13 @@ class SafeBitsCore:
         self._budget_bits_total = 0.0
         self._digest = ""
         self.collective = "dense"                      # the step's collective (collectives.choose)
-        self._wire_bytes = 0                           # bytes this rank has put on the wire in the step
+        self._wire_bytes = 0                           # bytes this rank's payloads cost the link in the step
+        self._segments: list[list[tuple[int, int]]] = []   # two-phase: per tensor, the P segments' element ranges
+        self._segment_payloads: dict[int, list[torch.Tensor]] = {}   # two-phase: the step's first-hop payloads
+        # two-phase: (step, alltoall handle, allocation) in flight; then (step, reduced tensors) once finished
+        self._two_phase_pending: tuple[int, Any, np.ndarray] | None = None
+        self._two_phase_done: tuple[int, list[torch.Tensor]] | None = None
+        self._second_hop_bytes = (-1, 0)               # two-phase: (step, link bytes of this rank's second hop)
         # The statistics go straight into the vector the exchange reduces in place. Two vectors, by step parity:
         # the allocation made at the start of step t reads step t-1's reduced vector, which must stay intact.
         self.layout = StatisticsLayout(tensors, actions)
@@ -174,24 +183,36 @@ class SafeBitsCore:
         if not self.in_step:
             self._begin()
         step, collective = self.step, self.collective
-        wire = self._send(index, grad)
-        self._wire_bytes += wire.numel() * (1 if collective == "allgather" else self.dense_wire_bytes)
-        handle = None
+        sent = self._send(index, grad)
+        assert self.transport is not None
+        ranks, handle = self.transport.size, None
         if collective == "allgather":
-            assert self.allgather is not None
-            handle = self.allgather.start(f"{self.name}.payload.{index}", wire)
+            handle = self.transport.start_allgather(f"{self.name}.payload.{index}", sent)
+            self._wire_bytes += collectives.link_bytes(collective, sent.numel(), ranks)
+        elif collective == "two_phase":
+            self._segment_payloads[index] = sent
+            self._wire_bytes += sum(p.numel() for r, p in enumerate(sent) if r != self.transport.rank)
+            sent = torch.cat(sent)
+        else:
+            self._wire_bytes += collectives.link_bytes(collective, sent.numel() * self.dense_wire_bytes, ranks)
         self.unsent[index] = False
         if not self.unsent.any():
             self._close()
-        return Sent(wire, step, collective, handle)
+        return Sent(sent, step, collective, handle)
 
-    def gather_sum(self, index: int, handle: Any) -> torch.Tensor:
-        """Wait for tensor ``index``'s payload allgather and return the sum of every rank's decoded payload,
-        added in rank order (bitwise the same on every rank), as a flat float32 tensor."""
-        assert self.allgather is not None
-        gathered = self.allgather.wait(handle)
-        out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
-        return collectives.sum_payloads(gathered, self.allgather.size, out, self.names[index])
+    def reduced_sum(self, index: int, step: int, collective: str, handle: Any) -> torch.Tensor:
+        """The sum over ranks of what every rank sent of tensor ``index`` at ``step`` on a packed path, decoded in
+        rank order (bitwise the same on every rank), as a flat float32 tensor. Waits for the collective."""
+        assert self.transport is not None
+        if collective == "allgather":
+            gathered = self.transport.wait(handle)
+            out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
+            return collectives.sum_payloads(gathered, self.transport.size, out, self.names[index])
+        if self._two_phase_pending is not None and self._two_phase_pending[0] == step:
+            self._finish_two_phase()
+        if self._two_phase_done is None or self._two_phase_done[0] != step:
+            raise RuntimeError(f"the two-phase reduction of step {step} is no longer held (a later step began)")
+        return self._two_phase_done[1][index]
 
     def finish(self, step: int | None = None) -> None:
         """Finish the pending exchange (only if it is ``step``'s, when given)."""
@@ -223,13 +244,17 @@ class SafeBitsCore:
                                                 self._previous_screened, self._previous_v2)
         self.allocation_seconds = time.perf_counter() - start
         self._digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
-        if self.allgather is None:
-            factory = self._allgather_or_factory
+        if self.transport is None:
+            factory = self._transport_or_factory
             assert callable(factory)
-            self.allgather = factory()
+            self.transport = factory()
+        if not self._segments:
+            ranks = self.transport.size
+            self._segments = [collectives.segment_bounds(int(n), self.menu.bucket_size, ranks) for n in self.numels]
         self.collective = collectives.choose(self.collective_setting,
                                              self._allocation.cost_bits / max(1, self.total_elements),
-                                             self.allgather.size)
+                                             self.transport.size)
+        self._segment_payloads = {}
         self._wire_bytes = 0
         self.unsent[:] = True
         self._fields = self._views[self.step % 2]
@@ -268,8 +293,8 @@ class SafeBitsCore:
             g = g.to(torch.float32)
         g = g.contiguous()
         e = self._residual(index, n, g.device)
-        packed = self.collective == "allgather"
-        out = torch.empty(0 if packed else n, dtype=torch.float32, device=g.device)
+        collective, segments = self.collective, self._segments[index]
+        out = torch.empty(n if collective == "dense" else 0, dtype=torch.float32, device=g.device)
         fields = self._fields
         if (self.nonfinite != "propagate" and n and not math.isfinite(float(g.sum()))
                 and not bool(torch.isfinite(g).all())):
@@ -279,10 +304,7 @@ class SafeBitsCore:
                                              f"(SafeBits(nonfinite='skip') sends zeros instead)")
             fields.skipped[index] = 1.0
             fields.v2[index] = math.inf
-            zeros = torch.zeros(n, dtype=torch.float32, device=g.device)
-            if packed:      # the cheapest action's payload of zeros; the residual is untouched
-                return kernels.quantize_pack_ef(None, zeros, self.menu[int(self.policy.cost_order[index, 0])], 0)[0]
-            return zeros
+            return self._zeros(index, collective)
 
         key = stream_key(self.seed, self.step, index)
         assert self._allocation is not None
@@ -299,19 +321,12 @@ class SafeBitsCore:
             ok = np.ones(len(self.menu), dtype=bool)
 
         source: torch.Tensor | None = g
-        payload = out
+        sent: Any = None
         for attempt, action_index in enumerate(policy.send_order(index, allocated, ok)):
             if attempt:              # e held v - q: restore v (to float rounding) and quantize it again
-                if packed:
-                    kernels.decode_add(payload, e, name=name)
-                else:
-                    e.add_(out)
+                collectives.restore(collective, sent, e, segments, name)
                 source = None
-            if packed:
-                payload, stats_tensor = kernels.quantize_pack_ef(source, e, self.menu[action_index], key)
-            else:
-                stats_tensor = kernels.quantize_ef(source, e, out, self.menu[action_index], key)
-            stats = stats_tensor.cpu().numpy()
+            sent, stats = collectives.encode(collective, source, e, self.menu[action_index], key, segments, out)
             d, c = distortion_cosine(stats)
             if policy.accepts(action_index, float(d), float(c)):
                 break
@@ -322,7 +337,82 @@ class SafeBitsCore:
         fields.screened[index, action_index] = d      # the exact figure beats the estimate (and passed the screen)
         v2 = float(stats[3])
         fields.v2[index] = v2 if math.isfinite(v2) else math.inf     # never NaN: NaN would poison the MAX
-        return payload if packed else out
+        return sent
+
+    def _zeros(self, index: int, collective: str) -> Any:
+        """What a skipped tensor sends: zeros (the cheapest action's payload of zeros); no residual is touched."""
+        n = int(self.numels[index])
+        zeros = torch.zeros(n, dtype=torch.float32)
+        cheapest = self.menu[int(self.policy.cost_order[index, 0])]
+        if collective == "dense":
+            return zeros
+        return collectives.encode(collective, None, zeros, cheapest, 0, self._segments[index], zeros)[0]
+
+    # ------------------------------------------------------------------ two-phase: the second hop
+    def _start_two_phase(self) -> None:
+        """Close of a two-phase step: one alltoall sends segment ``r`` of every tensor (index order) to rank ``r``."""
+        assert self.transport is not None and self._allocation is not None
+        for index in np.flatnonzero(self.unsent):     # an incomplete step: zeros keep every rank's layout
+            self._segment_payloads[int(index)] = self._zeros(int(index), "two_phase")
+        ranks = self.transport.size
+        pieces = [[self._segment_payloads[i][r] for i in range(len(self.names))] for r in range(ranks)]
+        splits = [sum(p.numel() for p in piece) for piece in pieces]
+        buffer = torch.cat([p for piece in pieces for p in piece])
+        handle = self.transport.start_alltoall(f"{self.name}.two_phase.alltoall", buffer, splits)
+        self._two_phase_pending = (self.step, handle, self._allocation.choice.copy())
+        self._segment_payloads = {}
+
+    def _finish_two_phase(self) -> None:
+        """Sum the segment this rank owns over every rank (rank order), re-encode each sum with the second-hop
+        residual, allgather the owners' payloads, and decode every tensor whole. Runs once per step, for every
+        tensor in index order, so every rank submits the same collectives in the same order (no deadlock)."""
+        assert self._two_phase_pending is not None and self.transport is not None
+        step, handle, allocation = self._two_phase_pending
+        self._two_phase_pending = None
+        ranks, rank, tensors = self.transport.size, self.transport.rank, len(self.names)
+        received, _ = self.transport.wait(handle)
+        first_hop = collectives.split_payloads(received, ranks * tensors, f"{self.name} step {step} alltoall")
+        owned = []
+        for index in range(tensors):
+            start, stop = self._segments[index][rank]
+            total = torch.zeros(stop - start, dtype=torch.float32)
+            for source in range(ranks):
+                kernels.decode_add(first_hop[source * tensors + index], total, name=self.names[index])
+            owned.append(self._second_hop(index, step, int(allocation[index]), total))
+        mine = torch.cat(owned)
+        self._second_hop_bytes = (step, collectives.link_bytes("allgather", mine.numel(), ranks))
+        gathered = self.transport.wait(self.transport.start_allgather(f"{self.name}.two_phase.allgather", mine))
+        second_hop = collectives.split_payloads(gathered, ranks * tensors, f"{self.name} step {step} allgather")
+        results = []
+        for index in range(tensors):
+            out = torch.zeros(int(self.numels[index]), dtype=torch.float32)
+            for owner, (start, stop) in enumerate(self._segments[index]):
+                kernels.decode_add(second_hop[owner * tensors + index], out[start:stop], name=self.names[index])
+            results.append(out)
+        self._two_phase_done = (step, results)
+
+    def _second_hop(self, index: int, step: int, allocated: int, total: torch.Tensor) -> torch.Tensor:
+        """The owned segment's sum ``s``, re-encoded with error feedback: ``v = s + e2``, screened exactly like the
+        first hop (the allocated action, else costlier ones, else lossless); returns the payload."""
+        e2 = self.second_hop_memory.residual(self.names[index], total.numel(), total.device)
+        policy = self.policy
+        order = [allocated]
+        if policy.screen_enabled:
+            cost = policy.costs[index]
+            order += [int(a) for a in policy.cost_order[index]
+                      if cost[a] > cost[allocated] and not policy.lossless[a]] + [policy.lossless_index]
+        key = collectives.segment_key(stream_key(self.seed, step, index), len(self._segments[index]) + 1)
+        source: torch.Tensor | None = total
+        payload = total
+        for attempt, action_index in enumerate(order):
+            if attempt:
+                kernels.decode_add(payload, e2, name=self.names[index])
+                source = None
+            payload, stats = kernels.quantize_pack_ef(source, e2, self.menu[action_index], key)
+            d, c = distortion_cosine(stats.cpu().numpy())
+            if policy.accepts(action_index, float(d), float(c)):
+                break
+        return payload
 
     # ------------------------------------------------------------------ 4. close
     def _close(self) -> None:
@@ -331,6 +421,8 @@ class SafeBitsCore:
             factory = self._exchange_or_factory
             assert callable(factory)
             self.exchange = factory()
+        if self.collective == "two_phase":
+            self._start_two_phase()
         vector = self._vectors[self.step % 2]
         self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total, self._wire_bytes,
                          self.collective)
@@ -343,6 +435,10 @@ class SafeBitsCore:
     def _finish(self) -> None:
         assert self._pending is not None and self.exchange is not None and self._allocation is not None
         step, handle, budget_total, wire_bytes, collective = self._pending
+        if self._two_phase_pending is not None and self._two_phase_pending[0] == step:
+            self._finish_two_phase()                   # before the record: it counts the second hop's bytes
+        if self._second_hop_bytes[0] == step:
+            wire_bytes += self._second_hop_bytes[1]
         self._pending = None
         self.exchange.wait(handle)                     # the step's own vector now holds the MAX over ranks
         reduced = self._views[step % 2]
@@ -380,6 +476,7 @@ class SafeBitsCore:
         schedule_state = getattr(self.schedule, "state_dict", None)
         return checkpoint.make_state(step=self.step, seed=self.seed, names=self.names, numels=self.numels,
                                      menu_names=self.menu.names, residuals=self.memory.state_dict(),
+                                     second_hop_residuals=self.second_hop_memory.state_dict(),
                                      screened=self._previous_screened, v2=self._previous_v2,
                                      schedule_state=schedule_state() if schedule_state is not None else None)
 
@@ -389,6 +486,7 @@ class SafeBitsCore:
         if self.in_step or self._pending is not None:
             raise RuntimeError("load_state_dict() must be called between steps")
         self.memory.load_state_dict(state["residuals"])
+        self.second_hop_memory.load_state_dict(state.get("second_hop_residuals", {}))
         self.step = int(state["step"])
         self.seed = int(state["seed"])
         self._previous_screened, self._previous_v2 = checkpoint.previous_statistics(state)

@@ -1,56 +1,9 @@
 """The packed wire format (version 1): what one tensor quantized with one action looks like as bytes.
 
-A payload is a 16-byte header and a body. :meth:`Action.cost` is exactly ``8 * (payload bytes - 16)`` for every
-action and element count (so :func:`payload_nbytes` is ``16 + cost / 8``).
-
-Header (little-endian, 16 bytes):
-
-======  ====  =================================================================================================
-offset  type  field
-======  ====  =================================================================================================
-0       u8    format version (:data:`FORMAT_VERSION` = 1)
-1       u8    action kind (:class:`~safebits_hvd.actions.ActionKind` value: 0 fp32, 1 fp16, 2 bf16, 3 QUANT,
-              4 SIGN, 5 TOPK)
-2       u16   QUANT: ``levels`` (1..32767); other kinds: 0
-4       u16   ``bucket_size - 1`` (bucket sizes 2..65536)
-6       u16   TOPK: ``topk_per_bucket - 1`` (k in 1..bucket_size); QUANT: code packing, 0 = sign-magnitude
-              bitstream, 1 = 5 trits per byte (``levels`` must be 1; the :func:`~safebits_hvd.actions.ternary`
-              action); other kinds: 0
-8       u64   element count ``n``
-======  ====  =================================================================================================
-
-Body (``B`` = bucket size, ``nb = ceil(n / B)``, ``len_b`` = elements of bucket ``b``; every section starts
-naturally aligned and ends padded with zero bits to a whole byte):
-
-=========================  ===============================================================  ===================
-kind                       sections, in order                                               body bytes
-=========================  ===============================================================  ===================
-FLOAT32                    ``n`` float32                                                    ``4 n``
-FLOAT16                    ``n`` IEEE half (RNE of v; subnormals kept, overflow to inf)     ``2 n``
-BFLOAT16                   ``n`` raw bf16 words (RNE of v: the top 16 bits of the float32)  ``2 n``
-QUANT (bitstream)          ``nb`` float32 scales (max ``|v|`` of the bucket, 0 for an       ``4 nb +
-                           all-zero bucket), then ``n`` codes of ``cb = 1 + ceil(log2(       ceil(cb n / 8)``
-                           levels + 1))`` bits, sign-magnitude: bit ``cb - 1`` is the sign
-                           bit of q (so -0.0 survives), the bits below the magnitude ``c``
-                           in ``0..levels``; one LSB-first bitstream over the tensor
-QUANT (trits, levels = 1)  ``nb`` float32 scales, then 5 trits per byte: byte ``j // 5``    ``4 nb +
-                           is ``sum_i d_i 3^i`` over elements ``5 (j // 5) + i``, digit     ceil(n / 5)``
-                           ``d`` = 0 for 0 (+0.0: no -0.0), 1 for ``+scale``, 2 for
-                           ``-scale``
-SIGN                       ``nb`` float32 scales (mean ``|v|``), then ``n`` sign bits       ``4 nb +
-                           (1 = negative, ``v >= 0`` is positive), LSB-first                ceil(n / 8)``
-TOPK                       ``K = sum_b min(k, len_b)`` bf16 words: the kept values,         ``2 K +
-                           bucket by bucket, ascending local index within a bucket; then    ceil(ib K / 8)``
-                           the ``K`` local indices at ``ib = ceil(log2 B)`` bits each,
-                           LSB-first, same order (also when ``k >= len_b`` keeps the
-                           whole bucket: indices are always written)
-=========================  ===============================================================  ===================
-
-Decoding: QUANT ``q = c * (scale / levels)`` with the sign bit set by the code (bit-exact with the sending pass,
-``safebits_math.h``'s ``sb_quant_value``); SIGN ``q = code ? -scale : scale``; TOPK elements not listed are +0.0.
-A decoded payload is bitwise the ``out`` that :func:`safebits_hvd.kernels.quantize_ef` writes on the same inputs.
-Code values are not range checked beyond memory safety (a QUANT magnitude above ``levels`` decodes to more than
-the scale); top-k indices are checked (inside the bucket, strictly ascending) before anything is written.
+A payload is a 16-byte header and a body; the layout of both is specified once, in docs/DESIGN.md, "The wire
+format". :meth:`Action.cost` is exactly ``8 * (payload bytes - 16)`` for every action and element count (so
+:func:`payload_nbytes` is ``16 + cost / 8``); :func:`~safebits_hvd.actions.body_bits` is the one size formula.
+This module packs and validates headers; the kernels (:mod:`safebits_hvd.kernels`) write and read bodies.
 
 Functions: :func:`encode_ef` (= :func:`safebits_hvd.kernels.quantize_pack_ef`), :func:`decode_add`,
 :func:`decode`, :func:`payload_nbytes`, :func:`pack_header`, :func:`parse_header`.

@@ -1,8 +1,11 @@
-"""The packed collectives in one process: two SafeBits objects as two ranks, through the public seams
-(``SafeBits(..., exchange=..., allgather=...)``), and the pieces of the allgather path."""
+"""The packed collectives in one process: SafeBits objects as ranks in threads, joined through the public seams
+(``SafeBits(..., exchange=..., transport=...)``), and the pieces of the allgather and two-phase paths."""
 
 from __future__ import annotations
 
+import itertools
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,92 +19,169 @@ from safebits_hvd.compressor import op_factor
 from .helpers import many_tensor_params, random_grads
 
 
-class Pair:
-    """Shared state of two in-process "ranks": the MAX exchange of their statistics and the allgather of their
-    payloads (concatenated in rank order, as Horovod's allgather delivers them)."""
+class Group:
+    """``ranks`` in-process ranks: a collective completes when every rank has started it under the same name."""
 
-    def __init__(self) -> None:
-        self.vectors: list[np.ndarray] = []
-        self.payloads: dict[str, dict[int, torch.Tensor]] = {}
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.cond = threading.Condition()
+        self.pending: dict[str, dict[int, Any]] = {}
+        self.results: dict[str, Any] = {}
 
-    def rank(self, rank: int) -> tuple[Any, Any]:
-        pair = self
+    def _start(self, name: str, rank: int, item: Any, reduce: Callable[[list[Any]], Any]) -> str:
+        with self.cond:
+            contributions = self.pending.setdefault(name, {})
+            contributions[rank] = item
+            if len(contributions) == self.ranks:
+                self.results[name] = reduce([contributions[r] for r in range(self.ranks)])
+                self.results[name + "#left"] = self.ranks
+                del self.pending[name]
+                self.cond.notify_all()
+        return name
+
+    def _wait(self, name: str) -> Any:
+        with self.cond:
+            assert self.cond.wait_for(lambda: name in self.results, timeout=60), f"{name}: a rank never started it"
+            result = self.results[name]
+            self.results[name + "#left"] -= 1
+            if not self.results[name + "#left"]:
+                del self.results[name], self.results[name + "#left"]
+            return result
+
+    def member(self, rank: int) -> tuple[Any, Any]:
+        group = self
+        counter = {"exchange": 0}
 
         class Exchange:
             is_local = False
-            size = 2
+            size = group.ranks
 
             def __init__(self) -> None:
                 self.rank = rank
 
-            def start(self, values: np.ndarray) -> None:
-                pair.vectors.append(values)
+            def start(self, values: np.ndarray) -> tuple[str, np.ndarray]:
+                counter["exchange"] += 1
+                name = f"exchange.{counter['exchange']}"
+                return group._start(name, rank, values.copy(), lambda vs: np.maximum.reduce(vs)), values
 
-            def wait(self, handle: None) -> None:
-                if len(pair.vectors) == 2:
-                    first, second = pair.vectors
-                    np.maximum(first, second, out=first)
-                    second[:] = first
-                    pair.vectors = []
+            def wait(self, handle: tuple[str, np.ndarray]) -> None:
+                name, values = handle
+                values[:] = group._wait(name)
 
-        class Allgather:
-            size = 2
+        class Transport:
+            size = group.ranks
 
             def __init__(self) -> None:
                 self.rank = rank
 
-            def start(self, name: str, payload: torch.Tensor) -> str:
-                pair.payloads.setdefault(name, {})[rank] = payload.clone()
-                return name
+            def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
+                return ("ag", group._start(name + ".ag", rank, payload.clone(), torch.cat))
 
-            def wait(self, name: str) -> torch.Tensor:
-                by_rank = pair.payloads[name]
-                return torch.cat([by_rank[0], by_rank[1]])
+            def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+                pieces = list(torch.split(buffer.clone(), splits))
+                return ("a2a", group._start(name + ".a2a", rank, pieces, lambda all_pieces: all_pieces))
 
-        return Exchange(), Allgather()
+            def wait(self, handle: Any) -> Any:
+                kind, name = handle
+                result = group._wait(name)
+                if kind == "ag":
+                    return result
+                mine = [pieces[rank] for pieces in result]      # what every rank sent this one, in rank order
+                return torch.cat(mine), torch.tensor([p.numel() for p in mine], dtype=torch.int32)
+
+        return Exchange(), Transport()
 
 
-def two_ranks(budget_bits: float, collective: str = "allgather", **kwargs: Any):
-    pair = Pair()
-    ranks = []
-    for rank in range(2):
+def run_ranks(ranks: int, body: Callable[[int, Any, Any], Any]) -> list[Any]:
+    """Run ``body(rank, exchange, transport)`` in one thread per rank; return the results in rank order."""
+    group = Group(ranks)
+    results: list[Any] = [None] * ranks
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = body(rank, *group.member(rank))
+        except BaseException as exc:   # re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def train(collective: str, ranks: int, steps: int, budget_bits: float = 2.0, op_sum: bool = False, **kwargs: Any):
+    """Per rank: reduced gradients per step, what it sent (decoded) per step, and the compressor."""
+
+    def body(rank: int, exchange: Any, transport: Any) -> dict[str, Any]:
         params = many_tensor_params()
-        exchange, allgather = pair.rank(rank)
         c = sb.SafeBits(params, budget_bits=budget_bits, collective=collective, exchange=exchange,
-                        allgather=allgather, **kwargs)
-        ranks.append((c, params))
-    return ranks
-
-
-def test_two_ranks_reduce_bitwise_identically_to_the_mean_of_decoded_payloads() -> None:
-    ranks = two_ranks(2.0)
-    captured: list[dict[str, torch.Tensor]] = [{}, {}]
-    for step in range(3):
-        pending = []
-        for rank, (c, params) in enumerate(ranks):
+                        transport=transport, **kwargs)
+        reduced, sent = [], []
+        for step in range(steps):
             random_grads(params, step, seed=1 + rank)
-            items = []
-            for name, p in reversed(params):
-                marker, ctx = c.compress(p.grad)
-                captured[rank][name] = kernels.decode(ctx.wire, name=name)
-                items.append((name, marker, ctx))
-            pending.append(items)
-        out = [{name: ranks[r][0].decompress(torch.ones(1), ctx) for name, _, ctx in pending[r]} for r in range(2)]
-        for name in out[0]:
-            a, b = out[0][name], out[1][name]
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name      # bitwise, -0.0 included
-            expected = (captured[0][name].reshape(a.shape) + captured[1][name].reshape(a.shape)) / 2
-            assert torch.equal(a, expected), name
-    records = [c.last_step for c, _ in ranks]
+            pending = [(name, p.grad.shape, *c.compress(p.grad)) for name, p in reversed(params)]
+            sent.append({name: collectives.decode_sequence(ctx.wire, torch.zeros(shape.numel()), name)
+                         if ctx.collective != "dense" else out.clone() for name, shape, out, ctx in pending})
+            marker = torch.full((1,), float(ranks) if op_sum else 1.0)
+            reduced.append({name: c.decompress(marker if ctx.collective != "dense" else out, ctx).clone()
+                            for name, _, out, ctx in pending})
+        return {"reduced": reduced, "sent": sent, "compressor": c}
+
+    return run_ranks(ranks, body)
+
+
+def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.int32), b.reshape(-1).view(torch.int32))
+
+
+def test_allgather_reduces_bitwise_identically_to_the_mean_of_what_was_sent() -> None:
+    results = train("allgather", ranks=2, steps=3)
+    for step in range(3):
+        for name, a in results[0]["reduced"][step].items():
+            assert bitwise(a, results[1]["reduced"][step][name]), name
+            expected = (results[0]["sent"][step][name] + results[1]["sent"][step][name]) / 2
+            assert torch.equal(a.reshape(-1), expected), name
+    records = [r["compressor"].last_step for r in results]
     assert records[0].collective == records[1].collective == "allgather"
     assert records[0].allocation_digest == records[1].allocation_digest
 
 
-def test_allgather_sends_what_dense_sends_and_counts_its_bytes() -> None:
-    """One process: the decoded payloads are the dense values, the residuals are bitwise the same, and
-    ``wire_bytes`` is the modeled bits / 8 plus one header per tensor."""
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_two_phase_is_bitwise_identical_and_conserves_the_second_hop(ranks: int) -> None:
+    """Every rank gets the same bits; per owned segment, what every rank sent equals what the second hop sent plus
+    the owner's second-hop residual (its error feedback), summed over the steps; and within the screen's bound."""
+    steps = 4
+    results = train("two_phase", ranks=ranks, steps=steps, op_sum=True)
+    names = [name for name, _ in many_tensor_params()]
+    for step in range(steps):
+        for name in names:
+            for r in range(1, ranks):
+                assert bitwise(results[0]["reduced"][step][name], results[r]["reduced"][step][name]), name
+    bucket = sb.DEFAULT_MENU.bucket_size
+    for name, p in many_tensor_params():
+        n = p.numel()
+        first_hop = sum(results[r]["sent"][s][name] for r in range(ranks) for s in range(steps)).double()
+        second_hop = sum(results[0]["reduced"][s][name].reshape(-1) for s in range(steps)).double()
+        for owner, (start, stop) in enumerate(collectives.segment_bounds(n, bucket, ranks)):
+            residual = results[owner]["compressor"].core.second_hop_memory.residuals[name].double()
+            lhs = second_hop[start:stop] + residual
+            scale = first_hop[start:stop].abs().sum() / max(1, stop - start) + 1e-12
+            assert torch.allclose(lhs, first_hop[start:stop], rtol=1e-5, atol=1e-5 * float(scale)), (name, owner)
+    record = results[0]["compressor"].last_step
+    assert record.collective == "two_phase"
+    state = results[0]["compressor"].state_dict()
+    assert set(state["second_hop_residuals"]) == set(names)
+
+
+def test_allgather_sends_what_dense_sends() -> None:
+    """One process: the decoded payloads are the dense values and the residuals are bitwise the same."""
     results = {}
-    for collective in ("dense", "allgather"):
+    for collective in ("dense", "allgather", "two_phase"):
         params = many_tensor_params()
         c = sb.SafeBits(params, budget_bits=2.0, collective=collective)
         outs = []
@@ -112,24 +192,28 @@ def test_allgather_sends_what_dense_sends_and_counts_its_bytes() -> None:
         results[collective] = (outs, {k: v.clone() for k, v in c.memory.residuals.items()}, c.history)
     dense, packed = results["dense"], results["allgather"]
     assert all(torch.equal(a, b) for a, b in zip(dense[0], packed[0], strict=True))
-    assert all(torch.equal(dense[1][k].view(torch.int32), packed[1][k].view(torch.int32)) for k in dense[1])
-    for record_dense, record in zip(dense[2], packed[2], strict=True):
-        assert record.collective == "allgather" and record_dense.collective == "dense"
-        assert record.modeled_bits_total == record_dense.modeled_bits_total
+    assert all(bitwise(dense[1][k], packed[1][k]) for k in dense[1])
+    for record in packed[2]:
+        assert record.collective == "allgather" and record.wire_bytes == 0     # one process: nothing crosses a link
+    # One rank owns the single segment: the second hop re-encodes the first hop's decoded values.
+    assert all(r.collective == "two_phase" for r in results["two_phase"][2])
+
+
+def test_wire_bytes_count_what_crosses_the_link() -> None:
+    results = train("allgather", ranks=2, steps=2)
+    for r in results:
+        record = r["compressor"].last_step
         assert record.wire_bytes == record.modeled_bits_total // 8 + wire.HEADER_BYTES * len(record.actions)
-        assert record_dense.wire_bytes == 4 * sum(p.numel() for _, p in many_tensor_params())
+    dense = train("dense", ranks=2, steps=1)
+    total = sum(p.numel() for _, p in many_tensor_params())
+    assert dense[0]["compressor"].last_step.wire_bytes == 4 * total      # a ring allreduce at P = 2
 
 
 def test_op_sum_and_average_markers() -> None:
-    ranks = two_ranks(4.4)
-    for rank, (_, params) in enumerate(ranks):
-        random_grads(params, 0, seed=1 + rank)
-    sent = [[c.compress(p.grad) for _, p in reversed(params)] for c, params in ranks]
-    (c0, _), (c1, _) = ranks
-    summed = [c0.decompress(torch.full((1,), 2.0), ctx) for _, ctx in sent[0]]       # op=Sum: the marker is P
-    averaged = [c1.decompress(torch.ones(1), ctx) for _, ctx in sent[1]]
-    for s, a in zip(summed, averaged, strict=True):
-        assert torch.allclose(s, 2 * a, rtol=0, atol=0)
+    summed = train("allgather", ranks=2, steps=1, budget_bits=4.4, op_sum=True)
+    averaged = train("allgather", ranks=2, steps=1, budget_bits=4.4)
+    for name, s in summed[0]["reduced"][0].items():
+        assert torch.equal(s, 2 * averaged[0]["reduced"][0][name]), name
 
 
 def test_op_factor() -> None:
@@ -141,12 +225,20 @@ def test_op_factor() -> None:
 
 
 @pytest.mark.parametrize(("bits", "ranks", "expected"), [
-    (4.4, 1, "dense"), (4.4, 2, "allgather"), (4.4, 8, "allgather"), (4.4, 16, "dense"), (31.9, 2, "allgather"),
-    (32.0, 2, "dense"), (15.9, 4, "allgather"), (16.0, 4, "dense")])
+    (4.4, 1, "dense"), (4.4, 2, "allgather"), (31.9, 2, "allgather"), (32.0, 2, "dense"), (4.4, 3, "two_phase"),
+    (4.4, 1024, "two_phase"), (32.0, 8, "dense")])
 def test_auto_chooses_the_collective_that_moves_fewer_bytes(bits: float, ranks: int, expected: str) -> None:
     assert collectives.choose("auto", bits, ranks) == expected
-    assert collectives.choose("dense", bits, ranks) == "dense"
-    assert collectives.choose("allgather", bits, ranks) == "allgather"
+    for fixed in ("dense", "allgather", "two_phase"):
+        assert collectives.choose(fixed, bits, ranks) == fixed
+
+
+@pytest.mark.parametrize(("n", "ranks"), [(0, 2), (7, 3), (512, 2), (513, 2), (5000, 4), (70_000, 3)])
+def test_segments_cover_the_tensor_at_bucket_boundaries(n: int, ranks: int) -> None:
+    bounds = collectives.segment_bounds(n, 512, ranks)
+    assert len(bounds) == ranks and bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert all(start % 512 == 0 or start == n for start, _ in bounds)
 
 
 def test_gathered_payloads_that_do_not_add_up_are_a_clear_error() -> None:
@@ -160,5 +252,9 @@ def test_gathered_payloads_that_do_not_add_up_are_a_clear_error() -> None:
         collectives.sum_payloads(gathered[:-1], 2, torch.zeros(1000), "layer.weight")
     with pytest.raises(wire.WireFormatError, match=r"layer\.weight: 3 bytes after"):
         collectives.sum_payloads(torch.cat([gathered, gathered[:3]]), 2, torch.zeros(1000), "layer.weight")
+    with pytest.raises(wire.WireFormatError, match="hold 1000 elements, the tensor 1001"):
+        collectives.decode_sequence(payload, torch.zeros(1001), "layer.weight")
+    with pytest.raises(wire.WireFormatError, match="more than the 999 elements"):
+        collectives.decode_sequence(payload, torch.zeros(999), "layer.weight")
     with pytest.raises(ValueError, match="collective"):
         sb.SafeBits(many_tensor_params(), collective="ring")

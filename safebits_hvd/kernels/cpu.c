@@ -28,30 +28,86 @@ typedef struct {
     int kind, levels, stochastic, topk, trits; /* trits: QUANT levels == 1 packed 5 trits per byte (no -0.0) */
 } sb_action;
 
-/* k-th largest (k in 1..n) of a[0..n) by quickselect (Hoare partition, median of three); reorders a. */
-static sb_u32 sb_select_kth_largest(sb_u32 *a, int n, int k) {
-    int lo = 0, hi = n - 1, target = k - 1;
-    while (hi > lo) {
-        sb_u32 x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi];
-        sb_u32 p = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > p) i++;
-            while (a[j] < p) j--;
-            if (i <= j) {
-                sb_u32 t = a[i];
-                a[i] = a[j];
-                a[j] = t;
-                i++;
-                j--;
-            }
-        }
-        /* a[lo..j] >= p, a[i..hi] <= p, a[j+1..i-1] == p */
-        if (target <= j) hi = j;
-        else if (target >= i) lo = i;
-        else return p;
+/* The TOPK threshold: the k-th largest (k in 1..n) magnitude key sb_abs_key(v[i]) of v[0..n).
+ *
+ * A branch-light, vectorizable search on the key VALUE instead of a quickselect on the keys (whose unpredictable
+ * branches cost ~15 cycles per element): keep an interval [lo, hi) that holds the answer t, with
+ * above = #(key >= hi) < k <= cnt_lo = #(key >= lo), and shrink it by counting the keys above three quartile
+ * thresholds per pass (three independent counts per pass hide the latency of one). Only counting is involved, so
+ * the result is exactly the k-th largest key whatever the ties. Passes run first on the top 15 key bits as 16-bit
+ * lanes (h, twice the lanes per vector), then on the full keys; the search stops early once the answer is the
+ * largest (k - above == 1) or the smallest (k == cnt_lo) key of the interval, found by one masked max/min pass.
+ * Keys are < 2^31 (no sign bit), so signed compares are exact. h: n scratch shorts. */
+#define SB_SEL_CHUNK 4096 /* elements per 16-bit count chunk: no lane or total overflows int16 */
+
+SB_CLONES static sb_u32 sb_select_kth_largest(const float *restrict v, short *restrict h, int n, int k) {
+    int i, above = 0, cnt_lo = n;
+    short m16 = 0;
+    for (i = 0; i < n; i++) {
+        short x = (short)(sb_abs_key(v[i]) >> 16);
+        h[i] = x;
+        m16 = x > m16 ? x : m16;
     }
-    return a[lo];
+    /* 16-bit phase: t >> 16 in [lo, hi) */
+    int lo = 0, hi = (int)m16 + 1;
+    while (hi - lo > 1 && k - above != 1 && k != cnt_lo) {
+        int w = hi - lo;
+        int t1 = lo + w / 4, t2 = lo + w / 2, t3 = lo + (int)(((long long)w * 3) / 4);
+        int c1 = 0, c2 = 0, c3 = 0;
+        for (int i0 = 0; i0 < n; i0 += SB_SEL_CHUNK) {
+            int i1 = i0 + SB_SEL_CHUNK < n ? i0 + SB_SEL_CHUNK : n;
+            short d1 = 0, d2 = 0, d3 = 0, u1 = (short)(t1 - 1), u2 = (short)(t2 - 1), u3 = (short)(t3 - 1);
+            for (i = i0; i < i1; i++) {
+                d1 += h[i] > u1;
+                d2 += h[i] > u2;
+                d3 += h[i] > u3;
+            }
+            c1 += d1;
+            c2 += d2;
+            c3 += d3;
+        }
+        /* the largest threshold with >= k keys at or above it is the new lo (t1 may equal lo: c1 = cnt_lo) */
+        if (c3 >= k) { lo = t3; cnt_lo = c3; }
+        else if (c2 >= k) { lo = t2; cnt_lo = c2; hi = t3; above = c3; }
+        else if (c1 >= k) { lo = t1; cnt_lo = c1; hi = t2; above = c2; }
+        else { hi = t1; above = c1; }
+    }
+    /* 32-bit phase: t in [lo32, hi32]; closed upper bound so that hi32 = 2^31 - 1 stays a signed int */
+    int lo32 = lo << 16, hi32 = (int)(((sb_u32)hi << 16) - 1u);
+    for (;;) {
+        if (k - above == 1) { /* t = the largest key <= hi32 */
+            int m = -1;
+            for (i = 0; i < n; i++) {
+                int x = (int)sb_abs_key(v[i]);
+                x = x <= hi32 ? x : -1;
+                m = x > m ? x : m;
+            }
+            return (sb_u32)m;
+        }
+        if (k == cnt_lo) { /* t = the smallest key >= lo32 */
+            int m = 0x7fffffff;
+            for (i = 0; i < n; i++) {
+                int x = (int)sb_abs_key(v[i]);
+                x = x >= lo32 ? x : 0x7fffffff;
+                m = x < m ? x : m;
+            }
+            return (sb_u32)m;
+        }
+        if (hi32 == lo32) return (sb_u32)lo32;
+        int w = hi32 - lo32 + 1; /* >= 2 */
+        int t1 = lo32 + w / 4, t2 = lo32 + w / 2, t3 = lo32 + (int)(((long long)w * 3) / 4);
+        int c1 = 0, c2 = 0, c3 = 0, u1 = t1 - 1, u2 = t2 - 1, u3 = t3 - 1;
+        for (i = 0; i < n; i++) {
+            int x = (int)sb_abs_key(v[i]);
+            c1 += x > u1;
+            c2 += x > u2;
+            c3 += x > u3;
+        }
+        if (c3 >= k) { lo32 = t3; cnt_lo = c3; }
+        else if (c2 >= k) { lo32 = t2; cnt_lo = c2; hi32 = t3 - 1; above = c3; }
+        else if (c1 >= k) { lo32 = t1; cnt_lo = c1; hi32 = t2 - 1; above = c2; }
+        else { hi32 = t1 - 1; above = c1; }
+    }
 }
 
 /* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words.
@@ -139,8 +195,7 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
                 for (i = 0; i < len; i++) word[i] = (sb_u32)i;
             return word ? len : 0;
         }
-        for (i = 0; i < len; i++) kb[i] = sb_abs_key(v[i]);
-        sb_u32 t = sb_select_kth_largest(kb, len, kk);
+        sb_u32 t = sb_select_kth_largest(v, (short *)kb, len, kk);
         int gt = 0;
         for (i = 0; i < len; i++) {
             sb_u32 k = sb_abs_key(v[i]);

@@ -1,0 +1,389 @@
+"""Link benchmark (``make bench-link``): training throughput of every compressor on a rate-limited link.
+
+What it measures. Two Horovod ranks (``horovodrun -np 2 --gloo``) run inside a private network namespace whose
+loopback is limited with a token-bucket filter (``tc qdisc ... tbf rate R``); Gloo talks TCP over that loopback,
+so every byte of every collective crosses the limited link and nothing else on the machine is touched. For each
+link rate, ONE launch of ``bench/link_worker.py`` runs every (model, compressor) case in sequence and records:
+
+* step time (median over the timed steps, rank 0) and samples/s (2 ranks x batch per rank / step time);
+* link bytes per step: the delta of the namespace loopback's ``tx_bytes`` over the timed steps, divided by the
+  steps (both ranks' traffic, TCP/IP headers and Horovod's coordination messages included);
+* wire bytes per step: ``StepRecord.wire_bytes`` summed over both ranks, where the compressor's record carries it
+  (null otherwise, e.g. while compressors still send float32);
+* modeled bytes per step: ``StepRecord.modeled_bits_total`` (else ``used_bits_total``) / 8 per rank, summed over
+  both ranks; 4 (``none``) or 2 (``fp16``) bytes per parameter per rank for Horovod's own compressors;
+* a link probe per launch: fp32 allreduces with no model (loopback bytes / their time), the rate the link gave;
+* against the physical limit: step time / (``none`` step time on the unlimited link + modeled bytes / link rate),
+  when ``unlimited`` was measured in the same invocation.
+
+Models: a CIFAR-style ResNet-18 (11.2M parameters) on synthetic 3x32x32 images, and the demo's byte-level
+transformer LM. Compressors: ``none`` and ``fp16`` (Horovod's), ``qsgd4``, ``topk10_ef``, ``safebits@2``,
+``safebits@4.4``, ``safebits@8``.
+
+Run it as root (it needs CAP_NET_ADMIN for ``ip netns`` and ``tc``; without it, it says so and exits 0)::
+
+    make bench-link                                       # --rates 1gbit
+    .venv/bin/python bench/link.py --rates 100mbit 1gbit 10gbit unlimited
+    .venv/bin/python bench/link.py --quick                # smoke run: 1 rate, 2 steps, CNN, 3 compressors
+
+Writes ``results/link.json`` (raw and derived figures, the command, rates, model sizes, the qdisc statistics),
+``results/link.md`` (one table per model) and ``results/link_throughput.png`` (samples/s against link rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RATES = ["100mbit", "1gbit", "10gbit", "unlimited"]
+COMPRESSORS = ["none", "fp16", "qsgd4", "topk10_ef", "safebits@2", "safebits@4.4", "safebits@8"]
+QUICK_COMPRESSORS = ["none", "fp16", "safebits@4.4"]
+MODELS = ["resnet18", "bytes_lm"]
+LO_MTU = 65536
+"""The loopback's MTU: a tbf bucket smaller than one full-size frame (plus its link header) drops that frame."""
+MIN_BURST = 2 * LO_MTU
+BURST_TIME_S = 1e-3
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+def parse_rate(text: str) -> int | None:
+    """Link rate in bits per second from tc's notation (``100mbit``, ``1gbit``, ``2.5gbit``); None for
+    ``unlimited``. tc's bit-rate units are decimal (1mbit = 10**6 bit/s)."""
+    text = text.strip().lower()
+    if text == "unlimited":
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)", text)
+    if not match:
+        raise ValueError(f"not a link rate: {text!r} (expected e.g. 100mbit, 1gbit, 10gbit or unlimited)")
+    bps = float(match.group(1)) * _UNITS[match.group(2)]
+    if bps < 1:
+        raise ValueError(f"link rate must be positive: {text!r}")
+    return round(bps)
+
+
+def burst_bytes(rate_bps: int) -> int:
+    """tbf bucket size: one millisecond at the rate, and at least two full-size loopback frames."""
+    if rate_bps <= 0:
+        raise ValueError(f"rate must be positive, got {rate_bps}")
+    return max(math.ceil(rate_bps / 8 * BURST_TIME_S), MIN_BURST)
+
+
+def tbf_command(rate_bps: int) -> list[str]:
+    """``tc`` arguments that limit ``lo`` to ``rate_bps``."""
+    return ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate_bps}bit",
+            "burst", str(burst_bytes(rate_bps)), "latency", "100ms"]
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Derived figures of every case: ``runs`` maps a rate label to the worker's raw cases at that rate.
+
+    Adds step_time_s (median), samples_per_s, link/wire/modeled bytes per step, ratio_to_none and ratio_to_fp16
+    (samples/s over that of ``none`` / ``fp16`` on the same model and rate) and vs_limit: step time over the
+    physical limit, ``none`` step time on the unlimited link + modeled bytes / link rate (null without an
+    unlimited measurement of ``none``; on the unlimited link itself the transfer term is zero).
+    """
+    rows: list[dict[str, Any]] = []
+    for rate, cases in runs.items():
+        bps = parse_rate(rate)
+        for case in cases:
+            step = _median(case["step_times_s"])
+            steps = max(1, int(case["steps"]))
+            wire = case.get("wire_bytes_total")
+            rows.append({
+                "rate": rate, "rate_bps": bps, "model": case["model"], "compressor": case["compressor"],
+                "parameters": case["parameters"], "step_time_s": step,
+                "samples_per_s": case["ranks"] * case["batch_per_rank"] / step if step > 0 else math.nan,
+                "link_bytes_per_step": case["link_bytes"] / steps,
+                "wire_bytes_per_step": None if wire is None else wire / steps,
+                "modeled_bytes_per_step": case["modeled_bytes_per_step"],
+                "collective": case.get("collective"), "violations": case.get("violations", 0),
+            })
+    index = {(r["rate"], r["model"], r["compressor"]): r for r in rows}
+    unlimited_none = {r["model"]: r["step_time_s"] for r in rows if r["rate"] == "unlimited"
+                      and r["compressor"] == "none"}
+    for r in rows:
+        for ref in ("none", "fp16"):
+            other = index.get((r["rate"], r["model"], ref))
+            r[f"ratio_to_{ref}"] = (r["samples_per_s"] / other["samples_per_s"]
+                                    if other and other["samples_per_s"] > 0 else None)
+        base = unlimited_none.get(r["model"])
+        if base is None:
+            r["vs_limit"] = None
+        else:
+            transfer = 0.0 if r["rate_bps"] is None else r["modeled_bytes_per_step"] * 8 / r["rate_bps"]
+            r["vs_limit"] = r["step_time_s"] / (base + transfer)
+    return rows
+
+
+def format_value(value: float | None, spec: str, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def build_tables(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one table per model, rows = compressors, for each rate: samples/s, ratio to none and to fp16,
+    link / wire / modeled MB per step (10**6 bytes, both ranks), step time over the physical limit."""
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    lines: list[str] = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = {(r["rate"], r["compressor"]): r for r in rows if r["model"] == model}
+        params = next(r["parameters"] for r in rows if r["model"] == model)
+        header = ["compressor"]
+        for rate in rates:
+            header += [f"{rate} samples/s", "x none", "x fp16", "link MB", "wire MB", "modeled MB", "vs limit"]
+        lines += [f"### {model} ({params:,} parameters)", "", "| " + " | ".join(header) + " |",
+                  "|" + " --- |" * len(header)]
+        for compressor in dict.fromkeys(c for _, c in mine):
+            cells = [compressor]
+            for rate in rates:
+                r = mine.get((rate, compressor))
+                if r is None:
+                    cells += ["-"] * 7
+                    continue
+                wire = r["wire_bytes_per_step"]
+                cells += [format_value(r["samples_per_s"], ".1f"), format_value(r["ratio_to_none"], ".2f", "x"),
+                          format_value(r["ratio_to_fp16"], ".2f", "x"),
+                          format_value(r["link_bytes_per_step"] / 1e6, ".2f"),
+                          format_value(None if wire is None else wire / 1e6, ".2f"),
+                          format_value(r["modeled_bytes_per_step"] / 1e6, ".2f"), format_value(r["vs_limit"], ".2f")]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append("samples/s: 2 ranks x batch per rank / median step time. `x none`, `x fp16`: samples/s relative to "
+                 "that compressor on the same model and link. MB per step, both ranks together (10^6 bytes): `link` "
+                 "= loopback tx_bytes delta (TCP/IP headers and Horovod coordination included), `wire` = the "
+                 "compressors' own wire_bytes (`-`: not reported), `modeled` = modeled bits / 8. `vs limit`: step "
+                 "time / (none's step time on the unlimited link + modeled bytes / link rate); `-` without an "
+                 "unlimited run.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """samples/s against link rate (log x; ``unlimited`` one decade past the fastest finite rate), one line per
+    compressor, one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = sorted({r["rate_bps"] for r in rows if r["rate_bps"] is not None})
+    unlimited_x = (finite[-1] * 10) if finite else 1e11
+
+    def x_of(r: dict[str, Any]) -> float:
+        return unlimited_x if r["rate_bps"] is None else r["rate_bps"]
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [r for r in rows if r["model"] == model]
+        for compressor in dict.fromkeys(r["compressor"] for r in mine):
+            pts = sorted((x_of(r), r["samples_per_s"]) for r in mine if r["compressor"] == compressor)
+            style = "-" if compressor.startswith("safebits") else "--"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=compressor)
+        ticks = sorted({x_of(r) for r in mine})
+        ax.set_xscale("log")
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(["unlimited" if t == unlimited_x else _rate_label(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("link rate (namespace loopback, tbf)")
+        ax.set_ylabel("samples/s (2 ranks)")
+        ax.set_title(f"{model}: throughput vs link rate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _rate_label(bps: float) -> str:
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps:g}bit"
+
+
+# ---------------------------------------------------------------------------------------------- namespace
+def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), capture_output=True, text=True, check=check)
+
+
+def _in_ns(ns: str, *cmd: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def delete_namespace(ns: str) -> None:
+    """Kill whatever still runs in the namespace (by pid: only processes this benchmark started there), delete it."""
+    pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    _run(["ip", "netns", "del", ns], check=False)
+
+
+def configure_link(ns: str, rate_bps: int | None) -> str:
+    """Loopback up; tbf at ``rate_bps`` or no qdisc at all (unlimited). Returns ``tc qdisc show`` of ``lo``."""
+    _run(_in_ns(ns, "ip", "link", "set", "lo", "up"))
+    if rate_bps is None:
+        _run(_in_ns(ns, "tc", "qdisc", "del", "dev", "lo", "root"), check=False)   # none there is fine
+    else:
+        _run(_in_ns(ns, *tbf_command(rate_bps)))
+    return _run(_in_ns(ns, "tc", "qdisc", "show", "dev", "lo")).stdout.strip()
+
+
+def qdisc_stats(ns: str) -> str:
+    return _run(_in_ns(ns, "tc", "-s", "qdisc", "show", "dev", "lo"), check=False).stdout.strip()
+
+
+# ---------------------------------------------------------------------------------------------- main
+def worker_args(args: argparse.Namespace, out: str) -> list[str]:
+    return ["--out", out, "--models", *args.models, "--compressors", *args.compressors,
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--cnn-batch", str(args.cnn_batch),
+            "--lm-batch", str(args.lm_batch)]
+
+
+def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", nargs="+", default=["1gbit"], choices=RATES)
+    parser.add_argument("--compressors", nargs="+", default=COMPRESSORS,
+                        help="none, fp16, or registry names of safebits_hvd.baselines (name@budget_bits)")
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
+    parser.add_argument("--cnn-batch", type=int, default=16, help="ResNet-18 images per rank per step")
+    parser.add_argument("--lm-batch", type=int, default=16, help="LM sequences (64 bytes) per rank per step")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: first rate only, 1 warm-up and 2 timed steps, ResNet-18, "
+                             + ", ".join(QUICK_COMPRESSORS))
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per horovodrun launch")
+    args = parser.parse_args(None if argv is None else list(argv))
+    if args.quick:
+        args.rates, args.warmup, args.steps = args.rates[:1], 1, 2
+        args.models, args.compressors = ["resnet18"], QUICK_COMPRESSORS
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    args = parse_args(argv)
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        print(f"[link] {' and '.join(missing)} not found: install the Debian package iproute2 "
+              f"(apt-get install iproute2); skipping the link benchmark.")
+        return 0
+    ns = f"sblink-{os.getpid()}"
+    made = _run(["ip", "netns", "add", ns], check=False)
+    if made.returncode != 0:
+        print(f"[link] cannot create a network namespace ({made.stderr.strip() or 'ip netns add failed'}): the link "
+              f"benchmark needs root with CAP_NET_ADMIN (ip netns, tc); skipping it.")
+        return 0
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return _bench(args, ns)
+    except KeyboardInterrupt:
+        print("[link] interrupted", file=sys.stderr)
+        return 130
+    finally:
+        delete_namespace(ns)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _bench(args: argparse.Namespace, ns: str) -> int:
+    from safebits_hvd.launch import LaunchError, horovodrun
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    command = " ".join(["python", "bench/link.py", *sys.argv[1:]])
+    worker = os.path.join(ROOT, "bench", "link_worker.py")
+    runs: dict[str, list[dict[str, Any]]] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    failed = []
+    start = time.perf_counter()
+    for rate in args.rates:
+        bps = parse_rate(rate)
+        qdisc = configure_link(ns, bps)
+        print(f"[link] rate {rate}: {qdisc}", flush=True)
+        raw_path = os.path.join(args.out_dir, f".link_raw_{rate}.json")
+        if os.path.exists(raw_path):
+            os.remove(raw_path)
+        t0, load_before = time.perf_counter(), os.getloadavg()
+        try:
+            horovodrun(2, worker, *worker_args(args, raw_path), prefix=_in_ns(ns), env={"OMP_NUM_THREADS": "1"},
+                       timeout=args.timeout, on_line=_progress)
+        except LaunchError as exc:
+            print(f"[link] rate {rate} failed: {exc}", file=sys.stderr)
+            failed.append(rate)
+            continue
+        with open(raw_path, encoding="utf-8") as f:
+            raw = json.load(f)
+        os.remove(raw_path)
+        runs[rate] = raw.pop("cases")
+        meta[rate] = {"rate_bps": bps, "burst_bytes": None if bps is None else burst_bytes(bps), "qdisc": qdisc,
+                      "qdisc_stats": qdisc_stats(ns), "wall_s": time.perf_counter() - t0,
+                      "loadavg_before": load_before, "loadavg_after": os.getloadavg(), **raw}
+    if not runs:
+        return 1
+    rows = summarize(runs)
+    models = {r["model"]: {"parameters": r["parameters"],
+                           "batch_per_rank": args.cnn_batch if r["model"] == "resnet18" else args.lm_batch}
+              for r in rows}
+    md = build_tables(rows)
+    total = time.perf_counter() - start
+    with open(os.path.join(args.out_dir, "link.json"), "w", encoding="utf-8") as f:
+        json.dump({"command": command, "rates": list(runs), "models": models, "compressors": args.compressors,
+                   "warmup": args.warmup, "steps": args.steps, "launches": meta, "rows": rows, "raw": runs,
+                   "failed_rates": failed, "total_s": total}, f, indent=1)
+    with open(os.path.join(args.out_dir, "link.md"), "w", encoding="utf-8") as f:
+        f.write(f"# Link benchmark\n\nCommand: `{command}`; 2 Horovod ranks (Gloo) in a network namespace whose "
+                f"loopback is limited by tbf; {args.warmup} warm-up + {args.steps} timed steps per case; total "
+                f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md)
+    plot(rows, os.path.join(args.out_dir, "link_throughput.png"))
+    print(md)
+    print(probe_line(meta))
+    print(f"[link] wrote link.json, link.md and link_throughput.png in {args.out_dir}; total {total:.0f} s",
+          flush=True)
+    return 1 if failed else 0
+
+
+def probe_line(meta: dict[str, dict[str, Any]]) -> str:
+    """One sentence: per rate, the rate the link probe (plain fp32 allreduces) achieved on the loopback."""
+    parts = []
+    for rate, info in meta.items():
+        probe = info.get("probe") or {}
+        bps = probe.get("achieved_bits_per_s")
+        if bps:
+            parts.append(f"{rate}: {bps / 1e9:.2f} Gbit/s ({statistics.median(probe['times_s']):.3f} s for "
+                         f"{statistics.median(probe['link_bytes']) / 1e6:.1f} MB)")
+    return ("Link probe (fp32 allreduce of " + f"{next(iter(meta.values()))['probe']['elements']:,}" +
+            " values, no model; loopback bytes / median time): " + "; ".join(parts) + ".") if parts else ""
+
+
+def _progress(line: str) -> None:
+    if "[link]" in line or "Error" in line or "Traceback" in line:
+        print(line.split("<stdout>:", 1)[-1].split("<stderr>:", 1)[-1], flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
