@@ -139,3 +139,53 @@ def test_cache_file_reused(tmp_path, monkeypatch):
     assert cpu.build() == p1 and p1.stat().st_mtime_ns == mtime
     assert p1.parent == tmp_path / "kernels" and p1.suffix == ".so"
     assert [p.name for p in p1.parent.iterdir()] == [p1.name]       # no leftover temporary files
+
+
+def _tie_heavy(n: int, seed: int) -> torch.Tensor:
+    """Magnitudes from a few values (many exact ties, -0.0, signs), sometimes with a huge, tiny, inf or NaN key."""
+    gen = torch.Generator().manual_seed(seed)
+    levels = torch.tensor([0.0, 2.0**-140, 1e-30, 0.5, 1.0, 1.0 + 2**-23, 3.0, 1e30])
+    pick = torch.randint(0, int(torch.randint(1, levels.numel() + 1, (1,), generator=gen)), (n,), generator=gen)
+    x = levels[pick] * torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    specials = torch.tensor([float("inf"), float("nan"), -float("inf"), 3.4e38])
+    m = int(torch.randint(0, 3, (1,), generator=gen))
+    x[torch.randint(0, n, (m,), generator=gen)] = specials[torch.randint(0, 4, (m,), generator=gen)]
+    return x
+
+
+def _same_bits_any_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, except that NaN payloads are not compared (torch's bfloat16() of a NaN gives 0xffff, the
+    kernels' sb_bf16_rne +quiet NaN 0x7fc0, before and after this select; NaNs here test the order of keys)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(bits(a)[~nan], bits(b)[~nan])
+
+
+@pytest.mark.parametrize("bucket", [6, 512, 5000])
+def test_topk_selection_ties_match_reference(bucket):
+    """The top-k select (cpu.c sb_select_kth_largest and the tie cut) against the reference's stable sort: keys
+    with many exact ties at the k-th place, k from 1 to the bucket size, across many random buckets."""
+    nb = 40 if bucket < 5000 else 6
+    for seed in range(12):
+        x = _tie_heavy(nb * bucket - seed % 3, seed)
+        for frac in (1 / bucket, 0.01, 0.1, 0.5, (bucket - 1) / bucket, 1.0):
+            action = A.topk(frac, bucket_size=bucket)
+            o1, o2 = torch.empty_like(x), torch.empty_like(x)
+            e1, e2 = x.clone(), x.clone()
+            K.quantize_ef(None, e1, o1, action, KEY)
+            R.quantize_ef(None, e2, o2, action, KEY)
+            assert _same_bits_any_nan(o1, o2), (seed, frac)
+            assert _same_bits_any_nan(e1, e2), (seed, frac)
+            payload, _ = K.quantize_pack_ef(None, x.clone(), action, KEY)
+            assert torch.equal(bits(K.decode(payload)), bits(o1)), (seed, frac)
+
+
+def test_topk_selection_random_keys_match_reference():
+    """Distinct keys over many decades (the early exits of the search) and a 65536-element bucket (the 16-bit
+    counts in chunks), against the reference."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1 << 17, generator=gen) * torch.logspace(-20, 20, 1 << 17)[torch.randperm(1 << 17, generator=gen)]
+    for action in (A.topk(0.1), A.topk(0.01), A.topk(0.001, bucket_size=65536), A.topk(0.7, bucket_size=65536)):
+        o1, o2 = torch.empty_like(x), torch.empty_like(x)
+        K.quantize_ef(None, x.clone(), o1, action, KEY)
+        R.quantize_ef(None, x.clone(), o2, action, KEY)
+        assert torch.equal(bits(o1), bits(o2)), action.name

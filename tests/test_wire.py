@@ -237,3 +237,17 @@ def test_invalid_payloads_are_refused_by_name(decoder, monkeypatch):
     with pytest.raises(WireFormatError, match="w: unknown action kind 9"):
         K.decode(_corrupt(good, 1, "<B", 9), name="w")
     assert isinstance(WireFormatError("x"), ValueError)
+
+
+@needs_c
+@pytest.mark.parametrize("bucket", [5, 7, 512, 513])
+def test_trit_decode_every_byte_offset(bucket):
+    """Trit buckets starting at every offset inside a byte (the decoder's partial first/last bytes), C against
+    the reference, decode and decode_add."""
+    g, e = make(5 * bucket + 3, seed=9)
+    action = A.ternary(bucket_size=bucket)
+    payload, _ = K.quantize_pack_ef(g, e.clone(), action, KEY)
+    expect = _reference_decode(payload)
+    assert torch.equal(bits(K.decode(payload)), bits(expect))
+    base = torch.randn(expect.numel())
+    assert torch.equal(bits(K.decode_add(payload, base.clone())), bits(base + expect))

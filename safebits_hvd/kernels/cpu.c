@@ -49,10 +49,20 @@ SB_CLONES static sb_u32 sb_select_kth_largest(const float *restrict v, short *re
         m16 = x > m16 ? x : m16;
     }
     /* 16-bit phase: t >> 16 in [lo, hi) */
-    int lo = 0, hi = (int)m16 + 1;
+    int lo = 0, hi = (int)m16 + 1, pass = 0;
     while (hi - lo > 1 && k - above != 1 && k != cnt_lo) {
-        int w = hi - lo;
-        int t1 = lo + w / 4, t2 = lo + w / 2, t3 = lo + (int)(((long long)w * 3) / 4);
+        int w = hi - lo, t1, t2, t3;
+        if (pass++ == 0) { /* 8, 2 and 1/2 octaves below the max (128 units per octave): top-k thresholds of
+                            * real gradients lie within an octave or two of the bucket max, so this brackets t
+                            * far tighter than quartiles of [0, max] */
+            t1 = hi - 1024 > lo ? hi - 1024 : lo;
+            t2 = hi - 256 > lo ? hi - 256 : lo;
+            t3 = hi - 64 > lo ? hi - 64 : lo;
+        } else {
+            t1 = lo + w / 4;
+            t2 = lo + w / 2;
+            t3 = lo + w * 3 / 4;
+        }
         int c1 = 0, c2 = 0, c3 = 0;
         for (int i0 = 0; i0 < n; i0 += SB_SEL_CHUNK) {
             int i1 = i0 + SB_SEL_CHUNK < n ? i0 + SB_SEL_CHUNK : n;
@@ -94,8 +104,8 @@ SB_CLONES static sb_u32 sb_select_kth_largest(const float *restrict v, short *re
             return (sb_u32)m;
         }
         if (hi32 == lo32) return (sb_u32)lo32;
-        int w = hi32 - lo32 + 1; /* >= 2 */
-        int t1 = lo32 + w / 4, t2 = lo32 + w / 2, t3 = lo32 + (int)(((long long)w * 3) / 4);
+        sb_i64 w = (sb_i64)hi32 - lo32 + 1; /* >= 2 */
+        int t1 = lo32 + (int)(w / 4), t2 = lo32 + (int)(w / 2), t3 = lo32 + (int)(w * 3 / 4);
         int c1 = 0, c2 = 0, c3 = 0, u1 = t1 - 1, u2 = t2 - 1, u3 = t3 - 1;
         for (i = 0; i < n; i++) {
             int x = (int)sb_abs_key(v[i]);
@@ -110,7 +120,7 @@ SB_CLONES static sb_u32 sb_select_kth_largest(const float *restrict v, short *re
     }
 }
 
-/* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words.
+/* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words (TOPK).
  * With word != NULL (the packing pass) also the wire codes: QUANT: len sb_quant_word()s and *scale; SIGN: len
  * sign codes and *scale; TOPK: the kept local indices in ascending order. Returns the number of words written
  * (0 for the float kinds, whose wire values the packer takes from q). */
@@ -196,28 +206,42 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
             return word ? len : 0;
         }
         sb_u32 t = sb_select_kth_largest(v, (short *)kb, len, kk);
-        int gt = 0;
+        /* keep every key >= t (a vectorizable select): exactly kk of them unless t has more ties than the
+         * places left, then the highest-index ties are dropped again (ties are kept lowest index first) */
+        int ge = 0;
         for (i = 0; i < len; i++) {
             sb_u32 k = sb_abs_key(v[i]);
-            gt += k > t;
-            q[i] = k > t ? sb_bf16_rne(v[i]) : 0.0f;
+            ge += k >= t;
+            q[i] = k >= t ? sb_bf16_rne(v[i]) : 0.0f;
         }
-        int eq_left = kk - gt; /* >= 1: t is the kk-th largest; ties are kept lowest index first */
-        for (i = 0; i < len && eq_left > 0; i++) {
+        int cut = len; /* ties at index >= cut are dropped */
+        for (i = len - 1, ge -= kk; ge > 0; i--) {
             if (sb_abs_key(v[i]) == t) {
-                q[i] = sb_bf16_rne(v[i]);
-                eq_left--;
+                q[i] = 0.0f;
+                cut = i;
+                ge--;
             }
         }
         if (!word) return 0;
-        /* the kept set, ascending: keys above t, and the first (kk - gt) keys equal to t */
-        int m = 0;
-        eq_left = kk - gt;
+        /* the kept indices, ascending; branch-free (a kept/dropped branch would mispredict ~kk times) */
+        unsigned char *restrict kf = (unsigned char *)kb;
         for (i = 0; i < len; i++) {
             sb_u32 k = sb_abs_key(v[i]);
-            int keep = k > t || (k == t && eq_left > 0);
-            eq_left -= k == t && keep;
-            if (keep) word[m++] = (sb_u32)i;
+            kf[i] = (unsigned char)((k > t) | ((k == t) & (i < cut)));
+        }
+        int m = 0;
+        for (i = 0; i + 8 <= len; i += 8) {
+            unsigned long long f8;
+            memcpy(&f8, kf + i, 8);
+            if (!f8) continue;
+            for (int l = 0; l < 8; l++) {
+                word[m] = (sb_u32)(i + l);
+                m += kf[i + l];
+            }
+        }
+        for (; i < len; i++) {
+            word[m] = (sb_u32)i;
+            m += kf[i];
         }
         return m;
     }

@@ -221,22 +221,43 @@ SB_CLONES void sb_get_many(const unsigned char *restrict p, sb_i64 bit0, int m, 
     for (; i < m; i++) wb[i] = sb_get_bits(p, bit0 + (sb_i64)i * nbits, nbits);
 }
 
-/* wb[0..m) = the trit digits of elements j0 .. j0 + m; one byte (5 digits) at a time when j0 starts a byte. */
-SB_CLONES void sb_get_trits_many(const unsigned char *restrict p, sb_i64 j0, int m, sb_u32 *restrict wb) {
-    int i = 0;
-    if (j0 % 5 == 0) {
-        const unsigned char *restrict q = p + j0 / 5;
-        int nbytes = m / 5;
-        for (int b = 0; b < nbytes; b++) {
-            sb_u32 x = q[b];
-            for (int k = 0; k < 5; k++) {
-                wb[5 * b + k] = x % 3u;
-                x /= 3u;
-            }
-        }
-        i = nbytes * 5;
+/* The 5 trit digits of every byte value (digit i = byte / 3^i % 3, as sb_get_trit; bytes above 242 never come
+ * from the packer but decode the same way), as constant expressions: no division per element, no init race. */
+#define SB_T1(b) {(b) % 3, (b) / 3 % 3, (b) / 9 % 3, (b) / 27 % 3, (b) / 81 % 3}
+#define SB_T4(b) SB_T1(b), SB_T1((b) + 1), SB_T1((b) + 2), SB_T1((b) + 3)
+#define SB_T16(b) SB_T4(b), SB_T4((b) + 4), SB_T4((b) + 8), SB_T4((b) + 12)
+#define SB_T64(b) SB_T16(b), SB_T16((b) + 16), SB_T16((b) + 32), SB_T16((b) + 48)
+static const unsigned char sb_trit5[256][5] = {SB_T64(0), SB_T64(64), SB_T64(128), SB_T64(192)};
+#undef SB_T1
+#undef SB_T4
+#undef SB_T16
+#undef SB_T64
+
+/* x[0..m) = val[digit] of elements j0 .. j0 + m of a trit stream: a bucket may start and end inside a byte (512
+ * elements are 102.4 bytes), so the partial first and last bytes are split from the whole ones. A table load,
+ * not a compare, picks the value: digits are random, branches on them would mispredict. */
+SB_CLONES void sb_get_trits_many(const unsigned char *restrict p, sb_i64 j0, int m, const float *restrict val,
+                                 float *restrict x) {
+    const unsigned char *restrict q = p + j0 / 5;
+    int off = (int)(j0 % 5), i = 0, l;
+    if (off) {
+        const unsigned char *d = sb_trit5[*q++];
+        for (l = off; l < 5 && i < m; l++) x[i++] = val[d[l]];
     }
-    for (; i < m; i++) wb[i] = sb_get_trit(p, j0 + i);
+    for (; i + 5 <= m; i += 5) {
+        const unsigned char *d = sb_trit5[*q++];
+        for (l = 0; l < 5; l++) x[i + l] = val[d[l]];
+    }
+    if (i < m) {
+        const unsigned char *d = sb_trit5[*q];
+        for (l = 0; i < m; l++) x[i++] = val[d[l]];
+    }
+}
+
+/* x[0..m) = the values of m 8-bit sign-magnitude QUANT codes (one byte each). */
+SB_CLONES void sb_quant_bytes(const unsigned char *restrict p, int m, float scale, float s, float *restrict x) {
+    for (int i = 0; i < m; i++) x[i] = sb_quant_value(sb_quant_word_code(p[i], 8, 0), sb_quant_word_sign(p[i], 8, 0),
+                                                      scale, s);
 }
 
 /* TOPK payloads only: are the local indices of every bucket strictly ascending and inside the bucket? Checked
@@ -303,11 +324,19 @@ int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, in
                 break;
             case SB_QUANT: {
                 float scale = scales[b];
-                if (trits) sb_get_trits_many(codes, j0, len, wb);
-                else sb_get_many(codes, j0 * cb, len, cb, wb);
-                for (i = 0; i < len; i++)
-                    xb[i] = sb_quant_value(sb_quant_word_code(wb[i], cb, trits), sb_quant_word_sign(wb[i], cb, trits),
-                                           scale, s);
+                if (trits) { /* a digit has 3 values: compute them once per bucket with the shared functions */
+                    float val[3];
+                    for (sb_u32 w = 0; w < 3; w++)
+                        val[w] = sb_quant_value(sb_quant_word_code(w, cb, 1), sb_quant_word_sign(w, cb, 1), scale, s);
+                    sb_get_trits_many(codes, j0, len, val, xb);
+                } else if (cb == 8) { /* 8-bit codes are whole bytes: read them in the value loop */
+                    sb_quant_bytes(codes + j0, len, scale, s, xb);
+                } else {
+                    sb_get_many(codes, j0 * cb, len, cb, wb);
+                    for (i = 0; i < len; i++)
+                        xb[i] = sb_quant_value(sb_quant_word_code(wb[i], cb, 0), sb_quant_word_sign(wb[i], cb, 0),
+                                               scale, s);
+                }
                 break;
             }
             case SB_SIGN: {
