@@ -18,13 +18,13 @@ Where each idea lives (docs/DESIGN.md has the module map and the life of one ste
 
 from .actions import ACTIONS, BF16, DEFAULT_MENU, FP16, FP32, Action, ActionKind, Menu, make_menu
 from .compressor import SafeBits
-from .errors import SafeBitsConsistencyError, SafeBitsError, SafeBitsNonFiniteError
+from .errors import SafeBitsConsistencyError, SafeBitsError, SafeBitsNonFiniteError, SafeBitsTimeoutError
 from .schedules import BandwidthAware, Constant, ConvergenceRamp, SNRAware
 from .telemetry import StepRecord
 
 __all__ = [
     "ACTIONS", "BF16", "DEFAULT_MENU", "FP16", "FP32", "Action", "ActionKind", "BandwidthAware", "Constant",
     "ConvergenceRamp", "Menu", "SNRAware", "SafeBits", "SafeBitsConsistencyError", "SafeBitsError",
-    "SafeBitsNonFiniteError", "StepRecord", "make_menu",
+    "SafeBitsNonFiniteError", "SafeBitsTimeoutError", "StepRecord", "make_menu",
 ]
 __version__ = "0.1.0"

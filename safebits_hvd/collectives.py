@@ -30,6 +30,7 @@ import torch
 
 from . import kernels, wire
 from .actions import Action
+from .exchange import DEFAULT_TIMEOUT, check_member, horovod_if_initialized, wait_bounded
 from .rng import stream_key
 
 COLLECTIVES = ("auto", "allgather", "two_phase", "dense")
@@ -90,37 +91,42 @@ class LocalTransport:
 
 
 class HorovodTransport:
-    """Horovod's ``allgather_async`` and ``alltoall_async`` of uint8 buffers under fixed names."""
+    """Horovod's ``allgather_async`` and ``alltoall_async`` of uint8 buffers under fixed names, on a process set
+    (default: every rank); waits are bounded by ``timeout`` seconds (:func:`~.exchange.wait_bounded`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         import horovod.torch as hvd
 
         self._hvd = hvd
-        self.rank = hvd.rank()
-        self.size = hvd.size()
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+        self.timeout = timeout
 
     def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
-        return self._hvd.allgather_async(payload, name=name)
+        return self._hvd.allgather_async(payload, name=name, process_set=self.process_set), name
 
     def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
-        return self._hvd.alltoall_async(buffer, splits=torch.tensor(splits, dtype=torch.int32), name=name)
+        return self._hvd.alltoall_async(buffer, splits=torch.tensor(splits, dtype=torch.int32), name=name,
+                                        process_set=self.process_set), name
 
     def wait(self, handle: Any) -> Any:
-        return self._hvd.synchronize(handle)
+        horovod_handle, name = handle
+        wait_bounded(lambda: self._hvd.poll(horovod_handle), self.timeout, f"SafeBits' payload collective {name!r}")
+        return self._hvd.synchronize(horovod_handle)
 
 
-def make_transport() -> LocalTransport | HorovodTransport:
-    """The payload transport of the current process (Horovod when it is initialized with several ranks)."""
-    try:
-        import horovod.torch as hvd
-    except ImportError:
+def make_transport(process_set: Any = None,
+                   timeout: float | None = DEFAULT_TIMEOUT) -> LocalTransport | HorovodTransport:
+    """The payload transport of the current process: Horovod's on ``process_set`` (None: every rank) when Horovod
+    is initialized and the set has several ranks, else local."""
+    hvd = horovod_if_initialized()
+    if hvd is None:
         return LocalTransport()
-    try:
-        if not hvd.is_initialized() or hvd.size() == 1:
-            return LocalTransport()
-    except ValueError:
-        return LocalTransport()
-    return HorovodTransport()
+    if process_set is not None and process_set != hvd.global_process_set:
+        check_member(hvd, process_set)
+        return LocalTransport() if process_set.size() == 1 else HorovodTransport(process_set, timeout)
+    return LocalTransport() if hvd.size() == 1 else HorovodTransport(None, timeout)
 
 
 # ---------------------------------------------------------------------------------------------- encoding

@@ -8,6 +8,7 @@ step under Horovod"). Everything else (policy, kernels, error feedback, exchange
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -15,11 +16,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import collectives
 from .actions import DEFAULT_MENU, Menu, make_menu
-from .collectives import PayloadTransport
+from .collectives import PayloadTransport, make_transport
 from .core import NONFINITE_MODES, SafeBitsCore, check_count, check_number
-from .exchange import StatisticsExchange, make_exchange
+from .exchange import DEFAULT_TIMEOUT, StatisticsExchange, make_exchange
 from .memory import ErrorFeedback
 from .params import GradientIndex
 from .policy import BudgetPolicy
@@ -60,19 +60,34 @@ def op_factor(reduced_marker: torch.Tensor, ranks: int) -> float:
     return value
 
 
-def registered_parameters(named_parameters: Iterable[tuple[str, torch.nn.Parameter]]
-                          ) -> tuple[list[str], list[torch.nn.Parameter]]:
-    """Names and parameters with ``requires_grad`` (as Horovod registers them), after checking the pairs."""
-    if isinstance(named_parameters, torch.nn.Module):
-        raise TypeError("pass model.named_parameters(), not the model")
+def registered_parameters(parameters: Any) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """Names and parameters with ``requires_grad`` (as Horovod registers them), after checking them.
+
+    ``parameters`` is ``model.named_parameters()`` (``(name, parameter)`` pairs), or, for
+    ``hvd.DistributedOptimizer(opt)`` without ``named_parameters``, the optimizer, its ``param_groups`` or
+    ``model.parameters()``: those are named as Horovod names them, ``allreduce.noname.<group>.<index>``.
+    """
+    if isinstance(parameters, torch.nn.Module):
+        raise TypeError("pass model.named_parameters() (or model.parameters(), or the optimizer), not the model")
+    if isinstance(parameters, torch.optim.Optimizer):
+        parameters = parameters.param_groups
+    items = list(parameters)
+    if items and all(isinstance(item, torch.Tensor) for item in items):
+        items = [{"params": items}]
+    if items and all(isinstance(item, dict) for item in items):
+        if not all("params" in group for group in items):
+            raise TypeError("parameter groups must be dicts with a 'params' list, as optimizer.param_groups")
+        items = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(items)
+                 for j, p in enumerate(group["params"])]
     names: list[str] = []
     params: list[torch.nn.Parameter] = []
     seen_names: set[str] = set()
     seen_params: set[int] = set()
-    for pair in named_parameters:
+    for pair in items:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
                 and isinstance(pair[1], torch.Tensor)):
-            raise TypeError("named_parameters must yield (name, parameter) pairs, as model.named_parameters()")
+            raise TypeError("SafeBits takes model.named_parameters() ((name, parameter) pairs), model.parameters(), "
+                            "or the optimizer / its param_groups")
         name, p = pair
         if name in seen_names:
             raise ValueError(f"duplicate parameter name {name!r} in named_parameters")
@@ -195,6 +210,8 @@ class SafeBits(CoreCompressor):
     Args:
         named_parameters: ``(name, parameter)`` pairs (``model.named_parameters()``); gradients are matched to
             parameters by identity. Parameters with ``requires_grad=False`` are ignored, as Horovod ignores them.
+            For ``hvd.DistributedOptimizer(opt)`` without ``named_parameters``, pass ``opt`` (or
+            ``model.parameters()``): parameters are then named as Horovod names them.
         budget_bits: average bits per parameter per step (32 = no compression; 4.4 is about 7.2x), or a schedule,
             any callable ``step -> bits`` (see :mod:`safebits_hvd.schedules`). Default 4.0.
         max_distortion: ``d_bar`` in (0, 1]. Default 0.5.
@@ -208,16 +225,27 @@ class SafeBits(CoreCompressor):
         consistency_check_every: compare allocation digests across ranks every this many steps and raise
             :class:`~safebits_hvd.SafeBitsConsistencyError` on a mismatch; 0 disables. Default 1 (it rides on the
             statistics exchange, so it costs 64 bytes).
-        nonfinite: ``"raise"`` (default): a NaN/Inf gradient raises :class:`~safebits_hvd.SafeBitsNonFiniteError`;
-            ``"skip"``: that tensor sends zeros for the step, its residual is kept, and the record lists it.
+        nonfinite: what a gradient holding NaN or Inf does. ``"propagate"`` (default): it is sent unquantized, so
+            its non-finite values reach every rank's reduced gradient as with ``hvd.Compression.none``, its residual
+            absorbs nothing, and the record lists it: right for mixed precision (``torch.amp.GradScaler`` must see
+            the overflow to skip the step and lower its scale) and for any code that checks gradients itself.
+            ``"raise"``: :class:`~safebits_hvd.SafeBitsNonFiniteError`, when a non-finite gradient is a bug.
+            ``"skip"``: the tensor sends zeros for the step, its residual is kept, the record lists it, when a rare
+            bad batch should not stop training and nothing downstream checks.
         screen: False switches the screen off (the unscreened global-budgeting ablation; no guarantee).
         name: Horovod tensor name of the statistics exchange (distinct per compressor object). Default "safebits".
-        max_history: records kept in :attr:`history` (the last one is always in :attr:`last_step`). Default 10000.
+        max_history: records kept in :attr:`history` (the last one is always in :attr:`last_step`). Default 1000.
         collective: how gradients travel (:mod:`safebits_hvd.collectives`): ``"allgather"`` (every rank's packed
             payload to every rank), ``"two_phase"`` (packed scatter-reduce then allgather, with a second error
             feedback), ``"dense"`` (dequantized float32 through Horovod's allreduce: no fewer bytes; for
             ``op=hvd.Adasum``), or ``"auto"`` (default: per step, the one that moves fewer bytes; dense in one
             process).
+        process_set: the Horovod process set of the optimizer (``hvd.DistributedOptimizer(..., process_set=)``);
+            SafeBits' own collectives run on it, and ranks outside it must not build or use this object. Default
+            None: every rank.
+        timeout: seconds a rank waits for one of SafeBits' collectives before
+            :class:`~safebits_hvd.SafeBitsTimeoutError` names the cause (a rank that never joins); None: no
+            limit. Default 600.
         exchange: the statistics transport (:class:`~safebits_hvd.exchange.StatisticsExchange`). Default None:
             chosen when the first step closes (Horovod's MPI or Gloo, or none for one process). Tests and
             benchmarks pass their own here.
@@ -229,12 +257,13 @@ class SafeBits(CoreCompressor):
         history: the last ``max_history`` :class:`StepRecord` objects, oldest first (a new list on each read).
     """
 
-    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | Iterable[torch.Tensor] | Any,
                  budget_bits: float | Callable[[int], float] = 4.0, max_distortion: float = 0.5,
                  min_cosine: float = 0.8, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
                  log_path: str | os.PathLike[str] | None = None, *, sample_buckets: int = 16,
-                 consistency_check_every: int = 1, nonfinite: str = "raise", screen: bool = True,
-                 name: str = "safebits", max_history: int = 10000, collective: str = "auto",
+                 consistency_check_every: int = 1, nonfinite: str = "propagate", screen: bool = True,
+                 name: str = "safebits", max_history: int = 1000, collective: str = "auto",
+                 process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT,
                  exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
         names, params = registered_parameters(named_parameters)
         schedule = as_schedule(budget_bits)
@@ -246,7 +275,9 @@ class SafeBits(CoreCompressor):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        if timeout is not None:
+            timeout = check_number("timeout", timeout, 0.0, math.inf, low_open=True)
         if exchange is not None and not isinstance(exchange, StatisticsExchange):
             raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
                             f"is_local, rank, size), got {type(exchange).__name__}")
@@ -254,11 +285,12 @@ class SafeBits(CoreCompressor):
         policy = BudgetPolicy(menu, numels, max_distortion, min_cosine, screen=bool(screen))
         core = SafeBitsCore(
             names, numels, policy=policy, schedule=schedule, seed=seed,
-            exchange=exchange if exchange is not None else (lambda: make_exchange(name)),
+            exchange=exchange if exchange is not None else (lambda: make_exchange(name, process_set, timeout)),
             nonfinite=nonfinite, sample_buckets=check_count("sample_buckets", sample_buckets, 1),
             consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
             max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
-            transport=transport if transport is not None else collectives.make_transport, name=name)
+            transport=transport if transport is not None else (lambda: make_transport(process_set, timeout)),
+            name=name)
         self._attach(params, core)
         self.menu = menu
         self.schedule = schedule

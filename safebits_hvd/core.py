@@ -47,8 +47,9 @@ from .rng import stream_key
 from .screen import distortion_cosine
 from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepArrays, StepLog, StepRecord, logger
+from .two_phase import TwoPhaseReduction
 
-NONFINITE_MODES = ("raise", "skip")
+NONFINITE_MODES = ("propagate", "raise", "skip")
 
 
 class Sent(NamedTuple):
@@ -90,8 +91,7 @@ class SafeBitsCore:
         exchange: the statistics transport, or a callable that makes it when the first step closes (Horovod may be
             initialized after the front end is built).
         error_feedback: keep the residual ``e <- v - q`` per tensor (else ``e = 0`` every step).
-        nonfinite: ``"raise"``, ``"skip"`` (see :class:`~.compressor.SafeBits`), or ``"propagate"``: no check, the
-            kernels quantize whatever arrives (the baselines, like Horovod's own compressors).
+        nonfinite: ``"propagate"``, ``"raise"`` or ``"skip"`` (see :class:`~.compressor.SafeBits`).
         sample_buckets: buckets per tensor the screen estimates on.
         consistency_check_every: compare allocation digests every this many steps (0: never).
         max_history, log_path: see :class:`~.telemetry.StepLog`.
@@ -104,7 +104,7 @@ class SafeBitsCore:
     def __init__(self, names: list[str], numels: np.ndarray, *, policy: BudgetPolicy,
                  schedule: Callable[[int], float], seed: int,
                  exchange: StatisticsExchange | Callable[[], StatisticsExchange], error_feedback: bool = True,
-                 nonfinite: str = "raise", sample_buckets: int = 16, consistency_check_every: int = 1,
+                 nonfinite: str = "propagate", sample_buckets: int = 16, consistency_check_every: int = 1,
                  max_history: int = 10000, log_path: str | os.PathLike[str] | None = None,
                  collective: str = "dense",
                  transport: PayloadTransport | Callable[[], PayloadTransport] = collectives.make_transport,
@@ -133,8 +133,8 @@ class SafeBitsCore:
 
         # -- state carried across steps (all of it checkpointed, see state_dict)
         self.memory = ErrorFeedback()                  # per-tensor residuals e, per rank
-        # Two-phase: the residual of the second hop, per tensor, of the segment this rank owns and re-encodes.
-        self.second_hop_memory = ErrorFeedback()
+        # Two-phase: segments, the step in flight, and the second hop's residuals (of the segments this rank owns).
+        self.two_phase = TwoPhaseReduction(names, numels, policy.menu, policy, name)
         self.step = 0                                  # index of the next step to begin
         # The last finished step's reduced statistics: the next allocation's input (None before the first step).
         self._previous_screened: np.ndarray | None = None
@@ -149,12 +149,6 @@ class SafeBitsCore:
         self._digest = ""
         self.collective = "dense"                      # the step's collective (collectives.choose)
         self._wire_bytes = 0                           # bytes this rank's payloads cost the link in the step
-        self._segments: list[list[tuple[int, int]]] = []   # two-phase: per tensor, the P segments' element ranges
-        self._segment_payloads: dict[int, list[torch.Tensor]] = {}   # two-phase: the step's first-hop payloads
-        # two-phase: (step, alltoall handle, allocation) in flight; then (step, reduced tensors) once finished
-        self._two_phase_pending: tuple[int, Any, np.ndarray] | None = None
-        self._two_phase_done: tuple[int, list[torch.Tensor]] | None = None
-        self._second_hop_bytes = (-1, 0)               # two-phase: (step, link bytes of this rank's second hop)
         # The statistics go straight into the vector the exchange reduces in place. Two vectors, by step parity:
         # the allocation made at the start of step t reads step t-1's reduced vector, which must stay intact.
         self.layout = StatisticsLayout(tensors, actions)
@@ -190,7 +184,7 @@ class SafeBitsCore:
             handle = self.transport.start_allgather(f"{self.name}.payload.{index}", sent)
             self._wire_bytes += collectives.link_bytes(collective, sent.numel(), ranks)
         elif collective == "two_phase":
-            self._segment_payloads[index] = sent
+            self.two_phase.add(index, sent)
             self._wire_bytes += sum(p.numel() for r, p in enumerate(sent) if r != self.transport.rank)
             sent = torch.cat(sent)
         else:
@@ -208,11 +202,7 @@ class SafeBitsCore:
             gathered = self.transport.wait(handle)
             out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
             return collectives.sum_payloads(gathered, self.transport.size, out, self.names[index])
-        if self._two_phase_pending is not None and self._two_phase_pending[0] == step:
-            self._finish_two_phase()
-        if self._two_phase_done is None or self._two_phase_done[0] != step:
-            raise RuntimeError(f"the two-phase reduction of step {step} is no longer held (a later step began)")
-        return self._two_phase_done[1][index]
+        return self.two_phase.result(index, step)
 
     def finish(self, step: int | None = None) -> None:
         """Finish the pending exchange (only if it is ``step``'s, when given)."""
@@ -248,13 +238,11 @@ class SafeBitsCore:
             factory = self._transport_or_factory
             assert callable(factory)
             self.transport = factory()
-        if not self._segments:
-            ranks = self.transport.size
-            self._segments = [collectives.segment_bounds(int(n), self.menu.bucket_size, ranks) for n in self.numels]
+        if self.two_phase.transport is None:
+            self.two_phase.configure(self.transport)
         self.collective = collectives.choose(self.collective_setting,
                                              self._allocation.cost_bits / max(1, self.total_elements),
                                              self.transport.size)
-        self._segment_payloads = {}
         self._wire_bytes = 0
         self.unsent[:] = True
         self._fields = self._views[self.step % 2]
@@ -293,18 +281,21 @@ class SafeBitsCore:
             g = g.to(torch.float32)
         g = g.contiguous()
         e = self._residual(index, n, g.device)
-        collective, segments = self.collective, self._segments[index]
+        collective, segments = self.collective, self.two_phase.segments[index]
         out = torch.empty(n if collective == "dense" else 0, dtype=torch.float32, device=g.device)
         fields = self._fields
-        if (self.nonfinite != "propagate" and n and not math.isfinite(float(g.sum()))
-                and not bool(torch.isfinite(g).all())):
+        if n and not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
             if self.nonfinite == "raise":
                 raise SafeBitsNonFiniteError(f"gradient of {name!r} holds NaN or Inf at step {self.step}; "
                                              f"nothing was sent and its error-feedback residual is unchanged "
-                                             f"(SafeBits(nonfinite='skip') sends zeros instead)")
-            fields.skipped[index] = 1.0
+                                             f"(SafeBits(nonfinite='propagate') passes it on, 'skip' sends zeros)")
+            # No statistics this step: the next allocation knows only the lossless action is safe for it.
+            fields.nonfinite[index] = 1.0
             fields.v2[index] = math.inf
-            return self._zeros(index, collective)
+            if self.nonfinite == "skip":
+                return self._zeros(index, collective)
+            fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
+            return self._unquantized(index, collective, g)
 
         key = stream_key(self.seed, self.step, index)
         assert self._allocation is not None
@@ -339,6 +330,14 @@ class SafeBitsCore:
         fields.v2[index] = v2 if math.isfinite(v2) else math.inf     # never NaN: NaN would poison the MAX
         return sent
 
+    def _unquantized(self, index: int, collective: str, g: torch.Tensor) -> Any:
+        """``nonfinite="propagate"``: the gradient itself, lossless, so NaN and Inf reach the reduced gradient as
+        with an uncompressed allreduce; the residual is not touched (a scratch zero residual takes its place)."""
+        scratch = torch.zeros_like(g)
+        lossless = self.menu[self.policy.lossless_index]
+        out = torch.empty_like(g) if collective == "dense" else scratch
+        return collectives.encode(collective, g, scratch, lossless, 0, self.two_phase.segments[index], out)[0]
+
     def _zeros(self, index: int, collective: str) -> Any:
         """What a skipped tensor sends: zeros (the cheapest action's payload of zeros); no residual is touched."""
         n = int(self.numels[index])
@@ -346,73 +345,7 @@ class SafeBitsCore:
         cheapest = self.menu[int(self.policy.cost_order[index, 0])]
         if collective == "dense":
             return zeros
-        return collectives.encode(collective, None, zeros, cheapest, 0, self._segments[index], zeros)[0]
-
-    # ------------------------------------------------------------------ two-phase: the second hop
-    def _start_two_phase(self) -> None:
-        """Close of a two-phase step: one alltoall sends segment ``r`` of every tensor (index order) to rank ``r``."""
-        assert self.transport is not None and self._allocation is not None
-        for index in np.flatnonzero(self.unsent):     # an incomplete step: zeros keep every rank's layout
-            self._segment_payloads[int(index)] = self._zeros(int(index), "two_phase")
-        ranks = self.transport.size
-        pieces = [[self._segment_payloads[i][r] for i in range(len(self.names))] for r in range(ranks)]
-        splits = [sum(p.numel() for p in piece) for piece in pieces]
-        buffer = torch.cat([p for piece in pieces for p in piece])
-        handle = self.transport.start_alltoall(f"{self.name}.two_phase.alltoall", buffer, splits)
-        self._two_phase_pending = (self.step, handle, self._allocation.choice.copy())
-        self._segment_payloads = {}
-
-    def _finish_two_phase(self) -> None:
-        """Sum the segment this rank owns over every rank (rank order), re-encode each sum with the second-hop
-        residual, allgather the owners' payloads, and decode every tensor whole. Runs once per step, for every
-        tensor in index order, so every rank submits the same collectives in the same order (no deadlock)."""
-        assert self._two_phase_pending is not None and self.transport is not None
-        step, handle, allocation = self._two_phase_pending
-        self._two_phase_pending = None
-        ranks, rank, tensors = self.transport.size, self.transport.rank, len(self.names)
-        received, _ = self.transport.wait(handle)
-        first_hop = collectives.split_payloads(received, ranks * tensors, f"{self.name} step {step} alltoall")
-        owned = []
-        for index in range(tensors):
-            start, stop = self._segments[index][rank]
-            total = torch.zeros(stop - start, dtype=torch.float32)
-            for source in range(ranks):
-                kernels.decode_add(first_hop[source * tensors + index], total, name=self.names[index])
-            owned.append(self._second_hop(index, step, int(allocation[index]), total))
-        mine = torch.cat(owned)
-        self._second_hop_bytes = (step, collectives.link_bytes("allgather", mine.numel(), ranks))
-        gathered = self.transport.wait(self.transport.start_allgather(f"{self.name}.two_phase.allgather", mine))
-        second_hop = collectives.split_payloads(gathered, ranks * tensors, f"{self.name} step {step} allgather")
-        results = []
-        for index in range(tensors):
-            out = torch.zeros(int(self.numels[index]), dtype=torch.float32)
-            for owner, (start, stop) in enumerate(self._segments[index]):
-                kernels.decode_add(second_hop[owner * tensors + index], out[start:stop], name=self.names[index])
-            results.append(out)
-        self._two_phase_done = (step, results)
-
-    def _second_hop(self, index: int, step: int, allocated: int, total: torch.Tensor) -> torch.Tensor:
-        """The owned segment's sum ``s``, re-encoded with error feedback: ``v = s + e2``, screened exactly like the
-        first hop (the allocated action, else costlier ones, else lossless); returns the payload."""
-        e2 = self.second_hop_memory.residual(self.names[index], total.numel(), total.device)
-        policy = self.policy
-        order = [allocated]
-        if policy.screen_enabled:
-            cost = policy.costs[index]
-            order += [int(a) for a in policy.cost_order[index]
-                      if cost[a] > cost[allocated] and not policy.lossless[a]] + [policy.lossless_index]
-        key = collectives.segment_key(stream_key(self.seed, step, index), len(self._segments[index]) + 1)
-        source: torch.Tensor | None = total
-        payload = total
-        for attempt, action_index in enumerate(order):
-            if attempt:
-                kernels.decode_add(payload, e2, name=self.names[index])
-                source = None
-            payload, stats = kernels.quantize_pack_ef(source, e2, self.menu[action_index], key)
-            d, c = distortion_cosine(stats.cpu().numpy())
-            if policy.accepts(action_index, float(d), float(c)):
-                break
-        return payload
+        return collectives.encode(collective, None, zeros, cheapest, 0, self.two_phase.segments[index], zeros)[0]
 
     # ------------------------------------------------------------------ 4. close
     def _close(self) -> None:
@@ -422,7 +355,9 @@ class SafeBitsCore:
             assert callable(factory)
             self.exchange = factory()
         if self.collective == "two_phase":
-            self._start_two_phase()
+            assert self._allocation is not None
+            self.two_phase.start(self.step, self._allocation.choice, self.seed,
+                                 lambda index: self._zeros(index, "two_phase"))
         vector = self._vectors[self.step % 2]
         self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total, self._wire_bytes,
                          self.collective)
@@ -435,26 +370,26 @@ class SafeBitsCore:
     def _finish(self) -> None:
         assert self._pending is not None and self.exchange is not None and self._allocation is not None
         step, handle, budget_total, wire_bytes, collective = self._pending
-        if self._two_phase_pending is not None and self._two_phase_pending[0] == step:
-            self._finish_two_phase()                   # before the record: it counts the second hop's bytes
-        if self._second_hop_bytes[0] == step:
-            wire_bytes += self._second_hop_bytes[1]
+        if self.two_phase.pending_step == step:
+            self.two_phase.finish()                    # before the record: it counts the second hop's bytes
+        if self.two_phase.second_hop_bytes[0] == step:
+            wire_bytes += self.two_phase.second_hop_bytes[1]
         self._pending = None
         self.exchange.wait(handle)                     # the step's own vector now holds the MAX over ranks
         reduced = self._views[step % 2]
         sent_position = reduced.sent_position.astype(np.int64)
-        skipped = reduced.skipped > 0
+        nonfinite = reduced.nonfinite > 0
         arrays = StepArrays(step=step, budget_bits_total=budget_total,
                             modeled_bits_total=self.policy.modeled_bits(sent_position),
                             sent=self.policy.actions_sent(sent_position), allocated=self._allocation.choice,
                             distortion=reduced.sent_distortion.copy(), cosine=-reduced.neg_sent_cosine,
-                            escalated=reduced.escalated > 0, skipped=skipped, allocation_digest=self._digest,
+                            escalated=reduced.escalated > 0, nonfinite=nonfinite, allocation_digest=self._digest,
                             infeasible=not self._allocation.feasible, wire_bytes=wire_bytes,
                             collective=collective)
-        # The next allocation's input. A skipped tensor has no statistics: only the lossless action is known safe.
+        # The next allocation's input. A non-finite tensor has no statistics: only the lossless action is known safe.
         screened = reduced.screened
-        if skipped.any():
-            screened[skipped] = np.where(self.policy.lossless, 0.0, np.inf)
+        if nonfinite.any():
+            screened[nonfinite] = np.where(self.policy.lossless, 0.0, np.inf)
         v2 = reduced.v2
         self._previous_screened, self._previous_v2 = screened, np.where(np.isfinite(v2), v2, 0.0)
         self.log.add(arrays, self.exchange.rank)
@@ -476,7 +411,7 @@ class SafeBitsCore:
         schedule_state = getattr(self.schedule, "state_dict", None)
         return checkpoint.make_state(step=self.step, seed=self.seed, names=self.names, numels=self.numels,
                                      menu_names=self.menu.names, residuals=self.memory.state_dict(),
-                                     second_hop_residuals=self.second_hop_memory.state_dict(),
+                                     second_hop_residuals=self.two_phase.memory.state_dict(),
                                      screened=self._previous_screened, v2=self._previous_v2,
                                      schedule_state=schedule_state() if schedule_state is not None else None)
 
@@ -486,7 +421,7 @@ class SafeBitsCore:
         if self.in_step or self._pending is not None:
             raise RuntimeError("load_state_dict() must be called between steps")
         self.memory.load_state_dict(state["residuals"])
-        self.second_hop_memory.load_state_dict(state.get("second_hop_residuals", {}))
+        self.two_phase.memory.load_state_dict(state.get("second_hop_residuals", {}))
         self.step = int(state["step"])
         self.seed = int(state["seed"])
         self._previous_screened, self._previous_v2 = checkpoint.previous_statistics(state)

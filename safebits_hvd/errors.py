@@ -11,3 +11,8 @@ class SafeBitsConsistencyError(SafeBitsError):
 
 class SafeBitsNonFiniteError(SafeBitsError, FloatingPointError):
     """A gradient holds NaN or Inf (the message names the parameter and the step)."""
+
+
+class SafeBitsTimeoutError(SafeBitsError, TimeoutError):
+    """A collective of SafeBits did not complete on every rank within ``SafeBits(timeout=...)`` seconds (a rank
+    that never joins it: another process set, a crashed or stalled rank, a model registered differently)."""

@@ -39,7 +39,29 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .errors import SafeBitsConsistencyError
+from .errors import SafeBitsConsistencyError, SafeBitsTimeoutError
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a rank waits for a SafeBits collective before :class:`SafeBitsTimeoutError` (``SafeBits(timeout=)``)."""
+
+
+def wait_bounded(done: Any, timeout: float | None, what: str) -> None:
+    """Return once ``done()`` is true; raise :class:`SafeBitsTimeoutError` naming ``what`` after ``timeout`` seconds
+    (None: no limit). Yields the core between polls: a spinning wait starves Horovod's background thread and the
+    other ranks where ranks share cores (docs/RESULTS.md, section 3.4)."""
+    if done():
+        return
+    start = time.perf_counter()
+    pause = 0.0
+    while not done():
+        waited = time.perf_counter() - start
+        if timeout is not None and waited > timeout:
+            raise SafeBitsTimeoutError(
+                f"{what} did not complete within {timeout:g} s: some rank never joined it (a rank outside this "
+                f"SafeBits' process set, a crashed or stalled rank, or a model registered differently on some "
+                f"rank). Raise SafeBits(timeout=...) if a rank legitimately takes that long between steps")
+        time.sleep(pause)
+        pause = 0.0 if waited < 0.002 else 0.0002
 
 
 @runtime_checkable
@@ -106,25 +128,34 @@ class _RankExchange:
 
 
 class HorovodExchange(_RankExchange):
-    """MAX-allreduce through Horovod (works under Gloo and MPI)."""
+    """MAX-allreduce through Horovod (works under Gloo and MPI), on a process set (default: every rank)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         import horovod.torch as hvd
 
         self._hvd = hvd
         self.name = name
-        self.rank = hvd.rank()
-        self.size = hvd.size()
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+        self.timeout = timeout
 
     def _max_now(self, values: np.ndarray) -> np.ndarray:
-        return self._hvd.allreduce(torch.from_numpy(values), op=self._hvd.Max, name=f"{self.name}.length").numpy()
+        tensor = torch.from_numpy(values)
+        handle = self._hvd.allreduce_async_(tensor, op=self._hvd.Max, name=f"{self.name}.length",
+                                            process_set=self.process_set)
+        wait_bounded(lambda: self._hvd.poll(handle), self.timeout, f"SafeBits' statistics exchange {self.name!r}")
+        return self._hvd.synchronize(handle).numpy()
 
     def _start(self, values: np.ndarray) -> Any:
         tensor = torch.from_numpy(values)          # shares the vector's memory: the in-place op writes into it
-        return self._hvd.allreduce_async_(tensor, op=self._hvd.Max, name=self.name), tensor
+        return self._hvd.allreduce_async_(tensor, op=self._hvd.Max, name=self.name,
+                                          process_set=self.process_set), tensor
 
     def wait(self, handle: Any) -> None:
         horovod_handle, tensor = handle
+        wait_bounded(lambda: self._hvd.poll(horovod_handle), self.timeout,
+                     f"SafeBits' statistics exchange {self.name!r}")
         reduced = self._hvd.synchronize(horovod_handle)
         if reduced.data_ptr() != tensor.data_ptr():   # the contract is in place, whatever Horovod returned
             tensor.copy_(reduced)
@@ -133,18 +164,19 @@ class HorovodExchange(_RankExchange):
 class MPIExchange(_RankExchange):
     """MAX-allreduce through mpi4py's non-blocking ``Iallreduce`` on a private communicator."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
+        self.timeout = timeout
         self.comm = MPI.COMM_WORLD.Dup()        # collective: every rank creates it at the same first exchange
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
 
     def _max_now(self, values: np.ndarray) -> np.ndarray:
-        reduced = np.empty_like(values)
-        self.comm.Allreduce(values, reduced, op=self._mpi.MAX)
-        return reduced
+        request = self.comm.Iallreduce(self._mpi.IN_PLACE, values, op=self._mpi.MAX)
+        wait_bounded(request.Test, self.timeout, "SafeBits' statistics exchange (MPI)")
+        return values
 
     def _start(self, values: np.ndarray) -> Any:
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, values, op=self._mpi.MAX)
@@ -154,30 +186,50 @@ class MPIExchange(_RankExchange):
         request, _ = handle
         # Not request.Wait(): Open MPI's Wait spins at full speed, and where ranks share cores it starves Horovod's
         # background thread and the other rank, which the exchange waits on (docs/RESULTS.md, section 3.4).
-        while not request.Test():
-            time.sleep(0)
+        wait_bounded(request.Test, self.timeout, "SafeBits' statistics exchange (MPI)")
 
 
-def make_exchange(name: str) -> LocalExchange | HorovodExchange | MPIExchange:
-    """The transport for the current process (see the module docstring)."""
-    try:
-        import horovod.torch as hvd
-    except ImportError:
+def make_exchange(name: str, process_set: Any = None,
+                  timeout: float | None = DEFAULT_TIMEOUT) -> LocalExchange | HorovodExchange | MPIExchange:
+    """The transport for the current process (see the module docstring); ``process_set`` restricts it to a Horovod
+    process set (None: every rank)."""
+    hvd = horovod_if_initialized()
+    if hvd is None:
         return LocalExchange()
-    try:
-        if not hvd.is_initialized() or hvd.size() == 1:
-            return LocalExchange()
-    except ValueError:                        # Horovod raises this when not initialized
+    if process_set is not None and process_set != hvd.global_process_set:
+        check_member(hvd, process_set)
+        return LocalExchange() if process_set.size() == 1 else HorovodExchange(name, process_set, timeout)
+    if hvd.size() == 1:
         return LocalExchange()
     if hvd.mpi_enabled():
         try:
             from mpi4py import MPI
 
             if MPI.Query_thread() >= MPI.THREAD_MULTIPLE and MPI.COMM_WORLD.Get_size() == hvd.size():
-                return MPIExchange()
+                return MPIExchange(timeout)
         except ImportError:
             pass
-    return HorovodExchange(name)
+    return HorovodExchange(name, None, timeout)
+
+
+def horovod_if_initialized() -> Any:
+    """``horovod.torch`` when it is installed and initialized, else None."""
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return None
+    try:
+        return hvd if hvd.is_initialized() else None
+    except ValueError:                        # Horovod raises this when not initialized
+        return None
+
+
+def check_member(hvd: Any, process_set: Any) -> None:
+    """``ValueError`` unless this rank belongs to ``process_set``: ranks outside it must not take part."""
+    if not process_set.included():
+        raise ValueError(f"rank {hvd.rank()} is not in the process set SafeBits was built for (ranks "
+                         f"{process_set.ranks}); build and use SafeBits only on the ranks of its optimizer's "
+                         f"process set")
 
 
 def allocation_digest(step: int, budget_bits_total: float, choice: np.ndarray) -> str:

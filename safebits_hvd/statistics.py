@@ -38,7 +38,7 @@ FIELDS: dict[str, Field] = {
     "escalated": Field(PER_TENSOR, 0.0, "1 if the action sent was not the allocated one"),
     "sent_distortion": Field(PER_TENSOR, 0.0, "normalized distortion of what was sent"),
     "neg_sent_cosine": Field(PER_TENSOR, -1.0, "minus the cosine of what was sent"),
-    "skipped": Field(PER_TENSOR, 0.0, "1 if the gradient was non-finite and skipped"),
+    "nonfinite": Field(PER_TENSOR, 0.0, "1 if the gradient held NaN or Inf (sent unquantized, or zeros with 'skip')"),
     "digest": Field(lambda t, a: (DIGEST_WORDS,), None, "the allocation digest, four 16-bit words"),
     "neg_digest": Field(lambda t, a: (DIGEST_WORDS,), None, "the same words negated: MAX(-x) = -MIN(x)"),
 }
@@ -53,7 +53,7 @@ class StepStatistics(NamedTuple):
     escalated: np.ndarray
     sent_distortion: np.ndarray
     neg_sent_cosine: np.ndarray
-    skipped: np.ndarray
+    nonfinite: np.ndarray
     digest: np.ndarray
     neg_digest: np.ndarray
 

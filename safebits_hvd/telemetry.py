@@ -41,13 +41,15 @@ class StepRecord:
         cosine: parameter name -> cosine of what was sent with the EF-corrected update (min over ranks).
         allocation_digest: hex digest of (step, budget, allocation); equal on every rank.
         allocated: parameter name -> action the global allocation chose for this step.
-        skipped: parameters whose gradient was non-finite and skipped (``nonfinite='skip'``).
+        nonfinite: parameters whose gradient held NaN or Inf on some rank (sent unquantized with
+            ``nonfinite='propagate'``, as zeros with ``'skip'``).
         infeasible: the allocator found no safe assignment within the budget and fell back to minimum cost.
         wire_bytes: bytes this rank handed to the collectives for the step (packed payloads with their headers, or
             the dense values): the one field that may differ between ranks.
         collective: how the step's gradients travelled: ``"allgather"`` (packed payloads) or ``"dense"``.
 
-    ``used_bits_total`` and ``compression_ratio`` are deprecated aliases of the ``modeled_`` fields (one release).
+    ``used_bits_total`` and ``compression_ratio`` are deprecated aliases of the ``modeled_`` fields, ``skipped`` of
+    ``nonfinite`` (one release).
     """
 
     step: int
@@ -62,7 +64,7 @@ class StepRecord:
     cosine: dict[str, float]
     allocation_digest: str
     allocated: dict[str, str] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)
     infeasible: bool = False
     wire_bytes: int = 0
     collective: str = "dense"
@@ -76,6 +78,12 @@ class StepRecord:
         warnings.warn("StepRecord.used_bits_total is deprecated; use modeled_bits_total", DeprecationWarning,
                       stacklevel=2)
         return self.modeled_bits_total
+
+    @property
+    def skipped(self) -> list[str]:
+        """Deprecated: :attr:`nonfinite`."""
+        warnings.warn("StepRecord.skipped is deprecated; use nonfinite", DeprecationWarning, stacklevel=2)
+        return self.nonfinite
 
     @property
     def compression_ratio(self) -> float:
@@ -135,12 +143,12 @@ class StepArrays(NamedTuple):
     step: int
     budget_bits_total: float
     modeled_bits_total: int
-    sent: np.ndarray            # menu index of the action sent (the costliest over ranks), -1 if skipped
+    sent: np.ndarray            # menu index of the action sent (the costliest over ranks), -1 if nothing
     allocated: np.ndarray       # menu index the allocation chose
     distortion: np.ndarray      # of what was sent, max over ranks
     cosine: np.ndarray          # of what was sent, min over ranks
     escalated: np.ndarray       # bool
-    skipped: np.ndarray         # bool
+    nonfinite: np.ndarray       # bool
     allocation_digest: str
     infeasible: bool
     wire_bytes: int
@@ -210,7 +218,7 @@ class StepLog:
             cosine=dict(zip(names, arrays.cosine.tolist(), strict=True)),
             allocation_digest=arrays.allocation_digest,
             allocated=dict(zip(names, action_names[arrays.allocated].tolist(), strict=True)),
-            skipped=self._name_array[arrays.skipped].tolist(),
+            nonfinite=self._name_array[arrays.nonfinite].tolist(),
             infeasible=arrays.infeasible, wire_bytes=arrays.wire_bytes, collective=arrays.collective)
 
     @property

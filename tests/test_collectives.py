@@ -168,7 +168,7 @@ def test_two_phase_is_bitwise_identical_and_conserves_the_second_hop(ranks: int)
         first_hop = sum(results[r]["sent"][s][name] for r in range(ranks) for s in range(steps)).double()
         second_hop = sum(results[0]["reduced"][s][name].reshape(-1) for s in range(steps)).double()
         for owner, (start, stop) in enumerate(collectives.segment_bounds(n, bucket, ranks)):
-            residual = results[owner]["compressor"].core.second_hop_memory.residuals[name].double()
+            residual = results[owner]["compressor"].core.two_phase.memory.residuals[name].double()
             lhs = second_hop[start:stop] + residual
             scale = first_hop[start:stop].abs().sum() / max(1, stop - start) + 1e-12
             assert torch.allclose(lhs, first_hop[start:stop], rtol=1e-5, atol=1e-5 * float(scale)), (name, owner)

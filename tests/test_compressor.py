@@ -316,3 +316,38 @@ def test_history_is_a_snapshot_and_last_step_survives_max_history_zero(tmp_path)
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 2
     with pytest.raises(ValueError, match="max_history"):
         sb.SafeBits(params, max_history=-1)
+
+
+def test_unnamed_parameters_are_named_as_horovod_names_them() -> None:
+    """``hvd.DistributedOptimizer(opt)`` names parameters ``allreduce.noname.<group>.<index>``; SafeBits built from
+    the optimizer, its param_groups or model.parameters() uses the same names and matches gradients by identity."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.5}], lr=0.1)
+    expected = ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0", "allreduce.noname.1.1"]
+    assert sb.SafeBits(opt).names == expected
+    assert sb.SafeBits(opt.param_groups).names == expected
+    assert sb.SafeBits(model.parameters()).names == [f"allreduce.noname.0.{j}" for j in range(4)]
+    c = sb.SafeBits(opt, budget_bits=8)
+    model(torch.randn(16, 8)).square().sum().backward()
+    for p in model.parameters():
+        sent, ctx = c.compress(p.grad)
+        c.decompress(sent, ctx)
+    assert c.last_step is not None and set(c.last_step.actions) == set(expected)
+    with pytest.raises(TypeError, match="not the model"):
+        sb.SafeBits(model)
+    with pytest.raises(TypeError, match="param_groups"):
+        sb.SafeBits([{"lr": 0.1}])
+
+
+def test_a_wait_that_never_completes_raises_a_timeout_naming_the_cause() -> None:
+    import time
+
+    from safebits_hvd.exchange import wait_bounded
+
+    start = time.perf_counter()
+    with pytest.raises(sb.SafeBitsTimeoutError, match="never joined"):
+        wait_bounded(lambda: False, 0.2, "SafeBits' statistics exchange 'x'")
+    assert 0.2 <= time.perf_counter() - start < 5
+    wait_bounded(lambda: True, 0.0, "done at once")
+    with pytest.raises(ValueError, match="timeout"):
+        sb.SafeBits(many_tensor_params(), timeout=0)

@@ -28,7 +28,7 @@ def send(c: sb.SafeBits, p: torch.nn.Parameter, g: torch.Tensor) -> torch.Tensor
 # ----------------------------------------------------------------------------- non-finite gradients
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_nonfinite_gradient_raises_naming_parameter_and_step(bad: float) -> None:
-    p, c = one(1000)
+    p, c = one(1000, nonfinite="raise")
     send(c, p, torch.randn(1000))
     residual = c.memory.residuals["w"].clone()
     g = torch.randn(1000)
@@ -47,9 +47,32 @@ def test_nonfinite_gradient_skip_sends_zeros_and_keeps_residual() -> None:
     out = send(c, p, g)
     assert torch.equal(out, torch.zeros(1000))
     assert torch.equal(c.memory.residuals["w"], residual)
-    assert c.last_step.skipped == ["w"] and c.last_step.actions["w"] == "skipped"
+    assert c.last_step.nonfinite == ["w"] and c.last_step.actions["w"] == "skipped"
+    with pytest.warns(DeprecationWarning, match="nonfinite"):
+        assert c.last_step.skipped == ["w"]
     out = send(c, p, torch.randn(1000))                          # and it carries on
-    assert torch.isfinite(out).all() and c.last_step.skipped == []
+    assert torch.isfinite(out).all() and c.last_step.nonfinite == []
+
+
+@pytest.mark.parametrize("collective", ["dense", "allgather", "two_phase"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_gradient_propagates_by_default(collective: str, bad: float) -> None:
+    """The default: the gradient goes out unquantized, so the reduced gradient holds the same NaN/Inf (what
+    GradScaler looks for), the residual absorbs nothing, the record lists it, and the next step is normal."""
+    p, c = one(5000, collective=collective)
+    send(c, p, torch.randn(5000))
+    residual = c.memory.residuals["w"].clone()
+    g = torch.randn(5000)
+    g[[7, 4321]] = bad
+    out = send(c, p, g.clone())
+    assert torch.equal(out.isnan(), g.isnan()) and torch.equal(out.isinf(), g.isinf())
+    finite = torch.isfinite(g)
+    assert torch.equal(out[finite], g[finite])                   # unquantized
+    assert torch.equal(c.memory.residuals["w"], residual)
+    assert c.last_step.nonfinite == ["w"] and c.last_step.actions["w"] == "fp32"
+    out = send(c, p, torch.randn(5000))
+    assert torch.isfinite(out).all() and c.last_step.nonfinite == []
+    assert c.last_step.allocated["w"] == "fp32"                  # only lossless was known safe after it
 
 
 def test_overflowing_sum_is_not_mistaken_for_nonfinite() -> None:
