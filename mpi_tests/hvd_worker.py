@@ -250,7 +250,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
 
     # Two-phase, second hop: what the ranks sent = what the owners re-sent + the owners' second-hop residuals.
     if two_phase_sums:
-        second = hvd.allgather_object({n: t.numpy() for n, t in compression.core.second_hop_memory.residuals.items()},
+        second = hvd.allgather_object({n: t.numpy() for n, t in compression.core.two_phase.memory.residuals.items()},
                                       name=f"{sc.name}.second_hop")
         for n, p in trainable:
             bounds = sb.collectives.segment_bounds(p.numel(), compression.menu.bucket_size, hvd.size())
