@@ -7,12 +7,15 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export SAFEBITS_REQUIRE_NVRTC := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test demo demo-full lint unit mpi bench bench-smoke bench-link clean
+.PHONY: setup test test-long demo demo-full lint unit mpi mpi-slow bench bench-smoke bench-link clean
 
 setup:
 	@bash scripts/setup.sh
 
 test: setup lint unit mpi bench-smoke
+
+# The long checks (a 10,000-step memory run under horovodrun); CI runs them after `make test` (.ci/run).
+test-long: setup mpi-slow
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -21,7 +24,10 @@ unit: setup
 	$(PY) -m pytest tests -q
 
 mpi: setup
-	$(PY) -m pytest mpi_tests -q
+	$(PY) -m pytest mpi_tests -q -m "not slow"
+
+mpi-slow: setup
+	$(PY) -m pytest mpi_tests -q -m slow
 
 bench-smoke: setup
 	$(PY) -m pytest bench -q --benchmark-enable --benchmark-min-rounds=3 --benchmark-max-time=0.05 \
