@@ -13,6 +13,7 @@ of the step on every rank, so none can wait on a collective another rank has not
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -119,7 +120,8 @@ class TwoPhaseReduction:
         """The owned segment's sum re-encoded with error feedback, screened like the first hop: the allocated
         action if its exact statistics pass, else costlier ones, else lossless. Returns the payload."""
         policy = self.policy
-        if not bool(torch.isfinite(total).all()):     # a rank propagated NaN/Inf: pass the sum on, keep e2 clean
+        finite = math.isfinite(float(total.sum())) or bool(torch.isfinite(total).all())   # the sum is cheap
+        if not finite:                                # a rank propagated NaN/Inf: pass the sum on, keep e2 clean
             return kernels.quantize_pack_ef(total, torch.zeros_like(total), self.menu[policy.lossless_index], 0)[0]
         e2 = self.memory.residual(self.names[index], total.numel(), total.device)
         order = [allocated]
