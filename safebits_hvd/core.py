@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from . import checkpoint, collectives, kernels
-from .actions import Menu
+from .actions import ActionKind, Menu
 from .allocator import Allocation
 from .collectives import PayloadTransport
 from .errors import SafeBitsConsistencyError, SafeBitsNonFiniteError
@@ -282,9 +282,23 @@ class SafeBitsCore:
         g = g.contiguous()
         e = self._residual(index, n, g.device)
         collective, segments = self.collective, self.two_phase.segments[index]
-        out = torch.empty(n if collective == "dense" else 0, dtype=torch.float32, device=g.device)
         fields = self._fields
-        if n and not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
+        assert self._allocation is not None
+        allocated = int(self._allocation.choice[index])
+        action = self.menu[allocated]
+        if not self.error_feedback and collective == "dense" and action.kind in (ActionKind.FLOAT32,
+                                                                                  ActionKind.FLOAT16):
+            # Horovod's NoneCompressor and FP16Compressor (the fp32 and fp16 baselines): no memory, at most a cast
+            # on the wire, nothing measured (the fp16 cast's distortion is recorded as NaN).
+            fields.sent_position[index] = self.policy.position_in_cost_order[index, allocated]
+            fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
+            fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
+            return g if action.lossless else g.to(torch.float16)
+        out = torch.empty(n if collective == "dense" else 0, dtype=torch.float32, device=g.device)
+        # Without error feedback there is no residual to protect: NaN/Inf go through the quantizer as they would
+        # through Horovod's own compressors (the baselines), and the check's extra pass is saved.
+        checked = self.error_feedback or self.nonfinite != "propagate"
+        if checked and n and not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
             if self.nonfinite == "raise":
                 raise SafeBitsNonFiniteError(f"gradient of {name!r} holds NaN or Inf at step {self.step}; "
                                              f"nothing was sent and its error-feedback residual is unchanged "
@@ -298,8 +312,6 @@ class SafeBitsCore:
             return self._unquantized(index, collective, g)
 
         key = stream_key(self.seed, self.step, index)
-        assert self._allocation is not None
-        allocated = int(self._allocation.choice[index])
         policy = self.policy
         if policy.allocates_from_statistics:
             estimate = kernels.screen(g, e, self.menu, key, self._sample_of(index, n, g.device)).cpu().numpy()
