@@ -33,17 +33,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import horovod.torch as hvd
 import torch
+from scenario_runner import ScenarioFailure, check, params_digest, run_scenarios
 from torch import nn
 
 import safebits_hvd as sb
@@ -53,16 +52,6 @@ CLASSES = 4
 BATCH = 64
 STEPS = 30             # process_sets and unnamed: enough for the loss to fall by 15-20% at lr 1.0
 TIMEOUT = 30.0          # SafeBits(timeout=): a hang becomes a SafeBitsTimeoutError, a FAIL line, not a dead launch
-
-
-class ScenarioFailure(AssertionError):
-    """A check of a scenario failed (the message says which)."""
-
-
-def check(condition: bool, message: str) -> None:
-    """Raise :class:`ScenarioFailure` with ``message`` unless ``condition`` holds."""
-    if not condition:
-        raise ScenarioFailure(message)
 
 
 def mlp(hidden: int = 64) -> nn.Sequential:
@@ -83,14 +72,6 @@ def eval_loss(model: nn.Module, seed: int = 999_999) -> float:
     x, y = batch(seed)
     with torch.no_grad():
         return float(nn.functional.cross_entropy(model(x).float(), y))
-
-
-def params_digest(model: nn.Module) -> str:
-    """SHA-256 of every parameter's bytes, in registration order."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def has_nonfinite(params: Iterable[torch.Tensor]) -> bool:
@@ -410,25 +391,7 @@ def main() -> int:
         print(f"unknown scenarios {unknown} (known: {list(table)}), or missing_process_set not alone",
               file=sys.stderr)
         return 2
-    failed = 0
-    for name in names:
-        start = time.perf_counter()
-        try:
-            outcome: tuple[bool, Any] = (True, table[name](args.mutation))
-        except Exception as exc:  # report every failure, keep the ranks in step
-            outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
-        outcomes = hvd.allgather_object(outcome, name=f"outcome.{name}")
-        ok = all(o[0] for o in outcomes)
-        failed += not ok
-        if hvd.rank() == 0:
-            took = time.perf_counter() - start
-            if ok:
-                print(f"PASS {name} ({took:.1f}s, np={hvd.size()}) {outcomes[0][1]}", flush=True)
-            else:
-                details = "; ".join(f"rank {r}: {o[1]}" for r, o in enumerate(outcomes) if not o[0])
-                print(f"FAIL {name} ({took:.1f}s, np={hvd.size()}) {details}", flush=True)
-    if hvd.rank() == 0:
-        print(f"SUMMARY {len(names) - failed}/{len(names)} scenarios passed", flush=True)
+    failed = run_scenarios(names, lambda name: table[name](args.mutation))
     code = 1 if failed else 0
     if "missing_process_set" in names:
         # Rank 0 leaves Horovod ops pending that rank 1 never joins. Shut Horovod down on both ranks together (its

@@ -17,11 +17,8 @@ if any scenario failed on any rank.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +26,7 @@ from typing import Any
 import horovod.torch as hvd
 import numpy as np
 import torch
+from scenario_runner import ScenarioFailure, check, params_digest, run_scenarios
 from torch import nn
 
 import safebits_hvd as sb
@@ -36,16 +34,6 @@ import safebits_hvd as sb
 IN_FEATURES = 20
 CLASSES = 4
 BATCH = 64
-
-
-class ScenarioFailure(AssertionError):
-    """A check of a scenario failed (the message says which and on which step)."""
-
-
-def check(condition: bool, message: str) -> None:
-    """Raise :class:`ScenarioFailure` with ``message`` unless ``condition`` holds."""
-    if not condition:
-        raise ScenarioFailure(message)
 
 
 class Net(nn.Module):
@@ -145,14 +133,6 @@ def shard(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def fixed_eval_set() -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's evaluation batch (fixed across steps)."""
     return shard(10_000)
-
-
-def params_digest(model: nn.Module) -> str:
-    """SHA-256 of every parameter's bytes, in registration order."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def global_loss(model: nn.Module) -> float:
@@ -444,29 +424,14 @@ def main() -> int:
     if unknown:
         print(f"unknown scenarios {unknown}; known: {list(table)}", file=sys.stderr)
         return 2
-    failed = 0
-    for name in names:
-        start = time.perf_counter()
-        try:
-            info = table[name]()
-            if args.expect_transport and "transport" in info:
-                check(info["transport"] == args.expect_transport,
-                      f"statistics exchange is {info['transport']}, expected {args.expect_transport}")
-            outcome = (True, info)
-        except Exception as exc:  # report every failure, keep the ranks in step
-            outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
-        outcomes = hvd.allgather_object(outcome, name=f"outcome.{name}")
-        ok = all(o[0] for o in outcomes)
-        failed += not ok
-        if hvd.rank() == 0:
-            took = time.perf_counter() - start
-            if ok:
-                print(f"PASS {name} ({took:.1f}s, np={hvd.size()}) {outcomes[0][1]}", flush=True)
-            else:
-                details = "; ".join(f"rank {r}: {o[1]}" for r, o in enumerate(outcomes) if not o[0])
-                print(f"FAIL {name} ({took:.1f}s, np={hvd.size()}) {details}", flush=True)
-    if hvd.rank() == 0:
-        print(f"SUMMARY {len(names) - failed}/{len(names)} scenarios passed", flush=True)
+    def run(name: str) -> Any:
+        info = table[name]()
+        if args.expect_transport and "transport" in info:
+            check(info["transport"] == args.expect_transport,
+                  f"statistics exchange is {info['transport']}, expected {args.expect_transport}")
+        return info
+
+    failed = run_scenarios(names, run)
     return 1 if failed else 0
 
 
