@@ -300,7 +300,9 @@ def run_unnamed(mutation: str = "") -> dict[str, Any]:
         source = model.parameters() if case == "parameters" else base
         compression = sb.SafeBits(source, name=f"safebits.unnamed.{case}", timeout=TIMEOUT)
         opt = hvd.DistributedOptimizer(base, compression=compression)
-        horovod_names = [opt._parameter_names[p] for p in compression._index.params]
+        registered = (list(model.parameters()) if case == "parameters"
+                      else [p for group in base.param_groups for p in group["params"]])   # SafeBits' order
+        horovod_names = [opt._parameter_names[p] for p in registered]   # Horovod's own naming, the reference
         check(list(compression.names) == horovod_names,
               f"{case}: SafeBits names {list(compression.names)}, Horovod's {horovod_names}")
         if case != "two_groups":

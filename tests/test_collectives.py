@@ -28,7 +28,7 @@ class Group:
         self.pending: dict[str, dict[int, Any]] = {}
         self.results: dict[str, Any] = {}
 
-    def _start(self, name: str, rank: int, item: Any, reduce: Callable[[list[Any]], Any]) -> str:
+    def contribute(self, name: str, rank: int, item: Any, reduce: Callable[[list[Any]], Any]) -> str:
         with self.cond:
             contributions = self.pending.setdefault(name, {})
             contributions[rank] = item
@@ -39,7 +39,7 @@ class Group:
                 self.cond.notify_all()
         return name
 
-    def _wait(self, name: str) -> Any:
+    def result(self, name: str) -> Any:
         with self.cond:
             assert self.cond.wait_for(lambda: name in self.results, timeout=60), f"{name}: a rank never started it"
             result = self.results[name]
@@ -62,11 +62,11 @@ class Group:
             def start(self, values: np.ndarray) -> tuple[str, np.ndarray]:
                 counter["exchange"] += 1
                 name = f"exchange.{counter['exchange']}"
-                return group._start(name, rank, values.copy(), lambda vs: np.maximum.reduce(vs)), values
+                return group.contribute(name, rank, values.copy(), lambda vs: np.maximum.reduce(vs)), values
 
             def wait(self, handle: tuple[str, np.ndarray]) -> None:
                 name, values = handle
-                values[:] = group._wait(name)
+                values[:] = group.result(name)
 
         class Transport:
             size = group.ranks
@@ -75,15 +75,15 @@ class Group:
                 self.rank = rank
 
             def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
-                return ("ag", group._start(name + ".ag", rank, payload.clone(), torch.cat))
+                return ("ag", group.contribute(name + ".ag", rank, payload.clone(), torch.cat))
 
             def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
                 pieces = list(torch.split(buffer.clone(), splits))
-                return ("a2a", group._start(name + ".a2a", rank, pieces, lambda all_pieces: all_pieces))
+                return ("a2a", group.contribute(name + ".a2a", rank, pieces, lambda all_pieces: all_pieces))
 
             def wait(self, handle: Any) -> Any:
                 kind, name = handle
-                result = group._wait(name)
+                result = group.result(name)
                 if kind == "ag":
                     return result
                 mine = [pieces[rank] for pieces in result]      # what every rank sent this one, in rank order
