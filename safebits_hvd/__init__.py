@@ -12,12 +12,14 @@ Where each idea lives (docs/DESIGN.md has the module map and the life of one ste
   :mod:`.schedules` (budgets);
 * quantization: :mod:`.actions` (menu and modeled bits), :mod:`.kernels` (fused screen / quantize / EF passes, CPU
   and CUDA), :mod:`.rng` (counter-based RNG);
-* front ends: :mod:`.compressor` (the Horovod compressor), :mod:`.baselines` (the compressors we compare with);
-  :mod:`.launch` starts ``horovodrun`` for the tests, benchmarks and demo.
+* front ends: :mod:`.compressor` (the Horovod compressor), :mod:`.elastic` (its state in Horovod's elastic
+  ``TorchState``, registered on import), :mod:`.baselines` (the compressors we compare with); :mod:`.launch`
+  starts ``horovodrun`` for the tests, benchmarks and demo.
 """
 
 from .actions import ACTIONS, BF16, DEFAULT_MENU, FP16, FP32, Action, ActionKind, Menu, make_menu
 from .compressor import SafeBits
+from .elastic import register as _register_elastic_handler
 from .errors import SafeBitsConsistencyError, SafeBitsError, SafeBitsNonFiniteError, SafeBitsTimeoutError
 from .schedules import BandwidthAware, Constant, ConvergenceRamp, SNRAware
 from .telemetry import StepRecord
@@ -28,3 +30,5 @@ __all__ = [
     "SafeBitsNonFiniteError", "SafeBitsTimeoutError", "StepRecord", "make_menu",
 ]
 __version__ = "0.1.0"
+
+_register_elastic_handler()      # hvd.elastic.TorchState(..., compression=SafeBits(...)) then handles its state

@@ -13,14 +13,18 @@ from typing import Any
 import numpy as np
 import torch
 
-STATE_FORMAT = 3
-"""Version of the state dict layout. Format 2 (no second-hop residuals) is still read; others are refused."""
-READABLE_FORMATS = (2, 3)
+STATE_FORMAT = 4
+"""Version of the state dict layout. Formats 2 (no second-hop residuals) and 3 (no second-hop ranges) are still
+read; others are refused."""
+READABLE_FORMATS = (2, 3, 4)
+PER_RANK = ("residuals", "second_hop_residuals", "second_hop_ranges")
+"""The entries each rank holds for itself; every other entry is the same on every rank (elastic sync sends them)."""
 
 
 def make_state(*, step: int, seed: int, names: list[str], numels: np.ndarray, menu_names: list[str],
                residuals: dict[str, torch.Tensor], second_hop_residuals: dict[str, torch.Tensor],
-               screened: np.ndarray | None, v2: np.ndarray | None, schedule_state: Any) -> dict[str, Any]:
+               second_hop_ranges: dict[str, tuple[int, int]], screened: np.ndarray | None,
+               v2: np.ndarray | None, schedule_state: Any) -> dict[str, Any]:
     """The state dict (arrays copied: the caller may go on training)."""
     previous = screened is not None and v2 is not None
     return {
@@ -32,6 +36,9 @@ def make_state(*, step: int, seed: int, names: list[str], numels: np.ndarray, me
         "menu": list(menu_names),
         "residuals": residuals,
         "second_hop_residuals": second_hop_residuals,
+        # The element range of each second-hop residual: when the world size changes, a residual is added back into
+        # the first-hop residual of the same range (docs/DESIGN.md, "Elastic training").
+        "second_hop_ranges": {name: [int(start), int(stop)] for name, (start, stop) in second_hop_ranges.items()},
         "prev_screened": torch.from_numpy(screened.copy()) if previous else None,
         "prev_v2": torch.from_numpy(v2.copy()) if previous else None,
         "schedule": schedule_state,
@@ -55,6 +62,20 @@ def check_state(state: Any, names: list[str], numels: np.ndarray, menu_names: li
     unknown = (set(state["residuals"]) | set(state.get("second_hop_residuals", {}))) - set(names)
     if unknown:
         raise ValueError(f"state holds residuals of unknown parameters {sorted(unknown)[:3]}")
+    for name, residual in state["residuals"].items():
+        if isinstance(residual, torch.Tensor) and residual.numel() != int(numels[names.index(name)]):
+            raise ValueError(f"residual of {name!r} has {residual.numel()} elements, its parameter "
+                             f"{int(numels[names.index(name)])}")
+    for name, (start, stop) in state.get("second_hop_ranges", {}).items():
+        residual = state["second_hop_residuals"].get(name)
+        n = int(numels[names.index(name)]) if name in names else -1
+        if residual is None or not 0 <= start <= stop <= n or residual.numel() != stop - start:
+            raise ValueError(f"second-hop residual of {name!r} does not match its range [{start}, {stop})")
+
+
+def second_hop_ranges(state: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The element range of each saved second-hop residual (empty before format 4: the ranges are unknown)."""
+    return {name: (int(start), int(stop)) for name, (start, stop) in state.get("second_hop_ranges", {}).items()}
 
 
 def previous_statistics(state: dict[str, Any]) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -19,7 +19,7 @@ import torch
 from .actions import DEFAULT_MENU, Menu, make_menu
 from .collectives import PayloadTransport, make_transport
 from .core import NONFINITE_MODES, SafeBitsCore, check_count, check_number
-from .exchange import DEFAULT_TIMEOUT, StatisticsExchange, make_exchange
+from .exchange import DEFAULT_TIMEOUT, StatisticsExchange, horovod_if_initialized, make_exchange
 from .memory import ErrorFeedback
 from .params import GradientIndex
 from .policy import BudgetPolicy
@@ -108,6 +108,7 @@ class CoreCompressor(Compressor):
     ``decompress`` finishes the step's exchange. Shared by :class:`SafeBits` and the fixed-action baselines."""
 
     core: SafeBitsCore
+    process_set: Any = None        # the Horovod process set of SafeBits' collectives (None: every rank)
 
     def _attach(self, params: list[torch.nn.Parameter], core: SafeBitsCore) -> None:
         self.core = core
@@ -125,6 +126,8 @@ class CoreCompressor(Compressor):
         Horovod allreduces the flat float32 dequantized values.
         """
         core = self.core
+        if not core.in_step:
+            self._follow_world()
         index = self._index.find(tensor, core.unsent if core.in_step else None)
         sent = core.send(index, tensor)
         ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.handle, sent.wire)
@@ -146,6 +149,16 @@ class CoreCompressor(Compressor):
         if tensor.dtype != ctx.dtype:
             tensor = tensor.to(ctx.dtype)
         return tensor.view(ctx.shape)
+
+    def _follow_world(self) -> None:
+        """Between steps: when elastic Horovod removed workers it re-initializes without a state sync
+        (``hvd.elastic.run``), so the new world is noticed here, by its size, and SafeBits rebuilt for it."""
+        transport = self.core.transport
+        if transport is None or self.process_set is not None:
+            return
+        hvd = horovod_if_initialized()
+        if hvd is not None and hvd.size() != transport.size:
+            self.core.leave_world()
 
     def flush(self) -> None:
         """Finish a pending statistics exchange (``decompress`` does this; call it if you only ``compress``)."""
@@ -298,6 +311,7 @@ class SafeBits(CoreCompressor):
         self.min_cosine = min_cosine
         self.screen_enabled = bool(screen)
         self.exchange_name = name
+        self.process_set = process_set
 
     @property
     def seed(self) -> int:

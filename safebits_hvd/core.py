@@ -239,7 +239,7 @@ class SafeBitsCore:
             assert callable(factory)
             self.transport = factory()
         if self.two_phase.transport is None:
-            self.two_phase.configure(self.transport)
+            self._configure_two_phase()
         self.collective = collectives.choose(self.collective_setting,
                                              self._allocation.cost_bits / max(1, self.total_elements),
                                              self.transport.size)
@@ -248,6 +248,17 @@ class SafeBitsCore:
         self._fields = self._views[self.step % 2]
         self.layout.reset(self._fields, self.policy.lossless, digest_words(self._digest))
         self.in_step = True
+
+    def _configure_two_phase(self) -> None:
+        """Segments for the transport's world; a second-hop residual whose segment this rank no longer owns goes
+        back into this rank's first-hop residual of the same elements, to be sent later (the sum over ranks of
+        what is not yet sent stays the same)."""
+        assert self.transport is not None
+        for name, start, residual in self.two_phase.configure(self.transport):
+            if self.error_feedback:
+                index = self.names.index(name)
+                e = self.memory.residual(name, int(self.numels[index]), residual.device)
+                e[start:start + residual.numel()].add_(residual)
 
     # ------------------------------------------------------------------ 2. screen, 3. send
     def _sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:
@@ -414,6 +425,28 @@ class SafeBitsCore:
                 f"ranks disagree on the allocation of step {step} (this rank's digest {self._digest}); every rank "
                 f"must build SafeBits with the same parameters, menu, budget and thresholds")
 
+    # ------------------------------------------------------------------ elastic training
+    def abort_step(self) -> None:
+        """Drop the step in progress and the pending exchange: one of their collectives failed (a worker left).
+        The residuals may hold part of that step: load the last state next (elastic ``restore`` does)."""
+        self.in_step = False
+        self.unsent[:] = True
+        self._pending = None
+        self.two_phase.abort()
+
+    def leave_world(self) -> None:
+        """The world changed (elastic training): the statistics exchange and the payload transport are rebuilt for
+        the new one at the next step, and the two-phase segments with them. Exchanges and transports given as
+        objects rather than factories cannot be rebuilt: ``ValueError``. Call between steps."""
+        if self.in_step or self._pending is not None:
+            raise RuntimeError("leave_world() must be called between steps (abort_step() first after a failure)")
+        if not (callable(self._exchange_or_factory) and callable(self._transport_or_factory)):
+            raise ValueError("SafeBits was given its exchange or transport as an object, which cannot follow a new "
+                             "world; pass factories (or nothing) for elastic training")
+        self.exchange = None
+        self.transport = None
+        self.two_phase.leave_world()
+
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (see :mod:`.checkpoint`). Call between steps."""
@@ -424,6 +457,7 @@ class SafeBitsCore:
         return checkpoint.make_state(step=self.step, seed=self.seed, names=self.names, numels=self.numels,
                                      menu_names=self.menu.names, residuals=self.memory.state_dict(),
                                      second_hop_residuals=self.two_phase.memory.state_dict(),
+                                     second_hop_ranges=self.two_phase.ranges,
                                      screened=self._previous_screened, v2=self._previous_v2,
                                      schedule_state=schedule_state() if schedule_state is not None else None)
 
@@ -433,8 +467,11 @@ class SafeBitsCore:
         if self.in_step or self._pending is not None:
             raise RuntimeError("load_state_dict() must be called between steps")
         self.memory.load_state_dict(state["residuals"])
-        self.two_phase.memory.load_state_dict(state.get("second_hop_residuals", {}))
+        self.two_phase.load_state_dict(state.get("second_hop_residuals", {}), checkpoint.second_hop_ranges(state))
+        if self.two_phase.transport is not None:     # check the residuals against this world's segments now
+            self._configure_two_phase()
         self.step = int(state["step"])
+        self.log.truncate(self.step)                 # records of later steps describe steps undone
         self.seed = int(state["seed"])
         self._previous_screened, self._previous_v2 = checkpoint.previous_statistics(state)
         if state["schedule"] is not None and hasattr(self.schedule, "load_state_dict"):

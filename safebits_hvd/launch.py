@@ -48,20 +48,25 @@ def launch_env(ranks: int, extra: Mapping[str, str] | None = None) -> dict[str, 
 
 
 def horovodrun_command(ranks: int, script: str | os.PathLike[str], *args: str, transport: str = "gloo",
-                       prefix: Sequence[str] = ()) -> list[str]:
-    """``[*prefix, horovodrun, -np, ranks, -H, localhost:ranks, --transport, python, script, *args]``."""
+                       prefix: Sequence[str] = (), elastic: tuple[int, str] | None = None) -> list[str]:
+    """``[*prefix, horovodrun, -np, ranks, -H, localhost:ranks, --transport, python, script, *args]``; with
+    ``elastic=(min_ranks, discovery_script)``, ``--min-np min_ranks --max-np ranks --host-discovery-script
+    discovery_script`` take the place of ``-H``."""
     if transport not in ("gloo", "mpi"):
         raise ValueError(f"transport must be 'gloo' or 'mpi', got {transport!r}")
     runner = horovodrun_path()
     if runner is None:
         raise LaunchError("horovodrun is not installed (run scripts/setup.sh)", "")
-    return [*prefix, runner, "-np", str(ranks), "-H", f"localhost:{ranks}", f"--{transport}", sys.executable,
-            os.fspath(script), *args]
+    hosts = ["-H", f"localhost:{ranks}"]
+    if elastic is not None:
+        min_ranks, discovery_script = elastic
+        hosts = ["--min-np", str(min_ranks), "--max-np", str(ranks), "--host-discovery-script", discovery_script]
+    return [*prefix, runner, "-np", str(ranks), *hosts, f"--{transport}", sys.executable, os.fspath(script), *args]
 
 
 def horovodrun(ranks: int, script: str | os.PathLike[str], *args: str, transport: str = "gloo",
                timeout: float = 600, env: Mapping[str, str] | None = None, prefix: Sequence[str] = (),
-               on_line: Callable[[str], None] | None = None) -> str:
+               on_line: Callable[[str], None] | None = None, elastic: tuple[int, str] | None = None) -> str:
     """Run ``script`` on ``ranks`` local ranks under ``horovodrun``; return everything the ranks printed.
 
     Args:
@@ -72,11 +77,13 @@ def horovodrun(ranks: int, script: str | os.PathLike[str], *args: str, transport
         env: variables added to :func:`launch_env`'s environment.
         prefix: command words before ``horovodrun`` (``["ip", "netns", "exec", "ns"]`` to run in a namespace).
         on_line: called with each output line as it arrives (progress printing).
+        elastic: ``(min_ranks, discovery_script)`` for an elastic launch of ``ranks`` at most (see
+            :func:`horovodrun_command`).
 
     Raises:
         LaunchError: on a non-zero exit or a timeout.
     """
-    command = horovodrun_command(ranks, script, *args, transport=transport, prefix=prefix)
+    command = horovodrun_command(ranks, script, *args, transport=transport, prefix=prefix, elastic=elastic)
     proc = subprocess.Popen(command, cwd=REPO, env=launch_env(ranks, env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     assert proc.stdout is not None

@@ -21,15 +21,24 @@ class ErrorFeedback:
         self.residuals: dict[str, torch.Tensor] = {}
 
     def residual(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
-        """The residual of ``name`` (flat float32, ``numel`` elements, on ``device``), created as zeros."""
+        """The residual of ``name`` (flat float32, ``numel`` elements, on ``device``), created as zeros.
+
+        Raises ``ValueError`` if it exists with another size: replacing it would silently drop what it holds."""
         e = self.residuals.get(name)
-        if e is None or e.numel() != numel:
+        if e is None:
             e = torch.zeros(numel, dtype=torch.float32, device=device)
             self.residuals[name] = e
+        elif e.numel() != numel:
+            raise ValueError(f"the error-feedback residual of {name!r} holds {e.numel()} elements, not {numel}: it "
+                             f"was restored from a state of another model or world size")
         elif e.device != device:
             e = e.to(device)
             self.residuals[name] = e
         return e
+
+    def pop(self, name: str) -> torch.Tensor | None:
+        """Remove ``name``'s residual and return it (None if it has none)."""
+        return self.residuals.pop(name, None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: e.detach().clone() for name, e in self.residuals.items()}

@@ -204,6 +204,15 @@ class StepLog:
             self._escalation_warning.log("SafeBits step %d: %d tensors escalated (e.g. %s)", arrays.step,
                                          len(escalations), escalations[:3].tolist())
 
+    def truncate(self, step: int) -> None:
+        """Forget the records of ``step`` and later (a state of an earlier step was loaded: they were undone).
+        The JSON-lines log keeps them: it says what ran."""
+        kept = [r for r in self._records if r.step < step]
+        self._built = min(self._built, len(kept))
+        self._records = kept
+        if self._last is not None and self._last.step >= step:
+            self._last = kept[-1] if kept else None
+
     def record(self, arrays: StepArrays) -> StepRecord:
         """The :class:`StepRecord` of a step's arrays."""
         used, budget = arrays.modeled_bits_total, arrays.budget_bits_total

@@ -33,6 +33,7 @@ class TwoPhaseReduction:
 
     Attributes:
         memory: the second hop's residuals, per tensor name, of the segment this rank owns (checkpointed).
+        ranges: the element range of each residual in :attr:`memory` (checkpointed; the segment it was owned as).
         segments: per tensor, the ``P`` element ranges (set by :meth:`configure`).
     """
 
@@ -43,6 +44,7 @@ class TwoPhaseReduction:
         self.policy = policy
         self.name = name
         self.memory = ErrorFeedback()
+        self.ranges: dict[str, tuple[int, int]] = {}
         self.segments: list[list[tuple[int, int]]] = []
         self.transport: PayloadTransport | None = None
         self._payloads: dict[int, list[torch.Tensor]] = {}       # the step's first-hop payloads, by tensor
@@ -50,11 +52,51 @@ class TwoPhaseReduction:
         self._done: tuple[int, list[torch.Tensor]] | None = None        # (step, reduced sum of every tensor)
         self.second_hop_bytes = (-1, 0)        # (step, link bytes of this rank's second hop)
 
-    def configure(self, transport: PayloadTransport) -> None:
-        """Segments for ``transport``'s world (once, when the transport is known)."""
+    def configure(self, transport: PayloadTransport) -> list[tuple[str, int, torch.Tensor]]:
+        """Segments for ``transport``'s world (when the transport is known, and again after the world changed).
+
+        Returns the residuals this rank no longer owns as ``(name, start, residual)``, removed from :attr:`memory`:
+        their segment moved (another world size or rank). The caller adds each back into the first-hop residual
+        at ``start``, so the error they hold is sent later, not lost (docs/DESIGN.md, "Elastic training")."""
         self.transport = transport
         self.segments = [collectives.segment_bounds(int(n), self.menu.bucket_size, transport.size)
                          for n in self.numels]
+        moved = []
+        for index, name in enumerate(self.names):
+            residual = self.memory.residuals.get(name)
+            if residual is None:
+                continue
+            owned = self.segments[index][transport.rank]
+            held = self.ranges.get(name)
+            if held is None:      # a state of format 3 did not say: it can only be the segment it matches
+                if residual.numel() != owned[1] - owned[0]:
+                    raise ValueError(f"the second-hop residual of {name!r} was saved by an older SafeBits for "
+                                     f"another world size; restore it on as many ranks as saved it")
+                held = owned
+            if held != owned:
+                moved.append((name, held[0], self.memory.pop(name)))
+                del self.ranges[name]
+            else:
+                self.ranges[name] = held
+        return moved
+
+    def leave_world(self) -> None:
+        """Forget the transport and the segments (the world changed); :meth:`configure` runs again before use."""
+        self.abort()
+        self.transport = None
+        self.segments = []
+
+    def abort(self) -> None:
+        """Drop the step in flight (its collectives failed)."""
+        self._payloads = {}
+        self._pending = None
+        self._done = None
+
+    def load_state_dict(self, residuals: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int]]) -> None:
+        """Restore the residuals and their ranges (empty ranges: a state of format 3, see :meth:`configure`,
+        which the caller runs again if the transport is known)."""
+        self.memory.load_state_dict(residuals)
+        self.ranges = dict(ranges)
 
     @property
     def pending_step(self) -> int | None:
@@ -124,6 +166,8 @@ class TwoPhaseReduction:
         if not finite:                                # a rank propagated NaN/Inf: pass the sum on, keep e2 clean
             return kernels.quantize_pack_ef(total, torch.zeros_like(total), self.menu[policy.lossless_index], 0)[0]
         e2 = self.memory.residual(self.names[index], total.numel(), total.device)
+        assert self.transport is not None
+        self.ranges[self.names[index]] = self.segments[index][self.transport.rank]
         order = [allocated]
         if policy.screen_enabled:
             cost = policy.costs[index]
