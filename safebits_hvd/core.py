@@ -44,7 +44,7 @@ from .exchange import StatisticsExchange, allocation_digest, digest_words
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .rng import stream_key
-from .screen import distortion_cosine
+from .screen import distortion_cosine, distortion_cosine_of
 from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepArrays, StepLog, StepRecord, logger
 from .two_phase import TwoPhaseReduction
@@ -318,7 +318,7 @@ class SafeBitsCore:
             fields.nonfinite[index] = 1.0
             fields.v2[index] = math.inf
             if self.nonfinite == "skip":
-                return self._zeros(index, collective)
+                return self._zeros(index, collective, g.device)
             fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
             return self._unquantized(index, collective, g)
 
@@ -341,8 +341,8 @@ class SafeBitsCore:
                 collectives.restore(collective, sent, e, segments, name)
                 source = None
             sent, stats = collectives.encode(collective, source, e, self.menu[action_index], key, segments, out)
-            d, c = distortion_cosine(stats)
-            if policy.accepts(action_index, float(d), float(c)):
+            d, c = distortion_cosine_of(stats.tolist())
+            if policy.accepts(action_index, d, c):
                 break
         fields.sent_position[index] = policy.position_in_cost_order[index, action_index]
         fields.escalated[index] = action_index != allocated
@@ -361,10 +361,10 @@ class SafeBitsCore:
         out = torch.empty_like(g) if collective == "dense" else scratch
         return collectives.encode(collective, g, scratch, lossless, 0, self.two_phase.segments[index], out)[0]
 
-    def _zeros(self, index: int, collective: str) -> Any:
+    def _zeros(self, index: int, collective: str, device: torch.device) -> Any:
         """What a skipped tensor sends: zeros (the cheapest action's payload of zeros); no residual is touched."""
         n = int(self.numels[index])
-        zeros = torch.zeros(n, dtype=torch.float32)
+        zeros = torch.zeros(n, dtype=torch.float32, device=device)
         cheapest = self.menu[int(self.policy.cost_order[index, 0])]
         if collective == "dense":
             return zeros
@@ -380,7 +380,7 @@ class SafeBitsCore:
         if self.collective == "two_phase":
             assert self._allocation is not None
             self.two_phase.start(self.step, self._allocation.choice, self.seed,
-                                 lambda index: self._zeros(index, "two_phase"))
+                                 lambda index, device: self._zeros(index, "two_phase", device))
         vector = self._vectors[self.step % 2]
         self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total, self._wire_bytes,
                          self.collective)

@@ -14,6 +14,9 @@ Statistics arrive as the kernels' sums ``[sum (q-v)^2, sum q v, sum q^2, sum v^2
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 
 ACCEPT_MARGIN = 1e-4
@@ -26,13 +29,25 @@ def distortion_cosine(stats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Normalized distortion and cosine from ``(..., 4)`` sum statistics (zero-vector conventions above)."""
     stats = np.asarray(stats, dtype=np.float64)
     err2, qv, q2, v2 = stats[..., 0], stats[..., 1], stats[..., 2], stats[..., 3]
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         distortion = np.where(v2 > 0, err2 / v2, np.where(err2 == 0, 0.0, np.inf))
         denominator = np.sqrt(q2) * np.sqrt(v2)     # two square roots: q2 * v2 may overflow float64
         cosine = np.where(denominator > 0, qv / denominator, np.where((q2 == 0) & (v2 == 0), 1.0, 0.0))
     distortion = np.where(np.isfinite(distortion), distortion, np.inf)
     cosine = np.where(np.isfinite(cosine), cosine, -np.inf)
     return distortion, cosine
+
+
+def distortion_cosine_of(stats: Sequence[float]) -> tuple[float, float]:
+    """:func:`distortion_cosine` of one action's four sums, in Python floats: the send path checks one action per
+    tensor, where NumPy's per-call cost would dominate (the results are the same, bit for bit)."""
+    err2, qv, q2, v2 = (float(x) for x in stats)
+    distortion = err2 / v2 if v2 > 0 else 0.0 if err2 == 0 else math.inf
+    if not math.isfinite(distortion):
+        distortion = math.inf
+    denominator = (math.sqrt(q2) if q2 >= 0 else math.nan) * (math.sqrt(v2) if v2 >= 0 else math.nan)
+    cosine = qv / denominator if denominator > 0 else 1.0 if q2 == 0 and v2 == 0 else 0.0
+    return distortion, cosine if math.isfinite(cosine) else -math.inf
 
 
 def admissible(distortion: np.ndarray, cosine: np.ndarray, lossless: np.ndarray,

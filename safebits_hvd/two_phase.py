@@ -25,7 +25,7 @@ from .collectives import PayloadTransport
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .rng import stream_key
-from .screen import distortion_cosine
+from .screen import distortion_cosine_of
 
 
 class TwoPhaseReduction:
@@ -108,12 +108,14 @@ class TwoPhaseReduction:
         self._payloads[index] = payloads
 
     def start(self, step: int, allocation: np.ndarray, seed: int, zeros: Any) -> None:
-        """Close of a step: one alltoall of every tensor's segment ``r`` to rank ``r``. ``zeros(index)`` gives the
-        payloads of a tensor never sent this step (an incomplete step), so every rank's layout stays the same."""
+        """Close of a step: one alltoall of every tensor's segment ``r`` to rank ``r``. ``zeros(index, device)``
+        gives the payloads of a tensor never sent this step (an incomplete step), so every rank's layout stays the
+        same."""
         assert self.transport is not None
+        device = next(iter(self._payloads.values()))[0].device if self._payloads else torch.device("cpu")
         for index in range(len(self.names)):
             if index not in self._payloads:
-                self._payloads[index] = zeros(index)
+                self._payloads[index] = zeros(index, device)
         tensors = len(self.names)
         pieces = [[self._payloads[i][r] for i in range(tensors)] for r in range(self.transport.size)]
         buffer = torch.cat([p for piece in pieces for p in piece])
@@ -133,7 +135,7 @@ class TwoPhaseReduction:
         owned = []
         for index in range(tensors):
             start, stop = self.segments[index][rank]
-            total = torch.zeros(stop - start, dtype=torch.float32)
+            total = torch.zeros(stop - start, dtype=torch.float32, device=received.device)
             for source in range(ranks):
                 kernels.decode_add(first_hop[source * tensors + index], total, name=self.names[index])
             key = collectives.segment_key(stream_key(seed, step, index), ranks + 1)
@@ -144,7 +146,7 @@ class TwoPhaseReduction:
         second_hop = collectives.split_payloads(gathered, ranks * tensors, f"{self.name} step {step} allgather")
         results = []
         for index in range(tensors):
-            out = torch.zeros(int(self.numels[index]), dtype=torch.float32)
+            out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
             for owner, (start, stop) in enumerate(self.segments[index]):
                 kernels.decode_add(second_hop[owner * tensors + index], out[start:stop], name=self.names[index])
             results.append(out)
@@ -180,7 +182,7 @@ class TwoPhaseReduction:
                 kernels.decode_add(payload, e2, name=self.names[index])
                 source = None
             payload, stats = kernels.quantize_pack_ef(source, e2, self.menu[action_index], key)
-            d, c = distortion_cosine(stats.cpu().numpy())
-            if policy.accepts(action_index, float(d), float(c)):
+            d, c = distortion_cosine_of(stats.tolist())
+            if policy.accepts(action_index, d, c):
                 break
         return payload

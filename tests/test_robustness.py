@@ -270,3 +270,20 @@ def test_allocator_property_vs_oracle(seed: int, tensors: int, actions: int) -> 
     if greedy.feasible:
         assert greedy.cost_bits <= budget
         assert greedy.squared_error <= exact.squared_error + greedy_error_bound(costs, errors, ok) + 1e-9
+
+
+_EDGES = st.sampled_from([0.0, 1.0, 2.5, 1e-300, 1e300, 1e308, 5e-324, math.inf, math.nan, -1.0])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(_EDGES, st.floats(allow_nan=True, allow_infinity=True)), min_size=4, max_size=4))
+def test_scalar_screen_statistics_equal_the_vector_ones(stats: list[float]) -> None:
+    """The send path's one-action ``distortion_cosine_of`` gives bitwise the vectorised figures (zero, overflow,
+    NaN and infinite sums included), so the screen's verdict does not depend on which one ran."""
+    from safebits_hvd.screen import distortion_cosine, distortion_cosine_of
+
+    with np.errstate(all="ignore"):
+        vector = distortion_cosine(np.array(stats))
+    scalar = distortion_cosine_of(stats)
+    for a, b in zip((float(vector[0]), float(vector[1])), scalar, strict=True):
+        assert a == b or (math.isnan(a) and math.isnan(b)), (stats, vector, scalar)
