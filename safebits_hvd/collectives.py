@@ -15,9 +15,12 @@
   parameter ``b``: dense in one process or when ``b >= 32``; allgather on 2 ranks (the same bytes as two-phase,
   one quantization); two-phase from 3 ranks on.
 
-Many small tensors must not each pay a collective's latency: allgathers are submitted asynchronously per tensor
-under fixed names and Horovod fuses those of one dtype ready in the same cycle; alltoalls never fuse, so the
-two-phase path batches every tensor of the step into one alltoall and one allgather.
+Many small tensors must not each pay a collective's latency. The allgather path gathers tensors in fusion groups
+(:class:`FusedAllgather`): consecutive tensors, in the order backward produces them, of up to
+:data:`FUSION_ELEMENTS` elements together (a larger tensor alone), one allgather per group started as soon as its
+last member is sent. Horovod's own fusion did not help here: a rank's per-tensor allgathers reach Horovod's cycle one
+by one, each waiting for the Python of the next tensor's send. Alltoalls never fuse, so the two-phase path batches
+every tensor of the step into one alltoall and one allgather.
 """
 
 from __future__ import annotations
@@ -129,6 +132,110 @@ def make_transport(process_set: Any = None,
     return LocalTransport() if hvd.size() == 1 else HorovodTransport(None, timeout)
 
 
+# ---------------------------------------------------------------------------------------------- fused allgather
+FUSION_ELEMENTS = 1 << 18
+"""Elements per fusion group of the allgather path (about 128 KB of payload at 4 bits): large enough that a group of
+small tensors pays one collective's latency, small enough that the first groups of a step start early in backward."""
+
+
+def fusion_groups(numels: np.ndarray, max_elements: int = FUSION_ELEMENTS) -> list[list[int]]:
+    """Tensor indices in groups of consecutive tensors, last registered first (backward's order), each of at most
+    ``max_elements`` elements unless one tensor alone has more; every member's index ascending within a group."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index in reversed(range(len(numels))):
+        n = int(numels[index])
+        if current and size + n > max_elements:
+            groups.append(sorted(current))
+            current, size = [], 0
+        current.append(index)
+        size += n
+    if current:
+        groups.append(sorted(current))
+    return groups
+
+
+class FusedAllgather:
+    """The allgather path of one core, one collective per fusion group (:func:`fusion_groups`).
+
+    A group's allgather starts when its last member is sent, with the members' payloads back to back in index order;
+    every rank decodes member ``k`` from the ``P`` gathered parts in rank order, so the sum is bitwise the same
+    everywhere. A step that ends with members unsent (an incomplete step) sends zero payloads for them in
+    :meth:`flush`, as every rank must contribute the same groups.
+    """
+
+    def __init__(self, names: list[str], numels: np.ndarray, name: str,
+                 max_elements: int = FUSION_ELEMENTS) -> None:
+        self.names = names
+        self.name = name
+        self.groups = fusion_groups(numels, max_elements)
+        self.group_of = np.empty(len(numels), dtype=np.int64)
+        self.member_of = np.empty(len(numels), dtype=np.int64)
+        for group, members in enumerate(self.groups):
+            self.group_of[members] = group
+            self.member_of[members] = np.arange(len(members))
+        self.step = -1
+        self._payloads: dict[int, dict[int, torch.Tensor]] = {}     # group -> member index -> payload, until sent
+        self._handles: dict[int, Any] = {}                          # group -> allgather in flight
+        self._received: dict[int, list[torch.Tensor]] = {}          # group -> gathered payloads, rank-major
+
+    def begin(self, step: int, transport: PayloadTransport) -> None:
+        """A new step: collectives of the last one that nobody waited for are completed and dropped."""
+        for handle in self._handles.values():
+            transport.wait(handle)
+        self.step = step
+        self._payloads, self._handles, self._received = {}, {}, {}
+
+    def abort(self) -> None:
+        """Drop the step in flight without waiting (its collectives failed)."""
+        self._payloads, self._handles, self._received = {}, {}, {}
+
+    def add(self, transport: PayloadTransport, index: int, payload: torch.Tensor) -> None:
+        """Tensor ``index``'s payload; starts its group's allgather if it completes the group."""
+        group = int(self.group_of[index])
+        members = self._payloads.setdefault(group, {})
+        members[index] = payload
+        if len(members) == len(self.groups[group]):
+            self._start(transport, group)
+
+    def flush(self, transport: PayloadTransport, zeros: Any) -> None:
+        """Start every group some member of which was sent but not all: ``zeros(index, device)`` stands in for the
+        missing ones."""
+        for group, members in list(self._payloads.items()):
+            device = next(iter(members.values())).device
+            for index in self.groups[group]:
+                if index not in members:
+                    members[index] = zeros(index, device)
+            self._start(transport, group)
+
+    def _start(self, transport: PayloadTransport, group: int) -> None:
+        members = self._payloads.pop(group)
+        buffer = torch.cat([members[index] for index in self.groups[group]])
+        self._handles[group] = transport.start_allgather(f"{self.name}.payload.{group}", buffer)
+
+    def reduced_sum(self, transport: PayloadTransport, index: int, step: int, out: torch.Tensor,
+                    zeros: Any) -> torch.Tensor:
+        """Add every rank's payload of tensor ``index`` at ``step``, in rank order, into ``out``; returns ``out``.
+        A group asked for before it completed (a step in which some registered tensors are never sent) is started
+        first with ``zeros`` for the missing members (:meth:`flush`), as on every rank at the same call."""
+        if step != self.step:
+            raise RuntimeError(f"the allgather of step {step} is no longer held (a later step began)")
+        group = int(self.group_of[index])
+        if group not in self._received:
+            if group in self._payloads:
+                self.flush(transport, zeros)
+            if group not in self._handles:
+                raise RuntimeError(f"the group of {self.names[index]!r} was not sent at step {step}")
+            gathered = transport.wait(self._handles.pop(group))
+            self._received[group] = split_payloads(gathered, transport.size * len(self.groups[group]),
+                                                   f"{self.name} group {group} step {step}")
+        parts, members, member = self._received[group], len(self.groups[group]), int(self.member_of[index])
+        for rank in range(transport.size):
+            kernels.decode_add(parts[rank * members + member], out, name=f"{self.names[index]} (rank {rank})")
+        return out
+
+
 # ---------------------------------------------------------------------------------------------- encoding
 def segment_bounds(n: int, bucket_size: int, ranks: int) -> list[tuple[int, int]]:
     """Two-phase: ``ranks`` element ranges of a tensor of ``n`` elements, cut at bucket boundaries (some may be
@@ -187,20 +294,6 @@ def decode_sequence(buffer: torch.Tensor, out: torch.Tensor, name: str) -> torch
         position += count
     if position != out.numel():
         raise wire.WireFormatError(f"{name}: payloads hold {position} elements, the tensor {out.numel()}")
-    return out
-
-
-def sum_payloads(gathered: torch.Tensor, ranks: int, out: torch.Tensor, name: str) -> torch.Tensor:
-    """Decode ``ranks`` concatenated payloads and add them, in rank order, into ``out`` (float32, zeroed by the
-    caller). Raises :class:`~.wire.WireFormatError` naming ``name`` if the buffer does not hold exactly that."""
-    offset = 0
-    total = gathered.numel()
-    for rank in range(ranks):
-        length = wire.payload_length(gathered, offset, name=f"{name} (rank {rank})")
-        kernels.decode_add(gathered[offset:offset + length], out, name=f"{name} (rank {rank})")
-        offset += length
-    if offset != total:
-        raise wire.WireFormatError(f"{name}: {total - offset} bytes after the {ranks} ranks' payloads")
     return out
 
 

@@ -40,8 +40,7 @@ class Context(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     index: int                  # the parameter
-    collective: str             # "dense" or "allgather"
-    handle: Any                 # "allgather": the payload collective in flight
+    collective: str             # "dense", "allgather" or "two_phase"
     wire: torch.Tensor          # what this rank sent: the packed payload (uint8) or the dense float32 values
 
 
@@ -130,7 +129,7 @@ class CoreCompressor(Compressor):
             self._follow_world()
         index = self._index.find(tensor, core.unsent if core.in_step else None)
         sent = core.send(index, tensor)
-        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.handle, sent.wire)
+        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
         if sent.collective != "dense":
             return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
         return sent.wire, ctx
@@ -139,7 +138,7 @@ class CoreCompressor(Compressor):
         """The reduced gradient in its shape and dtype (finishes the step's statistics exchange)."""
         core = self.core
         if ctx.collective != "dense":
-            total = core.reduced_sum(ctx.index, ctx.step, ctx.collective, ctx.handle)
+            total = core.reduced_sum(ctx.index, ctx.step, ctx.collective)
             ranks = core.transport.size if core.transport is not None else 1
             factor = op_factor(tensor, ranks)
             if factor != ranks:

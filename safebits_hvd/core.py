@@ -59,7 +59,6 @@ class Sent(NamedTuple):
     #                             two_phase: its segments' payloads back to back (collectives.decode_sequence)
     step: int                   # the step it belongs to (for finish)
     collective: str             # "dense", "allgather" or "two_phase" (the step's choice, identical on every rank)
-    handle: Any                 # allgather: the started collective, for reduced_sum
 
 
 def check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
@@ -135,6 +134,8 @@ class SafeBitsCore:
         self.memory = ErrorFeedback()                  # per-tensor residuals e, per rank
         # Two-phase: segments, the step in flight, and the second hop's residuals (of the segments this rank owns).
         self.two_phase = TwoPhaseReduction(names, numels, policy.menu, policy, name)
+        # Allgather: the step's fusion groups in flight (one collective per group of small tensors).
+        self.allgather = collectives.FusedAllgather(names, numels, name)
         self.step = 0                                  # index of the next step to begin
         # The last finished step's reduced statistics: the next allocation's input (None before the first step).
         self._previous_screened: np.ndarray | None = None
@@ -149,6 +150,7 @@ class SafeBitsCore:
         self._digest = ""
         self.collective = "dense"                      # the step's collective (collectives.choose)
         self._wire_bytes = 0                           # bytes this rank's payloads cost the link in the step
+        self._device = torch.device("cpu")             # the step's gradients' device (reduced sums go there)
         # The statistics go straight into the vector the exchange reduces in place. Two vectors, by step parity:
         # the allocation made at the start of step t reads step t-1's reduced vector, which must stay intact.
         self.layout = StatisticsLayout(tensors, actions)
@@ -179,9 +181,9 @@ class SafeBitsCore:
         step, collective = self.step, self.collective
         sent = self._send(index, grad)
         assert self.transport is not None
-        ranks, handle = self.transport.size, None
+        ranks = self.transport.size
         if collective == "allgather":
-            handle = self.transport.start_allgather(f"{self.name}.payload.{index}", sent)
+            self.allgather.add(self.transport, index, sent)
             self._wire_bytes += collectives.link_bytes(collective, sent.numel(), ranks)
         elif collective == "two_phase":
             self.two_phase.add(index, sent)
@@ -192,16 +194,16 @@ class SafeBitsCore:
         self.unsent[index] = False
         if not self.unsent.any():
             self._close()
-        return Sent(sent, step, collective, handle)
+        return Sent(sent, step, collective)
 
-    def reduced_sum(self, index: int, step: int, collective: str, handle: Any) -> torch.Tensor:
+    def reduced_sum(self, index: int, step: int, collective: str) -> torch.Tensor:
         """The sum over ranks of what every rank sent of tensor ``index`` at ``step`` on a packed path, decoded in
         rank order (bitwise the same on every rank), as a flat float32 tensor. Waits for the collective."""
         assert self.transport is not None
         if collective == "allgather":
-            gathered = self.transport.wait(handle)
-            out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
-            return collectives.sum_payloads(gathered, self.transport.size, out, self.names[index])
+            out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=self._device)
+            return self.allgather.reduced_sum(self.transport, index, step, out,
+                                              lambda index, device: self._zeros(index, "allgather", device))
         return self.two_phase.result(index, step)
 
     def finish(self, step: int | None = None) -> None:
@@ -243,6 +245,7 @@ class SafeBitsCore:
         self.collective = collectives.choose(self.collective_setting,
                                              self._allocation.cost_bits / max(1, self.total_elements),
                                              self.transport.size)
+        self.allgather.begin(self.step, self.transport)
         self._wire_bytes = 0
         self.unsent[:] = True
         self._fields = self._views[self.step % 2]
@@ -291,6 +294,7 @@ class SafeBitsCore:
         if g.dtype != torch.float32:
             g = g.to(torch.float32)
         g = g.contiguous()
+        self._device = g.device
         e = self._residual(index, n, g.device)
         collective, segments = self.collective, self.two_phase.segments[index]
         fields = self._fields
@@ -377,6 +381,9 @@ class SafeBitsCore:
             factory = self._exchange_or_factory
             assert callable(factory)
             self.exchange = factory()
+        if self.collective == "allgather":
+            assert self.transport is not None
+            self.allgather.flush(self.transport, lambda index, device: self._zeros(index, "allgather", device))
         if self.collective == "two_phase":
             assert self._allocation is not None
             self.two_phase.start(self.step, self._allocation.choice, self.seed,
@@ -433,6 +440,7 @@ class SafeBitsCore:
         self.unsent[:] = True
         self._pending = None
         self.two_phase.abort()
+        self.allgather.abort()
 
     def leave_world(self) -> None:
         """The world changed (elastic training): the statistics exchange and the payload transport are rebuilt for
