@@ -120,6 +120,26 @@ SB_CLONES static sb_u32 sb_select_kth_largest(const float *restrict v, short *re
     }
 }
 
+/* The lane-ordered float64 sum of |v| (square == 0: the SIGN scale) or of v^2 (square == 1: the LLOYD_MAX scale)
+ * over one bucket: element i goes to lane i % SB_SUM_LANES in index order, then lanes 0, 1, ..., 7 are added (the
+ * CUDA backend sums exactly so). */
+static inline double sb_lane_sum(const float *restrict v, int len, int square) {
+    double lane[SB_SUM_LANES] = {0};
+    int i, l;
+    for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
+        for (l = 0; l < SB_SUM_LANES; l++) {
+            double x = (double)v[i + l];
+            lane[l] += square ? x * x : (x < 0.0 ? -x : x);
+        }
+    for (l = 0; i + l < len; l++) {
+        double x = (double)v[i + l];
+        lane[l] += square ? x * x : (x < 0.0 ? -x : x);
+    }
+    double total = lane[0];
+    for (l = 1; l < SB_SUM_LANES; l++) total += lane[l];
+    return total;
+}
+
 /* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words (TOPK).
  * With word != NULL (the packing pass) also the wire codes: QUANT: len sb_quant_word()s and *scale; SIGN: len
  * sign codes and *scale; TOPK: the kept local indices in ascending order. Returns the number of words written
@@ -172,20 +192,7 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
         return 0;
     }
     case SB_SIGN: {
-        double lane[SB_SUM_LANES] = {0};
-        int l;
-        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
-            for (l = 0; l < SB_SUM_LANES; l++) {
-                float x = v[i + l];
-                lane[l] += (double)(x < 0.0f ? -x : x);
-            }
-        for (l = 0; i + l < len; l++) {
-            float x = v[i + l];
-            lane[l] += (double)(x < 0.0f ? -x : x);
-        }
-        double total = lane[0];
-        for (l = 1; l < SB_SUM_LANES; l++) total += lane[l];
-        float scale = (float)(total / (double)len);
+        float scale = (float)(sb_lane_sum(v, len, 0) / (double)len);
         if (scale_out) *scale_out = scale;
         if (word) {
             for (i = 0; i < len; i++) {
@@ -195,6 +202,22 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
             return len;
         }
         for (i = 0; i < len; i++) q[i] = sb_sign(v[i], scale);
+        return 0;
+    }
+    case SB_LLOYD_MAX: {
+        float scale = sb_lm_scale(sb_lane_sum(v, len, 1), len);
+        int trits = act->trits, levels = act->levels, cb = sb_lm_bits(levels);
+        if (scale_out) *scale_out = scale;
+        if (word) { /* packing pass: the same code and value functions, keeping the code */
+            for (i = 0; i < len; i++) {
+                float c = sb_lm_code(v[i], scale, levels);
+                sb_u32 neg = sb_quant_sign(v[i], c, trits);
+                q[i] = sb_lm_value(c, neg, scale, levels);
+                word[i] = sb_quant_word(c, neg, cb, trits);
+            }
+            return len;
+        }
+        for (i = 0; i < len; i++) q[i] = sb_lm(v[i], scale, levels, trits);
         return 0;
     }
     case SB_TOPK: {

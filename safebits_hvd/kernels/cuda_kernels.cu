@@ -16,7 +16,7 @@
 #define SB_THREADS 256
 
 struct sb_block_params {
-    float scale;     /* QUANT: max|v|; SIGN: mean|v| */
+    float scale;     /* QUANT: max|v|; SIGN: mean|v|; LLOYD_MAX: RMS */
     sb_u32 thresh;   /* TOPK: the kk-th largest key */
     long long cut;   /* TOPK: elements equal to thresh at local index <= cut are kept; -1: none */
     int all;         /* TOPK: keep every element (kk >= len) */
@@ -51,12 +51,13 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
         atomicMax(sh_u, mk);
         __syncthreads();
         if (tid == 0) P->scale = sb_u2f(*sh_u);
-    } else if (kind == SB_SIGN) {
+    } else if (kind == SB_SIGN || kind == SB_LLOYD_MAX) { /* the lane-ordered sums of cpu.c's sb_lane_sum */
+        int square = kind == SB_LLOYD_MAX;
         if (tid < SB_SUM_LANES) {
             double acc = 0.0;
             for (int i = tid; i < len; i += SB_SUM_LANES) {
-                float x = sb_load(g, e, has_g, j0 + i);
-                acc += (double)(x < 0.0f ? -x : x);
+                double x = (double)sb_load(g, e, has_g, j0 + i);
+                acc += square ? x * x : (x < 0.0 ? -x : x);
             }
             sh_lane[tid] = acc;
         }
@@ -64,7 +65,7 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
         if (tid == 0) {
             double total = sh_lane[0];
             for (int l = 1; l < SB_SUM_LANES; l++) total += sh_lane[l];
-            P->scale = (float)(total / (double)len);
+            P->scale = square ? sb_lm_scale(total, len) : (float)(total / (double)len);
         }
     } else if (kind == SB_TOPK) {
         int kk = topk < len ? topk : len;
@@ -114,6 +115,8 @@ __device__ __forceinline__ float sb_element(float v, int kind, int levels, int s
     }
     case SB_SIGN:
         return sb_sign(v, P->scale);
+    case SB_LLOYD_MAX:
+        return sb_lm(v, P->scale, levels, trits);
     case SB_TOPK: {
         if (P->all) return sb_bf16_rne(v);
         sb_u32 k = sb_abs_key(v);
@@ -202,7 +205,7 @@ sb_screen_kernel(const float *g, const float *e, int has_g, long long n, int buc
 /* Where the sections of a payload body start (bytes from the payload start, header included). */
 struct sb_layout {
     long long nb, kept_full, scales_off, codes_off;
-    int code_bits; /* per code (QUANT bitstream, SIGN = 1) or per index (TOPK) */
+    int code_bits; /* per code (QUANT bitstream, LLOYD_MAX, SIGN = 1) or per index (TOPK); 0 for trits */
 };
 
 __device__ sb_layout sb_body_layout(long long n, int bucket, int kind, int levels, int topk, int trits) {
@@ -212,9 +215,9 @@ __device__ sb_layout sb_body_layout(long long n, int bucket, int kind, int level
     L.scales_off = 16;
     L.codes_off = 16;
     L.code_bits = 0;
-    if (kind == SB_QUANT || kind == SB_SIGN) {
+    if (sb_has_scales(kind)) {
         L.codes_off = 16 + 4 * L.nb;
-        L.code_bits = kind == SB_SIGN ? 1 : (trits ? 0 : sb_quant_bits(levels));
+        L.code_bits = sb_code_bits(kind, levels, trits);
     } else if (kind == SB_TOPK) {
         long long full = n / bucket, rest = n % bucket;
         L.codes_off = 16 + 2 * (full * L.kept_full + (rest < L.kept_full ? rest : L.kept_full));
@@ -271,7 +274,7 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
     sb_block_prepare(g, e, has_g, j0, len, kind, topk, &P, &sh_u, sh_lane);
-    if (threadIdx.x == 0 && (kind == SB_QUANT || kind == SB_SIGN))
+    if (threadIdx.x == 0 && sb_has_scales(kind))
         ((float *)(payload + L.scales_off))[b] = P.scale; /* 0 for a zero QUANT bucket */
     float s = (float)levels;
     int cb = L.code_bits;
@@ -312,6 +315,15 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int
                     else sb_put_bits_atomic(payload, L.codes_off * 8 + j * cb, w, cb);
                 }
                 break;
+            case SB_LLOYD_MAX: {
+                float c = sb_lm_code(v, P.scale, levels);
+                sb_u32 neg = sb_quant_sign(v, c, trits);
+                q = sb_lm_value(c, neg, P.scale, levels);
+                sb_u32 w = sb_quant_word(c, neg, cb, trits);
+                if (trits) sb_put_trit_atomic(payload, L.codes_off, j, w);
+                else sb_put_bits_atomic(payload, L.codes_off * 8 + j * cb, w, cb);
+                break;
+            }
             case SB_SIGN: {
                 sb_u32 code = sb_sign_code(v);
                 q = sb_sign_value(code, P.scale);
@@ -384,7 +396,7 @@ sb_decode_kernel(const unsigned char *payload, float *out, long long n, int buck
     sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
     const unsigned char *codes = payload + L.codes_off;
     const unsigned short *half = (const unsigned short *)(payload + 16);
-    float scale = (kind == SB_QUANT || kind == SB_SIGN) ? ((const float *)(payload + L.scales_off))[b] : 0.0f;
+    float scale = sb_has_scales(kind) ? ((const float *)(payload + L.scales_off))[b] : 0.0f;
     float s = (float)levels;
     int cb = L.code_bits;
     long long first = b * L.kept_full;
@@ -405,6 +417,11 @@ sb_decode_kernel(const unsigned char *payload, float *out, long long n, int buck
         case SB_QUANT: {
             sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
             x = sb_quant_value(sb_quant_word_code(w, cb, trits), sb_quant_word_sign(w, cb, trits), scale, s);
+            break;
+        }
+        case SB_LLOYD_MAX: {
+            sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
+            x = sb_lm_value(sb_quant_word_code(w, cb, trits), sb_quant_word_sign(w, cb, trits), scale, levels);
             break;
         }
         case SB_SIGN:

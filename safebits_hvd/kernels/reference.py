@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from ..actions import Action, ActionKind, Menu, index_bits, quant_code_bits
+from ..actions import Action, ActionKind, Menu, index_bits, lloyd_max_levels, lloyd_max_thresholds, quant_code_bits
 from ..wire import HEADER_BYTES, Header, WireFormatError
 
 _SIGN_BIT = -(2**31)
@@ -70,9 +70,10 @@ def quant_value(c: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor, levels:
     return ((c * (scale / s)).view(torch.int32) | neg).view(torch.float32)
 
 
-def sign_scale(vp: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """SIGN scale per bucket ``(m, 1)``: the lane-ordered float64 mean of ``|v|``, as in ``cpu.c``."""
-    a = torch.where(vp < 0, -vp, vp).double()
+def lane_sum(vp: torch.Tensor, square: bool) -> torch.Tensor:
+    """Per bucket ``(m,)``: the lane-ordered float64 sum of ``|v|`` or of ``v^2``, as ``sb_lane_sum`` in ``cpu.c``."""
+    a = vp.double()
+    a = a * a if square else torch.where(a < 0, -a, a)
     m, b = a.shape
     bp = -(-b // SUM_LANES) * SUM_LANES
     a = torch.nn.functional.pad(a, (0, bp - b)).view(m, bp // SUM_LANES, SUM_LANES)
@@ -82,7 +83,35 @@ def sign_scale(vp: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     total = acc[:, 0]
     for lane in range(1, SUM_LANES):                             # then lanes 0, 1, ..., 7
         total = total + acc[:, lane]
-    return (total / lens.double()).float()[:, None]
+    return total
+
+
+def sign_scale(vp: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """SIGN scale per bucket ``(m, 1)``: the lane-ordered float64 mean of ``|v|``, as in ``cpu.c``."""
+    return (lane_sum(vp, False) / lens.double()).float()[:, None]
+
+
+def lloyd_max_code(vp: torch.Tensor, lens: torch.Tensor,
+                   action: Action) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LLOYD_MAX codes of the bucket matrix, as ``sb_lm_scale`` / ``sb_lm_code`` / ``sb_quant_sign``:
+    ``(scale (m, 1), c, neg)``: the bucket's RMS, magnitude indices ``c`` (exact float32 integers) and the int32 sign
+    bits of q (none on a trit's 0)."""
+    f32 = torch.float32
+    scale = torch.sqrt(lane_sum(vp, True) / lens.double()).float()[:, None]
+    thresholds = torch.tensor(lloyd_max_thresholds(action.levels), dtype=f32, device=vp.device)
+    bits = vp.view(torch.int32)
+    r = (bits & 0x7FFFFFFF).view(f32) / scale
+    c = (r[..., None] >= thresholds).sum(dim=-1).to(f32)          # NaN compares false: c = 0
+    neg = bits & _SIGN_BIT
+    if action.packs_trits:
+        neg = torch.where(c != 0, neg, 0)
+    return scale, c, neg
+
+
+def lloyd_max_value(c: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+    """``sb_lm_value``: ``level[c] * scale`` carrying the sign bits ``neg``."""
+    table = torch.tensor(lloyd_max_levels(levels), dtype=torch.float32, device=c.device)
+    return ((table[c.long()] * scale).view(torch.int32) | neg).view(torch.float32)
 
 
 def topk_kept(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, action: Action) -> torch.Tensor:
@@ -118,6 +147,9 @@ def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, acti
     if kind == ActionKind.SIGN:
         scale = sign_scale(vp, lens)
         return torch.where(vp >= 0, scale, -scale)
+    if kind == ActionKind.LLOYD_MAX:
+        scale, c, neg = lloyd_max_code(vp, lens, action)
+        return lloyd_max_value(c, neg, scale, action.levels)
     if kind == ActionKind.TOPK:
         return torch.where(topk_kept(vp, j, lens, action), vp.bfloat16().float(), zero)
     raise ValueError(f"unknown action kind {kind!r}")
@@ -229,6 +261,17 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
         else:
             codes = pack_bits(ci | (negbit << (quant_code_bits(action.levels) - 1)), quant_code_bits(action.levels))
         parts = [scale.reshape(-1), codes]
+    elif kind == ActionKind.LLOYD_MAX:
+        scale, c, neg = lloyd_max_code(vp, lens, action)
+        q = lloyd_max_value(c, neg, scale, action.levels)
+        negbit = (neg != 0).to(torch.int64)[valid]
+        ci = c[valid].to(torch.int64)
+        if action.packs_trits:
+            codes = pack_trits(ci + negbit)
+        else:
+            cb = index_bits(action.levels)
+            codes = pack_bits(ci | (negbit << (cb - 1)), cb)
+        parts = [scale.reshape(-1), codes]
     elif kind == ActionKind.SIGN:
         scale = sign_scale(vp, lens)
         q = torch.where(vp >= 0, scale, -scale)
@@ -262,11 +305,21 @@ def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate:
         x = body.view(torch.float16).float()
     elif header.kind == ActionKind.BFLOAT16:
         x = (body.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-    elif header.kind in (ActionKind.QUANT, ActionKind.SIGN):
+    elif header.kind in (ActionKind.QUANT, ActionKind.SIGN, ActionKind.LLOYD_MAX):
         scale = body[:4 * nb].view(torch.float32)[bucket_of]
         codes = body[4 * nb:]
         if header.kind == ActionKind.SIGN:
             x = torch.where(unpack_bits(codes, n, 1) == 1, -scale, scale)
+        elif header.kind == ActionKind.LLOYD_MAX:
+            if header.trits:
+                w = unpack_trits(codes, n)
+                c, neg = (w != 0).float(), torch.where(w == 2, _SIGN_BIT, 0).to(torch.int32)
+            else:
+                cb = index_bits(header.levels)
+                w = unpack_bits(codes, n, cb)
+                c = (w & ((1 << (cb - 1)) - 1)).float()
+                neg = torch.where((w >> (cb - 1)) & 1 == 1, _SIGN_BIT, 0).to(torch.int32)
+            x = lloyd_max_value(c, neg, scale, header.levels)
         elif header.trits:
             w = unpack_trits(codes, n)
             x = quant_value((w != 0).float(), torch.where(w == 2, _SIGN_BIT, 0).to(torch.int32), scale,
