@@ -75,9 +75,19 @@ LLOYD_MAX_LEVELS: dict[int, tuple[float, ...]] = {
     16: (0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6181, 2.0690, 2.7326),
 }
 """Non-negative magnitudes of the Lloyd-Max (MSE-optimal) quantizers of a unit Gaussian with 3, 4, 8 and 16 levels
-(the levels are ``+-`` these, one 0 for 3 levels), in units of the bucket's RMS. The kernels round to the nearest
-level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); both tables reach the C and CUDA code as
-float32 constants from here (``kernels/source.py``). Why RMS and not max ``|v|``: docs/DESIGN.md, "Quantizers"."""
+(the levels are ``+-`` these, one 0 for 3 levels), in units of the bucket's scale. The kernels round to the nearest
+level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); the tables reach the C and CUDA code as
+float32 constants from here (``kernels/source.py``). Why this scale: docs/DESIGN.md, "Quantizers"."""
+
+LLOYD_MAX_SCALE_FACTORS: tuple[float, ...] = (1.0, math.sqrt(2.0), 2.0)
+"""Candidate scales of a LLOYD_MAX bucket, as multiples of its RMS: the encoder keeps the one with the least squared
+error on the bucket (the first on a tie). The Gaussian optimum is 1; gradients' heavy-tailed buckets need more
+(docs/RESULTS.md, section 5)."""
+
+
+def lloyd_max_scale_factors() -> tuple[float, ...]:
+    """:data:`LLOYD_MAX_SCALE_FACTORS` as float32 values."""
+    return tuple(_float32(x) for x in LLOYD_MAX_SCALE_FACTORS)
 
 
 def _float32(x: float) -> float:

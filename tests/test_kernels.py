@@ -193,22 +193,45 @@ def test_topk_selection_random_keys_match_reference():
         assert torch.equal(bits(o1), bits(o2)), action.name
 
 
+def _lloyd_max_grid(action: A.Action) -> torch.Tensor:
+    """Every level of the codebook in units of the scale, ascending (0 once)."""
+    mags = torch.tensor(A.lloyd_max_levels(action.levels), dtype=torch.float64)
+    return torch.cat([-mags.flip(0), mags]).unique()
+
+
 @pytest.mark.parametrize("action", LLOYD_MAX, ids=lambda a: a.name)
-def test_lloyd_max_rounds_to_the_nearest_level_times_the_rms(action):
-    """Every element goes to the nearest of +-level * RMS of its bucket (a 0 only where the codebook has one), and
-    the Gaussian distortion is the Lloyd-Max quantizer's (docs/RESULTS.md)."""
+def test_lloyd_max_rounds_to_the_nearest_level_at_the_best_scale(action):
+    """Each bucket's scale (read from the payload) is the candidate multiple of its RMS with the least squared error,
+    every element goes to the nearest of +-level * scale, and the Gaussian distortion is the Lloyd-Max quantizer's."""
     bucket = action.bucket_size
-    v = torch.randn(64 * bucket, generator=torch.Generator().manual_seed(8))
+    gen = torch.Generator().manual_seed(8)
+    v = torch.randn(64 * bucket, generator=gen)
+    v[-bucket:] = torch.distributions.StudentT(1.5).sample((bucket,))        # a heavy-tailed bucket
     out = torch.empty_like(v)
     stats = K.quantize_ef(None, v.clone(), out, action, KEY)
-    rms = v.double().view(-1, bucket).pow(2).mean(dim=1).sqrt()[:, None]
-    mags = torch.tensor(A.lloyd_max_levels(action.levels), dtype=torch.float64)
-    grid = torch.cat([-mags.flip(0), mags]).unique()                          # every level, 0 once
-    r = v.double().view(-1, bucket) / rms
-    nearest = grid[(r[..., None] - grid).abs().argmin(dim=-1)]
-    assert torch.allclose(out.double().view(-1, bucket) / rms, nearest, rtol=1e-6, atol=0)
+    payload, _ = K.quantize_pack_ef(None, v.clone(), action, KEY)
+    scale = payload[16:16 + 4 * 64].view(torch.float32).double()[:, None]
+    vb = v.double().view(-1, bucket)
+    rms = vb.pow(2).mean(dim=1, keepdim=True).sqrt()
+    grid = _lloyd_max_grid(action)
+
+    def err_at(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = grid[(vb / s)[..., None].sub(grid).abs().argmin(dim=-1)] * s
+        return q, (q - vb).pow(2).sum(dim=1, keepdim=True)
+
+    candidates = torch.cat([rms * f for f in A.LLOYD_MAX_SCALE_FACTORS], dim=1)
+    chosen = (candidates - scale).abs().argmin(dim=1, keepdim=True)
+    assert torch.allclose(candidates.gather(1, chosen), scale, rtol=1e-6, atol=0)
+    errors = torch.cat([err_at(candidates[:, f:f + 1])[1] for f in range(candidates.shape[1])], dim=1)
+    assert torch.all(errors.gather(1, chosen) <= errors.min(dim=1, keepdim=True).values * (1 + 1e-6))
+    nearest, _ = err_at(scale)
+    assert torch.allclose(out.double().view(-1, bucket), nearest, rtol=1e-6, atol=0)
+    if action.levels in (3, 16):            # the heavy-tailed bucket needs a larger scale than its RMS
+        assert int(chosen[-1]) > 0
+    gaussian = float(stats[0] - (out[-bucket:].double() - v[-bucket:].double()).pow(2).sum()) / float(
+        v[:-bucket].double().pow(2).sum())
     expected = {3: 0.1902, 4: 0.1175, 8: 0.03454, 16: 0.009497}[action.levels]  # Lloyd-Max, unit Gaussian
-    assert abs(float(stats[0] / stats[3]) - expected) < 0.1 * expected
+    assert abs(gaussian - expected) < 0.1 * expected
 
 
 def test_lloyd_max_zero_and_subnormal_buckets():

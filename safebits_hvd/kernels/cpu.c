@@ -140,6 +140,28 @@ static inline double sb_lane_sum(const float *restrict v, int len, int square) {
     return total;
 }
 
+/* The LLOYD_MAX scale of one bucket (safebits_math.h): the candidate rms * factor whose lane-ordered float64 sum of
+ * squared errors is least, the first on a tie (a later NaN sum never wins). The CUDA backend sums the same way. */
+static inline float sb_lm_best_scale(const float *restrict v, int len, int levels, int trits) {
+    float rms = sb_lm_scale(sb_lane_sum(v, len, 1), len), best = rms * sb_lm_factor[0];
+    double best_err = 0.0;
+    for (int f = 0; f < SB_LM_NFACTORS; f++) {
+        float scale = rms * sb_lm_factor[f];
+        double lane[SB_SUM_LANES] = {0};
+        int i, l;
+        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
+            for (l = 0; l < SB_SUM_LANES; l++) lane[l] += sb_lm_err2(v[i + l], scale, levels, trits);
+        for (l = 0; i + l < len; l++) lane[l] += sb_lm_err2(v[i + l], scale, levels, trits);
+        double err = lane[0];
+        for (l = 1; l < SB_SUM_LANES; l++) err += lane[l];
+        if (f == 0 || err < best_err) {
+            best = scale;
+            best_err = err;
+        }
+    }
+    return best;
+}
+
 /* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words (TOPK).
  * With word != NULL (the packing pass) also the wire codes: QUANT: len sb_quant_word()s and *scale; SIGN: len
  * sign codes and *scale; TOPK: the kept local indices in ascending order. Returns the number of words written
@@ -205,8 +227,8 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
         return 0;
     }
     case SB_LLOYD_MAX: {
-        float scale = sb_lm_scale(sb_lane_sum(v, len, 1), len);
         int trits = act->trits, levels = act->levels, cb = sb_lm_bits(levels);
+        float scale = sb_lm_best_scale(v, len, levels, trits);
         if (scale_out) *scale_out = scale;
         if (word) { /* packing pass: the same code and value functions, keeping the code */
             for (i = 0; i < len; i++) {

@@ -16,7 +16,7 @@
 #define SB_THREADS 256
 
 struct sb_block_params {
-    float scale;     /* QUANT: max|v|; SIGN: mean|v|; LLOYD_MAX: RMS */
+    float scale;     /* QUANT: max|v|; SIGN: mean|v|; LLOYD_MAX: the chosen multiple of the RMS */
     sb_u32 thresh;   /* TOPK: the kk-th largest key */
     long long cut;   /* TOPK: elements equal to thresh at local index <= cut are kept; -1: none */
     int all;         /* TOPK: keep every element (kk >= len) */
@@ -37,7 +37,8 @@ __device__ __forceinline__ unsigned sb_block_count(unsigned mine, unsigned *sh) 
 
 /* Block-wide parameters of one bucket [j0, j0 + len) for one action. Every thread returns the same values. */
 __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long long j0, int len, int kind,
-                                 int topk, sb_block_params *P, unsigned *sh_u, double *sh_lane) {
+                                 int levels, int trits, int topk, sb_block_params *P, unsigned *sh_u,
+                                 double *sh_lane) {
     int tid = threadIdx.x;
     if (kind == SB_QUANT) {
         sb_u32 mk = 0;
@@ -66,6 +67,32 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
             double total = sh_lane[0];
             for (int l = 1; l < SB_SUM_LANES; l++) total += sh_lane[l];
             P->scale = square ? sb_lm_scale(total, len) : (float)(total / (double)len);
+        }
+        if (square) { /* LLOYD_MAX: the candidate rms * factor with the least squared error, as cpu.c's
+                       * sb_lm_best_scale (lane-ordered sums, the first on a tie) */
+            __syncthreads();
+            float rms = P->scale, best = rms * sb_lm_factor[0];
+            double best_err = 0.0;
+            for (int f = 0; f < SB_LM_NFACTORS; f++) {
+                float scale = rms * sb_lm_factor[f];
+                if (tid < SB_SUM_LANES) {
+                    double acc = 0.0;
+                    for (int i = tid; i < len; i += SB_SUM_LANES)
+                        acc += sb_lm_err2(sb_load(g, e, has_g, j0 + i), scale, levels, trits);
+                    sh_lane[tid] = acc;
+                }
+                __syncthreads();
+                if (tid == 0) {
+                    double err = sh_lane[0];
+                    for (int l = 1; l < SB_SUM_LANES; l++) err += sh_lane[l];
+                    if (f == 0 || err < best_err) {
+                        best = scale;
+                        best_err = err;
+                    }
+                }
+                __syncthreads();
+            }
+            if (tid == 0) P->scale = best;
         }
     } else if (kind == SB_TOPK) {
         int kk = topk < len ? topk : len;
@@ -156,7 +183,7 @@ sb_quantize_ef_kernel(const float *g, float *e, float *out, int has_g, long long
     long long b = blockIdx.x;
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
-    sb_block_prepare(g, e, has_g, j0, len, kind, topk, &P, &sh_u, sh_lane);
+    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &P, &sh_u, sh_lane);
     double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
         long long j = j0 + i;
@@ -186,7 +213,7 @@ sb_screen_kernel(const float *g, const float *e, int has_g, long long n, int buc
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     for (int a = 0; a < nact; a++) {
         int kind = kinds[a];
-        sb_block_prepare(g, e, has_g, j0, len, kind, topks[a], &P, &sh_u, sh_lane);
+        sb_block_prepare(g, e, has_g, j0, len, kind, levels[a], trits[a], topks[a], &P, &sh_u, sh_lane);
         double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
         for (int i = threadIdx.x; i < len; i += blockDim.x) {
             long long j = j0 + i;
@@ -273,7 +300,7 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
-    sb_block_prepare(g, e, has_g, j0, len, kind, topk, &P, &sh_u, sh_lane);
+    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &P, &sh_u, sh_lane);
     if (threadIdx.x == 0 && sb_has_scales(kind))
         ((float *)(payload + L.scales_off))[b] = P.scale; /* 0 for a zero QUANT bucket */
     float s = (float)levels;

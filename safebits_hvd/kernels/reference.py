@@ -14,7 +14,16 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from ..actions import Action, ActionKind, Menu, index_bits, lloyd_max_levels, lloyd_max_thresholds, quant_code_bits
+from ..actions import (
+    Action,
+    ActionKind,
+    Menu,
+    index_bits,
+    lloyd_max_levels,
+    lloyd_max_scale_factors,
+    lloyd_max_thresholds,
+    quant_code_bits,
+)
 from ..wire import HEADER_BYTES, Header, WireFormatError
 
 _SIGN_BIT = -(2**31)
@@ -28,7 +37,7 @@ def abs_key(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32) & 0x7FFFFFFF
 
 
-def _buckets(v: torch.Tensor, bucket_size: int, buckets: torch.Tensor | None):
+def bucket_matrix(v: torch.Tensor, bucket_size: int, buckets: torch.Tensor | None = None):
     """``(vp, j, lens)``: the listed buckets of ``v`` as a zero-padded ``(m, B)`` matrix, the global element
     index of every cell, and every bucket's length."""
     n = v.numel()
@@ -70,14 +79,13 @@ def quant_value(c: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor, levels:
     return ((c * (scale / s)).view(torch.int32) | neg).view(torch.float32)
 
 
-def lane_sum(vp: torch.Tensor, square: bool) -> torch.Tensor:
-    """Per bucket ``(m,)``: the lane-ordered float64 sum of ``|v|`` or of ``v^2``, as ``sb_lane_sum`` in ``cpu.c``."""
-    a = vp.double()
-    a = a * a if square else torch.where(a < 0, -a, a)
+def lane_sum(a: torch.Tensor) -> torch.Tensor:
+    """Per bucket ``(m,)``: the lane-ordered sum of the float64 ``(m, B)`` matrix ``a`` (padding cells zero), as
+    ``sb_lane_sum`` in ``cpu.c``: element i to lane i % 8 in index order, then lanes 0, 1, ..., 7."""
     m, b = a.shape
     bp = -(-b // SUM_LANES) * SUM_LANES
     a = torch.nn.functional.pad(a, (0, bp - b)).view(m, bp // SUM_LANES, SUM_LANES)
-    acc = torch.zeros((m, SUM_LANES), dtype=torch.float64, device=vp.device)
+    acc = torch.zeros((m, SUM_LANES), dtype=torch.float64, device=a.device)
     for step in range(bp // SUM_LANES):                         # each lane sums in element order
         acc = acc + a[:, step, :]
     total = acc[:, 0]
@@ -88,16 +96,37 @@ def lane_sum(vp: torch.Tensor, square: bool) -> torch.Tensor:
 
 def sign_scale(vp: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """SIGN scale per bucket ``(m, 1)``: the lane-ordered float64 mean of ``|v|``, as in ``cpu.c``."""
-    return (lane_sum(vp, False) / lens.double()).float()[:, None]
+    a = vp.double()
+    return (lane_sum(torch.where(a < 0, -a, a)) / lens.double()).float()[:, None]
 
 
 def lloyd_max_code(vp: torch.Tensor, lens: torch.Tensor,
                    action: Action) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LLOYD_MAX codes of the bucket matrix, as ``sb_lm_scale`` / ``sb_lm_code`` / ``sb_quant_sign``:
-    ``(scale (m, 1), c, neg)``: the bucket's RMS, magnitude indices ``c`` (exact float32 integers) and the int32 sign
-    bits of q (none on a trit's 0)."""
+    """LLOYD_MAX codes of the bucket matrix, as ``sb_lm_best_scale`` / ``sb_lm_code`` / ``sb_quant_sign``:
+    ``(scale (m, 1), c, neg)``: the chosen multiple of the bucket's RMS, magnitude indices ``c`` (exact float32
+    integers) and the int32 sign bits of q (none on a trit's 0)."""
     f32 = torch.float32
-    scale = torch.sqrt(lane_sum(vp, True) / lens.double()).float()[:, None]
+    vd = vp.double()
+    rms = torch.sqrt(lane_sum(vd * vd) / lens.double()).float()[:, None]
+    valid = torch.arange(vp.shape[1], device=vp.device)[None, :] < lens[:, None]
+    scale = best_err = None
+    for factor in lloyd_max_scale_factors():                      # the first least squared error wins
+        candidate = rms * torch.tensor(factor, dtype=f32, device=vp.device)
+        c, neg = _lloyd_max_code_at(vp, candidate, action)
+        d = lloyd_max_value(c, neg, candidate, action.levels).double() - vd
+        err = lane_sum(torch.where(valid, d * d, 0.0))[:, None]
+        if scale is None:
+            scale, best_err = candidate, err
+        else:
+            better = err < best_err
+            scale, best_err = torch.where(better, candidate, scale), torch.where(better, err, best_err)
+    c, neg = _lloyd_max_code_at(vp, scale, action)
+    return scale, c, neg
+
+
+def _lloyd_max_code_at(vp: torch.Tensor, scale: torch.Tensor, action: Action) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sb_lm_code`` / ``sb_quant_sign`` at a given per-bucket scale ``(m, 1)``: ``(c, neg)``."""
+    f32 = torch.float32
     thresholds = torch.tensor(lloyd_max_thresholds(action.levels), dtype=f32, device=vp.device)
     bits = vp.view(torch.int32)
     r = (bits & 0x7FFFFFFF).view(f32) / scale
@@ -105,7 +134,7 @@ def lloyd_max_code(vp: torch.Tensor, lens: torch.Tensor,
     neg = bits & _SIGN_BIT
     if action.packs_trits:
         neg = torch.where(c != 0, neg, 0)
-    return scale, c, neg
+    return c, neg
 
 
 def lloyd_max_value(c: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
@@ -173,7 +202,7 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     out = torch.zeros((len(menu), 4), dtype=torch.float64, device=e.device)
     if v.numel() == 0:
         return out
-    vp, j, lens = _buckets(v, menu.bucket_size, buckets)
+    vp, j, lens = bucket_matrix(v, menu.bucket_size, buckets)
     valid = (j < v.numel()).to(torch.float32)
     for i, action in enumerate(menu):
         q = quantize_buckets(vp, j, lens, action, key)
@@ -189,7 +218,7 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
     if n == 0:
         return torch.zeros(4, dtype=torch.float64, device=e.device)
     v = _v(g, e)
-    vp, j, lens = _buckets(v, action.bucket_size, None)
+    vp, j, lens = bucket_matrix(v, action.bucket_size, None)
     q = quantize_buckets(vp, j, lens, action, key).reshape(-1)[:n]
     out.copy_(q)
     e.copy_(v - q)
@@ -239,7 +268,7 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
     if n == 0:
         return torch.zeros(4, dtype=torch.float64, device=e.device)
     v = _v(g, e)
-    vp, j, lens = _buckets(v, action.bucket_size, None)
+    vp, j, lens = bucket_matrix(v, action.bucket_size, None)
     valid = j < n
     kind = action.kind
     if kind == ActionKind.FLOAT32:

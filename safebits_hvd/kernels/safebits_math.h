@@ -180,11 +180,13 @@ SB_HD sb_u32 sb_sign_code(float v) { return (sb_u32)!(v >= 0.0f); }
 SB_HD float sb_sign_value(sb_u32 code, float scale) { return code ? -scale : scale; }
 SB_HD float sb_sign(float v, float scale) { return sb_sign_value(sb_sign_code(v), scale); }
 
-/* LLOYD_MAX: q = +-level[c] * scale, level[] the codebook's magnitudes (ascending; level[0] = 0 for 3 levels),
- * scale = the bucket's RMS, (float)sqrt(lane-ordered double sum of v^2 / len). Codes travel as QUANT words do
+/* LLOYD_MAX: q = +-level[c] * scale, level[] the codebook's magnitudes (ascending; level[0] = 0 for 3 levels).
+ * scale: of the candidates rms * factor[f] (rms = (float)sqrt(lane-ordered double sum of v^2 / len), f ascending),
+ * the first with the least lane-ordered double sum of (q - v)^2 over the bucket. Codes travel as QUANT words do
  * (sb_quant_sign / sb_quant_word: a sign-magnitude word of log2(levels) bits, or a trit for 3 levels). */
 SB_TABLE float sb_lm_level[SB_LM_TABLE_SIZE] = SB_LM_LEVEL_TABLE;
 SB_TABLE float sb_lm_threshold[SB_LM_TABLE_SIZE] = SB_LM_THRESHOLD_TABLE;
+SB_TABLE float sb_lm_factor[SB_LM_NFACTORS] = SB_LM_FACTORS;
 
 /* Magnitudes of a codebook: 2 for 3 levels (0 and one), levels / 2 otherwise. */
 SB_HD int sb_lm_magnitudes(int levels) { return (levels + 1) / 2; }
@@ -214,6 +216,12 @@ SB_HD float sb_lm_value(float c, sb_u32 neg, float scale, int levels) {
 SB_HD float sb_lm(float v, float scale, int levels, int trits) {
     float c = sb_lm_code(v, scale, levels);
     return sb_lm_value(c, sb_quant_sign(v, c, trits), scale, levels);
+}
+
+/* (q - v)^2 in float64 for a LLOYD_MAX element at a candidate scale (what the scale choice sums). */
+SB_HD double sb_lm_err2(float v, float scale, int levels, int trits) {
+    double d = (double)sb_lm(v, scale, levels, trits) - (double)v;
+    return d * d;
 }
 
 /* nbits (1..16) bits at bit position `bit` of an LSB-first bitstream; reads only the bytes that hold them. */

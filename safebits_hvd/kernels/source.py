@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import rng
-from ..actions import LLOYD_MAX_LEVELS, ActionKind, lloyd_max_levels, lloyd_max_thresholds
+from ..actions import LLOYD_MAX_LEVELS, ActionKind, lloyd_max_levels, lloyd_max_scale_factors, lloyd_max_thresholds
 
 HERE = Path(__file__).resolve().parent
 
@@ -20,7 +20,8 @@ def lloyd_max_defines() -> str:
     """The Lloyd-Max tables (:data:`safebits_hvd.actions.LLOYD_MAX_LEVELS`) for ``safebits_math.h``: all codebooks'
     magnitudes back to back (``SB_LM_LEVEL_TABLE``), the rounding thresholds at the same positions
     (``SB_LM_THRESHOLD_TABLE``; entry ``first + k`` separates magnitudes ``k - 1`` and ``k``, entry ``first`` is
-    unused), and ``SB_LM_FIRST(levels)``, the position of a codebook's first magnitude."""
+    unused), ``SB_LM_FIRST(levels)``, the position of a codebook's first magnitude, and the candidate scale factors
+    ``SB_LM_FACTORS`` (:data:`safebits_hvd.actions.LLOYD_MAX_SCALE_FACTORS`)."""
     levels, thresholds, first = [], [], []
     for count in sorted(LLOYD_MAX_LEVELS):
         first.append((count, len(levels)))
@@ -30,7 +31,9 @@ def lloyd_max_defines() -> str:
     return (f"#define SB_LM_LEVEL_TABLE {_float_list(levels)}\n"
             f"#define SB_LM_THRESHOLD_TABLE {_float_list(thresholds)}\n"
             f"#define SB_LM_TABLE_SIZE {len(levels)}\n"
-            f"#define SB_LM_FIRST(levels) ({select})\n")
+            f"#define SB_LM_FIRST(levels) ({select})\n"
+            f"#define SB_LM_FACTORS {_float_list(lloyd_max_scale_factors())}\n"
+            f"#define SB_LM_NFACTORS {len(lloyd_max_scale_factors())}\n")
 
 
 def constant_defines() -> str:
