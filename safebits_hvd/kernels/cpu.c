@@ -140,26 +140,59 @@ static inline double sb_lane_sum(const float *restrict v, int len, int square) {
     return total;
 }
 
-/* The LLOYD_MAX scale of one bucket (safebits_math.h): the candidate rms * factor whose lane-ordered float64 sum of
- * squared errors is least, the first on a tie (a later NaN sum never wins). The CUDA backend sums the same way. */
-static inline float sb_lm_best_scale(const float *restrict v, int len, int levels, int trits) {
-    float rms = sb_lm_scale(sb_lane_sum(v, len, 1), len), best = rms * sb_lm_factor[0];
+/* LLOYD_MAX for one bucket (safebits_math.h): the scale is the candidate rms * factor whose lane-ordered float64 sum
+ * of squared errors is least, the first on a tie (a later NaN sum never wins; the CUDA backend sums the same way);
+ * then q, and with word != NULL the wire words. Always inlined into sb_lm_bucket's switch, so that `levels` is a
+ * constant there: the threshold and select loops unroll and the element loops vectorize. */
+static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *restrict v, float *restrict q,
+                                                                   sb_u32 *restrict word, int len, int levels,
+                                                                   int trits, float *scale_out) {
+    float rms = sb_lm_scale(sb_lane_sum(v, len, 1), len), scale = rms * sb_lm_factor[0];
     double best_err = 0.0;
+    int i, l;
     for (int f = 0; f < SB_LM_NFACTORS; f++) {
-        float scale = rms * sb_lm_factor[f];
+        float candidate = rms * sb_lm_factor[f];
         double lane[SB_SUM_LANES] = {0};
-        int i, l;
         for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
-            for (l = 0; l < SB_SUM_LANES; l++) lane[l] += sb_lm_err2(v[i + l], scale, levels, trits);
-        for (l = 0; i + l < len; l++) lane[l] += sb_lm_err2(v[i + l], scale, levels, trits);
+            for (l = 0; l < SB_SUM_LANES; l++) lane[l] += sb_lm_err2(v[i + l], candidate, levels, trits);
+        for (l = 0; i + l < len; l++) lane[l] += sb_lm_err2(v[i + l], candidate, levels, trits);
         double err = lane[0];
         for (l = 1; l < SB_SUM_LANES; l++) err += lane[l];
         if (f == 0 || err < best_err) {
-            best = scale;
+            scale = candidate;
             best_err = err;
         }
     }
-    return best;
+    if (scale_out) *scale_out = scale;
+    if (word) { /* packing pass: the same code and value functions, keeping the code */
+        int cb = sb_lm_bits(levels);
+        for (i = 0; i < len; i++) {
+            float c = sb_lm_code(v[i], scale, levels);
+            sb_u32 neg = sb_quant_sign(v[i], c, trits);
+            q[i] = sb_lm_value(c, neg, scale, levels);
+            word[i] = sb_quant_word(c, neg, cb, trits);
+        }
+        return;
+    }
+    for (i = 0; i < len; i++) q[i] = sb_lm(v[i], scale, levels, trits);
+}
+
+static inline void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word, int len,
+                                int levels, float *scale_out) {
+    switch (levels) {
+    case 3:
+        sb_lm_bucket_at(v, q, word, len, 3, 1, scale_out);
+        break;
+    case 4:
+        sb_lm_bucket_at(v, q, word, len, 4, 0, scale_out);
+        break;
+    case 8:
+        sb_lm_bucket_at(v, q, word, len, 8, 0, scale_out);
+        break;
+    default:
+        sb_lm_bucket_at(v, q, word, len, 16, 0, scale_out);
+        break;
+    }
 }
 
 /* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words (TOPK).
@@ -226,22 +259,9 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
         for (i = 0; i < len; i++) q[i] = sb_sign(v[i], scale);
         return 0;
     }
-    case SB_LLOYD_MAX: {
-        int trits = act->trits, levels = act->levels, cb = sb_lm_bits(levels);
-        float scale = sb_lm_best_scale(v, len, levels, trits);
-        if (scale_out) *scale_out = scale;
-        if (word) { /* packing pass: the same code and value functions, keeping the code */
-            for (i = 0; i < len; i++) {
-                float c = sb_lm_code(v[i], scale, levels);
-                sb_u32 neg = sb_quant_sign(v[i], c, trits);
-                q[i] = sb_lm_value(c, neg, scale, levels);
-                word[i] = sb_quant_word(c, neg, cb, trits);
-            }
-            return len;
-        }
-        for (i = 0; i < len; i++) q[i] = sb_lm(v[i], scale, levels, trits);
-        return 0;
-    }
+    case SB_LLOYD_MAX: /* levels is one of 3, 4, 8, 16 (checked in Python and by the wire decoder) */
+        sb_lm_bucket(v, q, word, len, act->levels, scale_out);
+        return word ? len : 0;
     case SB_TOPK: {
         int kk = act->topk < len ? act->topk : len;
         if (kk >= len) {

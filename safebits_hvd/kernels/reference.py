@@ -129,7 +129,7 @@ def _lloyd_max_code_at(vp: torch.Tensor, scale: torch.Tensor, action: Action) ->
     f32 = torch.float32
     thresholds = torch.tensor(lloyd_max_thresholds(action.levels), dtype=f32, device=vp.device)
     bits = vp.view(torch.int32)
-    r = (bits & 0x7FFFFFFF).view(f32) / scale
+    r = (bits & 0x7FFFFFFF).view(f32) * (1.0 / scale)            # the reciprocal, as sb_lm_code
     c = (r[..., None] >= thresholds).sum(dim=-1).to(f32)          # NaN compares false: c = 0
     neg = bits & _SIGN_BIT
     if action.packs_trits:

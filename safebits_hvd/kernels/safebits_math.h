@@ -193,11 +193,12 @@ SB_HD int sb_lm_magnitudes(int levels) { return (levels + 1) / 2; }
 
 SB_HD float sb_lm_scale(double sum_sq, int len) { return (float)sqrt(sum_sq / (double)len); }
 
-/* Magnitude code c (an exact small float): how many of the codebook's thresholds |v| / scale reaches, i.e. the
- * nearest magnitude (a NaN ratio, e.g. 0 / 0 in a zero bucket, gives 0). Table reads use the loop index only, so
- * every CUDA thread of a warp reads the same constant. */
+/* Magnitude code c (an exact small float): how many of the codebook's thresholds r = |v| * (1 / scale) reaches,
+ * i.e. the nearest magnitude (a NaN ratio, e.g. 0 * inf in a zero bucket, gives 0). A product by the reciprocal,
+ * not a division: the reciprocal is hoisted out of the element loops. Table reads use the loop index only, so every
+ * CUDA thread of a warp reads the same constant. */
 SB_HD float sb_lm_code(float v, float scale, int levels) {
-    float r = sb_u2f(sb_f2u(v) & 0x7fffffffu) / scale;
+    float r = sb_u2f(sb_f2u(v) & 0x7fffffffu) * (1.0f / scale);
     int first = SB_LM_FIRST(levels), m = sb_lm_magnitudes(levels);
     float c = 0.0f;
     for (int k = 1; k < m; k++) c += r >= sb_lm_threshold[first + k] ? 1.0f : 0.0f;
