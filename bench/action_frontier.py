@@ -94,6 +94,27 @@ def recorded_gradients(steps: int, snapshots: int) -> dict[str, list[tuple[str, 
     return out
 
 
+def fixed_scale_distortion(levels: int, tensors: list[tuple[str, torch.Tensor]], base: str) -> float:
+    """Pooled distortion of the ``levels``-level Lloyd-Max codebook at ONE fixed scale per bucket: its RMS
+    (``base="rms"``) or its mean ``|v|`` times sqrt(pi / 2) (``"mean_abs"``, the same for Gaussian data): the
+    scale rules the kernels' candidate search is compared with (float64, PyTorch)."""
+    mags = torch.tensor(A.lloyd_max_levels(levels), dtype=torch.float64)
+    grid = torch.cat([-mags.flip(0), mags]).unique()
+    err = total = 0.0
+    for _, v in tensors:
+        vp, j, lens = R.bucket_matrix(v, A.DEFAULT_BUCKET_SIZE)
+        vp, valid = vp.double(), j < v.numel()
+        if base == "rms":
+            scale = (vp.pow(2).sum(dim=1) / lens).sqrt()
+        else:
+            scale = vp.abs().sum(dim=1) / lens * math.sqrt(math.pi / 2)
+        r = vp / scale.clamp_min(1e-300)[:, None]
+        q = grid[(r[..., None] - grid).abs().argmin(dim=-1)] * scale[:, None]
+        err += float(torch.where(valid, (q - vp).pow(2), 0.0).sum())
+        total += float(vp.pow(2).sum())
+    return err / total
+
+
 def measure(action: A.Action, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """Pooled distortion and cosine, bits per element and the admitted share of elements."""
     err2 = qv = q2 = v2 = 0.0
@@ -186,6 +207,25 @@ def table(rows: Iterable[dict[str, Any]], columns: list[tuple[str, str, str]]) -
     return head + body
 
 
+def combined(frontier: dict[str, list[dict[str, Any]]]) -> str:
+    """One row per action (ordered by bits on the first data set), one column per data set."""
+    names = list(frontier)
+    by_set = {name: {r["action"]: r for r in rows} for name, rows in frontier.items()}
+    head = "| action | bits/elem | " + " | ".join(names) + " |\n|" + " --- |" * (len(names) + 2) + "\n"
+    lines = []
+    for r0 in frontier[names[0]]:
+        cells = []
+        for name in names:
+            r = by_set[name][r0["action"]]
+            cell = f"{r['distortion']:.3f} / {r['cosine']:.3f}"
+            cell = f"**{cell}**" if r["frontier"] else cell
+            if r["admitted"] < 1.0:
+                cell += f" ({100 * r['admitted']:.1f}%)"
+            cells.append(cell)
+        lines.append(f"| {r0['action']} | {r0['bits']:.3f} | " + " | ".join(cells) + " |\n")
+    return head + "".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="training steps of each demo task")
@@ -208,6 +248,20 @@ def main() -> None:
         print(table(rows, [("action", "action", ""), ("bits", "bits/elem", ".3f"),
                            ("distortion", "distortion", ".4f"), ("cosine", "cosine", ".4f"),
                            ("admitted", "tensors admitted (share of elements)", ".1%"), ("mark", "", "")]))
+    print("\n### every data set: distortion / cosine (admitted share), bold = on the admissible frontier\n")
+    print(combined(results["frontier"]))
+    print("\n### LLOYD_MAX scale rules: pooled distortion (RMS / mean |v| x sqrt(pi/2) / the kernels' search)\n")
+    rows = []
+    for levels in sorted(A.LLOYD_MAX_LEVELS):
+        action = A.lloyd_max(levels)
+        row = {"action": action.name}
+        for name, tensors in data.items():
+            searched = next(r for r in results["frontier"][name] if r["action"] == action.name)["distortion"]
+            row[name] = (f"{fixed_scale_distortion(levels, tensors, 'rms'):.3f} / "
+                         f"{fixed_scale_distortion(levels, tensors, 'mean_abs'):.3f} / {searched:.3f}")
+        rows.append(row)
+    results["scale_rules"] = rows
+    print(table(rows, [("action", "action", ""), *((name, name, "") for name in data)]))
     for name in ("digits_cnn", "bytes_lm"):
         tensors = data[name]
         rows = []

@@ -82,7 +82,7 @@ float32 constants from here (``kernels/source.py``). Why this scale: docs/DESIGN
 LLOYD_MAX_SCALE_FACTORS: tuple[float, ...] = (1.0, math.sqrt(2.0), 2.0)
 """Candidate scales of a LLOYD_MAX bucket, as multiples of its RMS: the encoder keeps the one with the least squared
 error on the bucket (the first on a tie). The Gaussian optimum is 1; gradients' heavy-tailed buckets need more
-(docs/RESULTS.md, section 5)."""
+(docs/RESULTS.md, section 6)."""
 
 
 def lloyd_max_scale_factors() -> tuple[float, ...]:
@@ -360,5 +360,8 @@ def make_menu(actions: Iterable[str | Action] | Menu, *, bucket_size: int | None
     return Menu(tuple(resolved))
 
 
-DEFAULT_MENU = make_menu(["fp32", "fp16", "bf16", "int8", "int4", "int2", "ternary", "sign", "topk10", "topk1"])
-"""The default menu: full and half precision, QSGD 8/4/2-bit, TernGrad, EF-SignSGD and top-k at 10% and 1%."""
+DEFAULT_MENU = make_menu(["fp32", "fp16", "bf16", "int8", "int4", "int3_mse", "int2", "ternary", "ternary_mse", "sign",
+                          "topk10", "topk1"])
+"""The default menu: full and half precision, QSGD 8/4/2-bit, TernGrad, the MSE-optimal 3-bit and ternary actions
+(the admissible ones below 4 bits on the demo tasks' gradients: docs/RESULTS.md, section 6), EF-SignSGD and top-k
+at 10% and 1%."""

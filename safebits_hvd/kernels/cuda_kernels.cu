@@ -71,20 +71,19 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
         if (square) { /* LLOYD_MAX: the candidate rms * factor with the least squared error, as cpu.c's
                        * sb_lm_best_scale (lane-ordered sums, the first on a tie) */
             __syncthreads();
-            float rms = P->scale, best = rms * sb_lm_factor[0];
-            double best_err = 0.0;
+            float rms = P->scale, best = rms * sb_lm_factor[0], best_err = 0.0f;
             for (int f = 0; f < SB_LM_NFACTORS; f++) {
                 float scale = rms * sb_lm_factor[f];
                 if (tid < SB_SUM_LANES) {
-                    double acc = 0.0;
+                    float acc = 0.0f;
                     for (int i = tid; i < len; i += SB_SUM_LANES)
-                        acc += sb_lm_err2(sb_load(g, e, has_g, j0 + i), scale, levels, trits);
-                    sh_lane[tid] = acc;
+                        acc += sb_lm_err2(sb_load(g, e, has_g, j0 + i), scale, levels);
+                    sh_lane[tid] = (double)acc; /* exact: read back as the float32 it was */
                 }
                 __syncthreads();
                 if (tid == 0) {
-                    double err = sh_lane[0];
-                    for (int l = 1; l < SB_SUM_LANES; l++) err += sh_lane[l];
+                    float err = (float)sh_lane[0];
+                    for (int l = 1; l < SB_SUM_LANES; l++) err += (float)sh_lane[l];
                     if (f == 0 || err < best_err) {
                         best = scale;
                         best_err = err;

@@ -80,12 +80,12 @@ def quant_value(c: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor, levels:
 
 
 def lane_sum(a: torch.Tensor) -> torch.Tensor:
-    """Per bucket ``(m,)``: the lane-ordered sum of the float64 ``(m, B)`` matrix ``a`` (padding cells zero), as
-    ``sb_lane_sum`` in ``cpu.c``: element i to lane i % 8 in index order, then lanes 0, 1, ..., 7."""
+    """Per bucket ``(m,)``: the lane-ordered sum, in ``a``'s dtype, of the ``(m, B)`` matrix ``a`` (padding cells
+    zero), as ``sb_lane_sum`` in ``cpu.c``: element i to lane i % 8 in index order, then lanes 0, 1, ..., 7."""
     m, b = a.shape
     bp = -(-b // SUM_LANES) * SUM_LANES
     a = torch.nn.functional.pad(a, (0, bp - b)).view(m, bp // SUM_LANES, SUM_LANES)
-    acc = torch.zeros((m, SUM_LANES), dtype=torch.float64, device=a.device)
+    acc = torch.zeros((m, SUM_LANES), dtype=a.dtype, device=a.device)
     for step in range(bp // SUM_LANES):                         # each lane sums in element order
         acc = acc + a[:, step, :]
     total = acc[:, 0]
@@ -107,14 +107,15 @@ def lloyd_max_code(vp: torch.Tensor, lens: torch.Tensor,
     integers) and the int32 sign bits of q (none on a trit's 0)."""
     f32 = torch.float32
     vd = vp.double()
+    bits = vp.view(torch.int32)
     rms = torch.sqrt(lane_sum(vd * vd) / lens.double()).float()[:, None]
     valid = torch.arange(vp.shape[1], device=vp.device)[None, :] < lens[:, None]
     scale = best_err = None
     for factor in lloyd_max_scale_factors():                      # the first least squared error wins
         candidate = rms * torch.tensor(factor, dtype=f32, device=vp.device)
-        c, neg = _lloyd_max_code_at(vp, candidate, action)
-        d = lloyd_max_value(c, neg, candidate, action.levels).double() - vd
-        err = lane_sum(torch.where(valid, d * d, 0.0))[:, None]
+        c, _ = _lloyd_max_code_at(vp, candidate, action)
+        d = lloyd_max_value(c, torch.zeros_like(bits), candidate, action.levels) - (bits & 0x7FFFFFFF).view(f32)
+        err = lane_sum(torch.where(valid, d * d, 0.0))[:, None]          # sb_lm_err2, float32 lanes
         if scale is None:
             scale, best_err = candidate, err
         else:

@@ -182,7 +182,7 @@ SB_HD float sb_sign(float v, float scale) { return sb_sign_value(sb_sign_code(v)
 
 /* LLOYD_MAX: q = +-level[c] * scale, level[] the codebook's magnitudes (ascending; level[0] = 0 for 3 levels).
  * scale: of the candidates rms * factor[f] (rms = (float)sqrt(lane-ordered double sum of v^2 / len), f ascending),
- * the first with the least lane-ordered double sum of (q - v)^2 over the bucket. Codes travel as QUANT words do
+ * the first with the least lane-ordered float32 sum of sb_lm_err2 over the bucket. Codes travel as QUANT words do
  * (sb_quant_sign / sb_quant_word: a sign-magnitude word of log2(levels) bits, or a trit for 3 levels). */
 SB_TABLE float sb_lm_level[SB_LM_TABLE_SIZE] = SB_LM_LEVEL_TABLE;
 SB_TABLE float sb_lm_threshold[SB_LM_TABLE_SIZE] = SB_LM_THRESHOLD_TABLE;
@@ -219,9 +219,10 @@ SB_HD float sb_lm(float v, float scale, int levels, int trits) {
     return sb_lm_value(c, sb_quant_sign(v, c, trits), scale, levels);
 }
 
-/* (q - v)^2 in float64 for a LLOYD_MAX element at a candidate scale (what the scale choice sums). */
-SB_HD double sb_lm_err2(float v, float scale, int levels, int trits) {
-    double d = (double)sb_lm(v, scale, levels, trits) - (double)v;
+/* (level[c] * scale - |v|)^2 in float32, = (q - v)^2 up to rounding: what the scale choice sums (in float32 lanes:
+ * the choice only has to be the same everywhere, and float32 halves its cost). */
+SB_HD float sb_lm_err2(float v, float scale, int levels) {
+    float d = sb_lm_value(sb_lm_code(v, scale, levels), 0u, scale, levels) - sb_u2f(sb_f2u(v) & 0x7fffffffu);
     return d * d;
 }
 
