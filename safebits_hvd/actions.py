@@ -22,10 +22,11 @@ SIGN           one fp32 scale (mean ``|v|``) per      ``32 nb + pad8(n)``
                bucket, then one sign bit per element
 TOPK           per bucket the ``k`` largest ``|v|``:   ``16 K + pad8(ceil(log2 B) K)``, ``K = sum_b
                a bf16 value and a local index         min(k, len_b)``, ``k = max(1, round(fraction * B))``
-LLOYD_MAX      one fp32 scale (RMS of the bucket) per ``32 nb + pad8(log2(m) n)`` for ``m`` = 4, 8, 16
-               bucket, then the index of the nearest  levels; ``32 nb + 8 ceil(n / 5)`` for ``m = 3``
-               of ``m`` fixed levels (sign-magnitude  (5 trits per byte)
-               words; trits for ``m = 3``)
+LLOYD_MAX      one fp32 scale (a multiple of the      ``32 nb + pad8(log2(m) n)`` for ``m`` = 4, 8, 16
+               bucket's RMS) per bucket, then the     levels; ``32 nb + 8 ceil(n / 5)`` for ``m = 3``
+               index of the nearest of ``m`` fixed    (5 trits per byte)
+               levels (sign-magnitude words; trits
+               for ``m = 3``)
 =============  =====================================  =============================================
 
 Every quantizer works within buckets, so one fused pass over the tensor computes it exactly and a sample of
