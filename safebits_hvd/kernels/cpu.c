@@ -200,6 +200,7 @@ static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *r
     }
 }
 
+/* The cases are the keys of safebits_hvd.actions.LLOYD_MAX_LEVELS (the wire decoder refuses any other count). */
 static inline void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word,
                                 float *restrict scratch, int len, int levels, float *scale_out) {
     switch (levels) {

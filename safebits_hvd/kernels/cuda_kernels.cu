@@ -4,7 +4,8 @@
  * with --fmad=false
  * --ftz=false --prec-div=true, so every float result is bit-identical to the C backend. The block-wide values
  * that decide outputs are computed exactly as in cpu.c: the QUANT scale is an integer max of |v| keys, the SIGN
- * scale is summed by SB_SUM_LANES threads each walking its lane in element order, the TOPK threshold (the kk-th
+ * scale, the LLOYD_MAX RMS and its candidates' errors are summed by SB_SUM_LANES threads each walking its lane in
+ * element order, the TOPK threshold (the kk-th
  * largest key) is found by a bitwise radix search with integer counts and ties are kept lowest index first.
  * Statistics: per-block float64 tree reductions into a per-bucket scratch array that the host sums.
  *
