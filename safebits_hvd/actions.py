@@ -22,6 +22,11 @@ SIGN           one fp32 scale (mean ``|v|``) per      ``32 nb + pad8(n)``
                bucket, then one sign bit per element
 TOPK           per bucket the ``k`` largest ``|v|``:   ``16 K + pad8(ceil(log2 B) K)``, ``K = sum_b
                a bf16 value and a local index         min(k, len_b)``, ``k = max(1, round(fraction * B))``
+LLOYD_MAX      one fp32 scale (a multiple of the      ``32 nb + pad8(log2(m) n)`` for ``m`` = 4, 8, 16
+               bucket's RMS) per bucket, then the     levels; ``32 nb + 8 ceil(n / 5)`` for ``m = 3``
+               index of the nearest of ``m`` fixed    (5 trits per byte)
+               levels (sign-magnitude words; trits
+               for ``m = 3``)
 =============  =====================================  =============================================
 
 Every quantizer works within buckets, so one fused pass over the tensor computes it exactly and a sample of
@@ -30,7 +35,9 @@ whole buckets estimates its statistics without bias.
 
 from __future__ import annotations
 
+import itertools
 import math
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -45,6 +52,11 @@ TOPK_VALUE_BITS = 16
 """Bits of one top-k value (bf16: the float32 range, so no overflow for any finite gradient)."""
 
 
+TRIT_BITS = 1.6
+"""``code_bits`` of an action packed 5 trits per byte: QUANT with ``levels == 1`` (:func:`ternary`), LLOYD_MAX with
+3 levels (:func:`lloyd_max`)."""
+
+
 class ActionKind(IntEnum):
     """Quantizer kinds. The integer values are the kernels' ``kind`` argument (see ``kernels/safebits_math.h``)."""
 
@@ -54,10 +66,52 @@ class ActionKind(IntEnum):
     QUANT = 3
     SIGN = 4
     TOPK = 5
+    LLOYD_MAX = 6
 
 
-TRIT_BITS = 1.6
-"""``code_bits`` of a QUANT action with ``levels == 1`` that is packed 5 trits per byte (:func:`ternary`)."""
+LLOYD_MAX_LEVELS: dict[int, tuple[float, ...]] = {
+    3: (0.0, 1.224),
+    4: (0.4528, 1.5104),
+    8: (0.2451, 0.7560, 1.3439, 2.1520),
+    16: (0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6181, 2.0690, 2.7326),
+}
+"""Non-negative magnitudes of the Lloyd-Max (MSE-optimal) quantizers of a unit Gaussian with 3, 4, 8 and 16 levels
+(the levels are ``+-`` these, one 0 for 3 levels), in units of the bucket's scale. The kernels round to the nearest
+level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); the tables reach the C and CUDA code as
+float32 constants from here (``kernels/source.py``). Why this scale: docs/DESIGN.md, "Quantizers"."""
+
+LLOYD_MAX_SCALE_FACTORS: tuple[float, ...] = (1.0, math.sqrt(2.0), 2.0)
+"""Candidate scales of a LLOYD_MAX bucket, as multiples of its RMS: the encoder keeps the one with the least squared
+error on the bucket (the first on a tie). The Gaussian optimum is 1; gradients' heavy-tailed buckets need more
+(docs/RESULTS.md, section 6)."""
+
+
+def lloyd_max_scale_factors() -> tuple[float, ...]:
+    """:data:`LLOYD_MAX_SCALE_FACTORS` as float32 values."""
+    return tuple(_float32(x) for x in LLOYD_MAX_SCALE_FACTORS)
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def lloyd_max_levels(levels: int) -> tuple[float, ...]:
+    """The magnitudes of the ``levels``-level Lloyd-Max quantizer as float32 values (ascending)."""
+    return tuple(_float32(x) for x in LLOYD_MAX_LEVELS[levels])
+
+
+def lloyd_max_thresholds(levels: int) -> tuple[float, ...]:
+    """Decision thresholds of nearest rounding between consecutive magnitudes (float32, ascending): ``|v| / scale
+    >= thresholds[k]`` selects magnitude ``k + 1`` or above."""
+    mags = LLOYD_MAX_LEVELS[levels]
+    return tuple(_float32((a + b) / 2) for a, b in itertools.pairwise(mags))
+
+
+def lloyd_max_code_bits(levels: int) -> float:
+    """Bits per element of a Lloyd-Max code: :data:`TRIT_BITS` for 3 levels (5 trits per byte), else ``log2``."""
+    return TRIT_BITS if levels == 3 else math.log2(levels)
+
+
 
 
 def quant_code_bits(levels: int) -> int:
@@ -80,8 +134,8 @@ def body_bits(kind: ActionKind, n: int, bucket_size: int, levels: int = 0, topk:
     """Bits of the packed payload body (``safebits_hvd.wire``) of ``n`` elements: the ONE size formula, used by
     :meth:`Action.cost` and by the wire decoder's length check (from header fields).
 
-    ``levels``: QUANT magnitudes; ``topk``: TOPK elements kept per full bucket; ``trits``: QUANT with
-    ``levels == 1`` packed 5 trits per byte.
+    ``levels``: QUANT magnitudes, LLOYD_MAX levels; ``topk``: TOPK elements kept per full bucket; ``trits``: codes
+    packed 5 trits per byte (QUANT with ``levels == 1``, LLOYD_MAX with 3 levels).
     """
     if n < 0:
         raise ValueError(f"element count must be >= 0, got {n}")
@@ -92,6 +146,9 @@ def body_bits(kind: ActionKind, n: int, bucket_size: int, levels: int = 0, topk:
         return 16 * n
     if kind == ActionKind.QUANT:
         codes = 8 * -(-n // 5) if trits else _bytes_bits(quant_code_bits(levels) * n)
+        return SCALE_BITS * buckets + codes
+    if kind == ActionKind.LLOYD_MAX:
+        codes = 8 * -(-n // 5) if trits else _bytes_bits(index_bits(levels) * n)
         return SCALE_BITS * buckets + codes
     if kind == ActionKind.SIGN:
         return SCALE_BITS * buckets + _bytes_bits(n)
@@ -111,8 +168,9 @@ class Action:
         name: unique name, used in telemetry and ``StepRecord.actions``.
         kind: the quantizer.
         code_bits: bits per element of the codes (32, 16, ``quant_code_bits(levels)``, :data:`TRIT_BITS` for
-            packed ternary, 1; unused for TOPK). For QUANT it must match the wire format (checked).
-        levels: QUANT only: magnitudes are rounded to ``{0, 1, ..., levels} * scale / levels``.
+            packed ternary, 1; unused for TOPK). For QUANT and LLOYD_MAX it must match the wire format (checked).
+        levels: QUANT: magnitudes are rounded to ``{0, 1, ..., levels} * scale / levels``; LLOYD_MAX: the number
+            of levels (a key of :data:`LLOYD_MAX_LEVELS`).
         stochastic: QUANT only: stochastic (unbiased) rounding with the counter-based RNG, else nearest.
         topk_fraction: TOPK only: fraction of each bucket that is kept.
         bucket_size: elements per bucket.
@@ -137,6 +195,15 @@ class Action:
             raise ValueError(f"action {self.name!r}: QUANT with levels={self.levels} packs codes at "
                              f"{quant_code_bits(self.levels)} bits (or {TRIT_BITS} for levels=1 trits), "
                              f"got code_bits={self.code_bits}")
+        if self.kind == ActionKind.LLOYD_MAX:
+            if self.levels not in LLOYD_MAX_LEVELS:
+                raise ValueError(f"action {self.name!r}: LLOYD_MAX levels must be one of {sorted(LLOYD_MAX_LEVELS)}, "
+                                 f"got {self.levels}")
+            if self.code_bits != lloyd_max_code_bits(self.levels):
+                raise ValueError(f"action {self.name!r}: LLOYD_MAX with {self.levels} levels packs codes at "
+                                 f"{lloyd_max_code_bits(self.levels)} bits, got code_bits={self.code_bits}")
+            if self.stochastic:
+                raise ValueError(f"action {self.name!r}: LLOYD_MAX rounds to the nearest level (no stochastic mode)")
         if self.kind == ActionKind.TOPK and not 0.0 < self.topk_fraction <= 1.0:
             raise ValueError(f"action {self.name!r}: topk_fraction must be in (0, 1], got {self.topk_fraction}")
 
@@ -147,7 +214,10 @@ class Action:
 
     @property
     def packs_trits(self) -> bool:
-        """QUANT with ``levels == 1`` and ``code_bits == TRIT_BITS``: packed 5 trits per byte (no -0.0)."""
+        """Codes packed 5 trits per byte (no -0.0): QUANT with ``levels == 1`` and ``code_bits == TRIT_BITS``, and
+        LLOYD_MAX with 3 levels."""
+        if self.kind == ActionKind.LLOYD_MAX:
+            return self.levels == 3
         return self.kind == ActionKind.QUANT and self.levels == 1 and self.code_bits == TRIT_BITS
 
     @property
@@ -185,6 +255,17 @@ def scaled_sign(*, bucket_size: int = DEFAULT_BUCKET_SIZE) -> Action:
     return Action("sign", ActionKind.SIGN, 1, bucket_size=bucket_size)
 
 
+def lloyd_max(levels: int, *, bucket_size: int = DEFAULT_BUCKET_SIZE) -> Action:
+    """MSE-optimal quantizer: the nearest of the ``levels``-level Lloyd-Max levels of a unit Gaussian
+    (:data:`LLOYD_MAX_LEVELS`) times the bucket's RMS. Biased (nearest rounding): safe through error feedback.
+
+    Names: ``ternary_mse`` (3 levels, 1.6 bits), ``int2_mse`` (4), ``int3_mse`` (8), ``int4_mse`` (16)."""
+    if levels not in LLOYD_MAX_LEVELS:
+        raise ValueError(f"Lloyd-Max levels must be one of {sorted(LLOYD_MAX_LEVELS)}, got {levels}")
+    name = "ternary_mse" if levels == 3 else f"int{index_bits(levels)}_mse"
+    return Action(name, ActionKind.LLOYD_MAX, lloyd_max_code_bits(levels), levels=levels, bucket_size=bucket_size)
+
+
 def topk(fraction: float, *, bucket_size: int = DEFAULT_BUCKET_SIZE) -> Action:
     """Top-k per bucket: the ``round(fraction * bucket_size)`` largest magnitudes, as bf16 values."""
     return Action(f"topk{fraction * 100:g}", ActionKind.TOPK, 0, topk_fraction=fraction, bucket_size=bucket_size)
@@ -199,6 +280,7 @@ def _registry(bucket_size: int = DEFAULT_BUCKET_SIZE) -> dict[str, Action]:
     actions = [FP32, FP16, BF16,
                *(qsgd(b, stochastic=s, bucket_size=bucket_size) for b in (8, 4, 2) for s in (True, False)),
                ternary(bucket_size=bucket_size), scaled_sign(bucket_size=bucket_size),
+               *(lloyd_max(m, bucket_size=bucket_size) for m in (16, 8, 4, 3)),
                topk(0.1, bucket_size=bucket_size), topk(0.01, bucket_size=bucket_size)]
     return {a.name: a for a in actions}
 
@@ -279,5 +361,8 @@ def make_menu(actions: Iterable[str | Action] | Menu, *, bucket_size: int | None
     return Menu(tuple(resolved))
 
 
-DEFAULT_MENU = make_menu(["fp32", "fp16", "bf16", "int8", "int4", "int2", "ternary", "sign", "topk10", "topk1"])
-"""The default menu: full and half precision, QSGD 8/4/2-bit, TernGrad, EF-SignSGD and top-k at 10% and 1%."""
+DEFAULT_MENU = make_menu(["fp32", "fp16", "bf16", "int8", "int4", "int3_mse", "int2", "ternary", "ternary_mse", "sign",
+                          "topk10", "topk1"])
+"""The default menu: full and half precision, QSGD 8/4/2-bit, TernGrad, the MSE-optimal 3-bit and ternary actions
+(the admissible ones below 4 bits on the demo tasks' gradients: docs/RESULTS.md, section 6), EF-SignSGD and top-k
+at 10% and 1%."""

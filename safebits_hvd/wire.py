@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .actions import Action, ActionKind, body_bits
+from .actions import LLOYD_MAX_LEVELS, Action, ActionKind, body_bits
 
 __all__ = ["FORMAT_VERSION", "HEADER_BYTES", "Header", "WireFormatError", "decode", "decode_add", "encode_ef",
            "header_of", "pack_header", "parse_header", "payload_nbytes"]
@@ -55,8 +55,8 @@ class Header:
 
 def header_of(action: Action, n: int) -> Header:
     """The header of ``n`` elements sent with ``action``."""
-    quant = action.kind == ActionKind.QUANT
-    return Header(ActionKind(action.kind), int(n), action.bucket_size, action.levels if quant else 0,
+    has_levels = action.kind in (ActionKind.QUANT, ActionKind.LLOYD_MAX)
+    return Header(ActionKind(action.kind), int(n), action.bucket_size, action.levels if has_levels else 0,
                   action.topk_per_bucket if action.kind == ActionKind.TOPK else 0, action.packs_trits)
 
 
@@ -105,13 +105,20 @@ def parse_header(payload: torch.Tensor | bytes, name: str = "tensor", *, check_l
             raise WireFormatError(f"{name}: QUANT code packing {param} invalid (0: bitstream, 1: trits with "
                                   f"levels 1; levels is {levels})")
         trits = param == 1
+    elif kind == ActionKind.LLOYD_MAX:
+        if levels not in LLOYD_MAX_LEVELS:
+            raise WireFormatError(f"{name}: LLOYD_MAX levels {levels} not one of {sorted(LLOYD_MAX_LEVELS)}")
+        if param != int(levels == 3):
+            raise WireFormatError(f"{name}: LLOYD_MAX code packing {param} invalid (1: trits for 3 levels, else 0; "
+                                  f"levels is {levels})")
+        trits = param == 1
     elif levels != 0:
         raise WireFormatError(f"{name}: levels field is {levels}, must be 0 for {kind.name}")
     if kind == ActionKind.TOPK:
         topk = param + 1
         if topk > bucket:
             raise WireFormatError(f"{name}: top-k keeps {topk} per bucket of {bucket}")
-    elif kind != ActionKind.QUANT and param != 0:
+    elif kind not in (ActionKind.QUANT, ActionKind.LLOYD_MAX) and param != 0:
         raise WireFormatError(f"{name}: parameter field is {param}, must be 0 for {kind.name}")
     header = Header(kind, n, bucket, levels, topk, trits, version)
     expected = header.payload_nbytes

@@ -7,9 +7,13 @@ import pytest
 import safebits_hvd as sb
 from safebits_hvd.actions import (
     ACTIONS,
+    LLOYD_MAX_LEVELS,
     TRIT_BITS,
     Action,
     ActionKind,
+    lloyd_max,
+    lloyd_max_levels,
+    lloyd_max_thresholds,
     qsgd,
     quant_code_bits,
     scaled_sign,
@@ -34,6 +38,10 @@ def test_cost_formulas(n: int) -> None:
     assert ACTIONS["int2"].cost(n) == pad8(2 * n) + 32 * buckets
     assert ACTIONS["ternary"].cost(n) == 8 * math.ceil(n / 5) + 32 * buckets      # 5 trits per byte
     assert ACTIONS["sign"].cost(n) == pad8(n) + 32 * buckets
+    assert ACTIONS["ternary_mse"].cost(n) == 8 * math.ceil(n / 5) + 32 * buckets  # Lloyd-Max: 5 trits per byte
+    assert ACTIONS["int2_mse"].cost(n) == pad8(2 * n) + 32 * buckets
+    assert ACTIONS["int3_mse"].cost(n) == pad8(3 * n) + 32 * buckets
+    assert ACTIONS["int4_mse"].cost(n) == pad8(4 * n) + 32 * buckets
     # top-k 10%: 51 per full bucket, min(51, rest) in the last; a bf16 value each, then 9-bit indices.
     full, rest = divmod(n, 512)
     kept10, kept1 = 51 * full + min(51, rest), 5 * full + min(5, rest)
@@ -99,3 +107,24 @@ def test_action_validation() -> None:
         qsgd(4, bucket_size=1)
     with pytest.raises(ValueError):
         ACTIONS["fp32"].cost(-1)
+
+
+def test_lloyd_max_actions() -> None:
+    assert [lloyd_max(m).name for m in (3, 4, 8, 16)] == ["ternary_mse", "int2_mse", "int3_mse", "int4_mse"]
+    assert lloyd_max(3).packs_trits and lloyd_max(3).code_bits == TRIT_BITS
+    assert not lloyd_max(4).packs_trits and [lloyd_max(m).code_bits for m in (4, 8, 16)] == [2, 3, 4]
+    assert all(not lloyd_max(m).stochastic and lloyd_max(m).kind == ActionKind.LLOYD_MAX for m in LLOYD_MAX_LEVELS)
+    # nearest rounding: the thresholds are the midpoints of ascending magnitudes (one 0 level for 3 levels)
+    for m in LLOYD_MAX_LEVELS:
+        mags, cuts = lloyd_max_levels(m), lloyd_max_thresholds(m)
+        assert len(mags) == (m + 1) // 2 and len(cuts) == len(mags) - 1 and list(mags) == sorted(mags)
+        assert all(a < t < b for a, b, t in zip(mags, mags[1:], cuts, strict=False))
+    assert lloyd_max_thresholds(4) == pytest.approx((0.9816,)) and lloyd_max_thresholds(3) == pytest.approx((0.612,))
+    with pytest.raises(ValueError, match="levels must be one of"):
+        lloyd_max(5)
+    with pytest.raises(ValueError, match="levels must be one of"):
+        Action("lm5", ActionKind.LLOYD_MAX, 3, levels=5)
+    with pytest.raises(ValueError, match="code_bits"):
+        Action("lm8_wrong", ActionKind.LLOYD_MAX, 4, levels=8)
+    with pytest.raises(ValueError, match="stochastic"):
+        Action("lm4_stochastic", ActionKind.LLOYD_MAX, 2, levels=4, stochastic=True)

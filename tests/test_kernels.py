@@ -15,8 +15,9 @@ from .kernel_cases import bits, make
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
 
+LLOYD_MAX = [A.lloyd_max(m) for m in sorted(A.LLOYD_MAX_LEVELS)]
 ACTIONS = [*A.DEFAULT_MENU, A.ACTIONS["int8_nearest"], A.ACTIONS["int4_nearest"], A.ACTIONS["int2_nearest"],
-           A.ternary(bucket_size=512)]
+           A.ternary(bucket_size=512), *(a for a in LLOYD_MAX if a.name not in A.DEFAULT_MENU.names)]
 SIZES = [1, 7, 511, 512, 513, 5000, 100_003]
 KEY = rng.stream_key(7, 3, 11)
 
@@ -46,7 +47,8 @@ def test_quantize_ef_matches_reference(n, action, with_g):
 @pytest.mark.parametrize("n", SIZES)
 def test_screen_matches_reference(n):
     g, e = make(n, seed=1)
-    menu = A.make_menu([*A.DEFAULT_MENU.names, "int4_nearest"])
+    menu = A.make_menu([*A.DEFAULT_MENU.names, "int4_nearest",
+                        *(a.name for a in LLOYD_MAX if a.name not in A.DEFAULT_MENU.names)])
     nb = -(-n // menu.bucket_size)
     for buckets in (None, torch.arange(0, nb, 3), torch.tensor([nb - 1])):
         e0 = e.clone()
@@ -189,3 +191,58 @@ def test_topk_selection_random_keys_match_reference():
         K.quantize_ef(None, x.clone(), o1, action, KEY)
         R.quantize_ef(None, x.clone(), o2, action, KEY)
         assert torch.equal(bits(o1), bits(o2)), action.name
+
+
+def _lloyd_max_grid(action: A.Action) -> torch.Tensor:
+    """Every level of the codebook in units of the scale, ascending (0 once)."""
+    mags = torch.tensor(A.lloyd_max_levels(action.levels), dtype=torch.float64)
+    return torch.cat([-mags.flip(0), mags]).unique()
+
+
+@pytest.mark.parametrize("action", LLOYD_MAX, ids=lambda a: a.name)
+def test_lloyd_max_rounds_to_the_nearest_level_at_the_best_scale(action):
+    """Each bucket's scale (read from the payload) is the candidate multiple of its RMS with the least squared error,
+    every element goes to the nearest of +-level * scale, and the Gaussian distortion is the Lloyd-Max quantizer's."""
+    bucket = action.bucket_size
+    gen = torch.Generator().manual_seed(8)
+    v = torch.randn(64 * bucket, generator=gen)
+    v[-bucket:] = torch.distributions.StudentT(1.5).sample((bucket,))        # a heavy-tailed bucket
+    out = torch.empty_like(v)
+    stats = K.quantize_ef(None, v.clone(), out, action, KEY)
+    payload, _ = K.quantize_pack_ef(None, v.clone(), action, KEY)
+    scale = payload[16:16 + 4 * 64].view(torch.float32).double()[:, None]
+    vb = v.double().view(-1, bucket)
+    rms = vb.pow(2).mean(dim=1, keepdim=True).sqrt()
+    grid = _lloyd_max_grid(action)
+
+    def err_at(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = grid[(vb / s)[..., None].sub(grid).abs().argmin(dim=-1)] * s
+        return q, (q - vb).pow(2).sum(dim=1, keepdim=True)
+
+    candidates = torch.cat([rms * f for f in A.LLOYD_MAX_SCALE_FACTORS], dim=1)
+    chosen = (candidates - scale).abs().argmin(dim=1, keepdim=True)
+    assert torch.allclose(candidates.gather(1, chosen), scale, rtol=1e-6, atol=0)
+    errors = torch.cat([err_at(candidates[:, f:f + 1])[1] for f in range(candidates.shape[1])], dim=1)
+    assert torch.all(errors.gather(1, chosen) <= errors.min(dim=1, keepdim=True).values * (1 + 1e-6))
+    nearest, _ = err_at(scale)
+    assert torch.allclose(out.double().view(-1, bucket), nearest, rtol=1e-6, atol=0)
+    if action.levels in (3, 16):            # the heavy-tailed bucket needs a larger scale than its RMS
+        assert int(chosen[-1]) > 0
+    gaussian = float(stats[0] - (out[-bucket:].double() - v[-bucket:].double()).pow(2).sum()) / float(
+        v[:-bucket].double().pow(2).sum())
+    expected = {3: 0.1902, 4: 0.1175, 8: 0.03454, 16: 0.009497}[action.levels]  # Lloyd-Max, unit Gaussian
+    assert abs(gaussian - expected) < 0.1 * expected
+
+
+def test_lloyd_max_zero_and_subnormal_buckets():
+    """A zero bucket sends +0.0 (-0.0 keeps its sign on the codebooks without a 0 level); a bucket whose RMS
+    underflows to 0 sends zeros and keeps everything in the residual. Decoding gives the same bits."""
+    v = torch.tensor([0.0, -0.0, 0.0, 0.0, 1e-45, 0.0, 0.0, 0.0])
+    for action in (A.lloyd_max(3, bucket_size=4), A.lloyd_max(4, bucket_size=4)):
+        e, out = v.clone(), torch.empty(8)
+        K.quantize_ef(None, e, out, action, KEY)
+        assert not out.abs().any(), action.name
+        assert torch.equal(bits(e[4:]), bits(v[4:])), action.name
+        assert bool(torch.signbit(out[1])) == (action.levels == 4), action.name
+        payload, _ = K.quantize_pack_ef(None, v.clone(), action, KEY)
+        assert torch.equal(bits(K.decode(payload)), bits(out)), action.name

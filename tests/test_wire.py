@@ -21,7 +21,9 @@ KEY = rng.stream_key(3, 17, 5)
 SIZES = [0, 1, 4, 5, 7, 511, 512, 513, 1000, 5000, 70_000, 1_000_003]
 # odd geometries: bucket bit ranges that do not start on byte boundaries, trits across bytes, 16-bit codes
 ODD_ACTIONS = [A.qsgd(3, bucket_size=100), A.ternary(bucket_size=7), A.topk(0.3, bucket_size=10),
-               A.scaled_sign(bucket_size=13), A.qsgd(16, stochastic=False, bucket_size=77), A.topk(1.0, bucket_size=6)]
+               A.scaled_sign(bucket_size=13), A.qsgd(16, stochastic=False, bucket_size=77), A.topk(1.0, bucket_size=6),
+               A.lloyd_max(3, bucket_size=7), A.lloyd_max(8, bucket_size=100), A.lloyd_max(4, bucket_size=13),
+               A.lloyd_max(16, bucket_size=3)]
 ALL_ACTIONS = [*A.ACTIONS.values(), *ODD_ACTIONS]
 ODD_SIZES = [1, 7, 99, 1000, 70_001]
 
@@ -85,7 +87,8 @@ def test_round_trip_odd_geometries(action, n):
 
 
 @needs_c
-@pytest.mark.parametrize("action", [A.ACTIONS[a] for a in ("int4", "ternary", "sign", "topk10", "fp16")], ids=_ids)
+@pytest.mark.parametrize("action", [A.ACTIONS[a] for a in ("int4", "ternary", "sign", "topk10", "fp16", "int3_mse",
+                                                           "ternary_mse")], ids=_ids)
 def test_round_trip_without_g(action):
     _check_round_trip(action, 70_000, with_g=False)
 
@@ -102,7 +105,8 @@ def test_threads_do_not_change_the_payload():
     g, e = make(1_000_003, seed=4)
     old = torch.get_num_threads()
     try:
-        for action in (A.qsgd(3, bucket_size=100), A.ternary(bucket_size=7), A.ACTIONS["topk10"]):
+        for action in (A.qsgd(3, bucket_size=100), A.ternary(bucket_size=7), A.ACTIONS["topk10"],
+                       A.lloyd_max(8, bucket_size=100), A.lloyd_max(3, bucket_size=7)):
             payloads = []
             for threads in (1, 2):
                 torch.set_num_threads(threads)
@@ -139,6 +143,9 @@ def test_header_layout():
     assert struct.unpack("<BBHHHQ", raw) == (1, int(A.ActionKind.TOPK), 0, 511, 50, 70_000)
     assert struct.unpack("<BBHHHQ", wire.pack_header(wire.header_of(A.ACTIONS["ternary"], 3)))[:5] == (1, 3, 1, 511, 1)
     assert struct.unpack("<BBHHHQ", wire.pack_header(wire.header_of(A.ACTIONS["int4"], 3)))[:5] == (1, 3, 7, 511, 0)
+    assert struct.unpack("<BBHHHQ", wire.pack_header(wire.header_of(A.ACTIONS["int3_mse"], 3)))[:5] == (1, 6, 8, 511, 0)
+    assert struct.unpack("<BBHHHQ", wire.pack_header(wire.header_of(A.ACTIONS["ternary_mse"], 3)))[:5] == (1, 6, 3, 511,
+                                                                                                         1)
 
 
 def test_edge_values_bitwise():
@@ -210,6 +217,7 @@ def test_invalid_payloads_are_refused_by_name(decoder, monkeypatch):
     g, e = make(5000)
     good, _ = K.quantize_pack_ef(g, e.clone(), A.ACTIONS["int4"], KEY)
     topk, _ = K.quantize_pack_ef(g, e.clone(), A.ACTIONS["topk10"], KEY)
+    lloyd, _ = K.quantize_pack_ef(g, e.clone(), A.ACTIONS["int2_mse"], KEY)
     n = 5000
     cases = [
         (good[:-1], rf"truncated payload: got {good.numel() - 1} bytes, expected {good.numel()}"),
@@ -222,6 +230,9 @@ def test_invalid_payloads_are_refused_by_name(decoder, monkeypatch):
         (_corrupt(good, 2, "<H", 0), "levels 0 outside"),
         (_corrupt(good, 6, "<H", 1), "code packing 1 invalid"),
         (_corrupt(topk, 6, "<H", 600), "top-k keeps 601 per bucket of 512"),
+        (_corrupt(lloyd, 2, "<H", 5), "LLOYD_MAX levels 5 not one of"),
+        (_corrupt(lloyd, 6, "<H", 1), "LLOYD_MAX code packing 1 invalid"),
+        (_corrupt(lloyd, 2, "<H", 8), "truncated payload"),                 # 3-bit codes announced, 2-bit sent
         (_corrupt(topk, topk.numel() - 1, "<B", 0xFF), "top-k bucket 9 has local indices"),
         # the first index becomes 511 (nine 1-bits), so the second cannot be above it
         (_corrupt(topk, topk.numel() - 574, "<H", 0xFFFF), "top-k bucket 0 has local indices"),

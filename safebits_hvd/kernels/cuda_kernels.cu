@@ -4,7 +4,8 @@
  * with --fmad=false
  * --ftz=false --prec-div=true, so every float result is bit-identical to the C backend. The block-wide values
  * that decide outputs are computed exactly as in cpu.c: the QUANT scale is an integer max of |v| keys, the SIGN
- * scale is summed by SB_SUM_LANES threads each walking its lane in element order, the TOPK threshold (the kk-th
+ * scale, the LLOYD_MAX RMS and its candidates' errors are summed by SB_SUM_LANES threads each walking its lane in
+ * element order, the TOPK threshold (the kk-th
  * largest key) is found by a bitwise radix search with integer counts and ties are kept lowest index first.
  * Statistics: per-block float64 tree reductions into a per-bucket scratch array that the host sums.
  *
@@ -16,7 +17,7 @@
 #define SB_THREADS 256
 
 struct sb_block_params {
-    float scale;     /* QUANT: max|v|; SIGN: mean|v| */
+    float scale;     /* QUANT: max|v|; SIGN: mean|v|; LLOYD_MAX: the chosen multiple of the RMS */
     sb_u32 thresh;   /* TOPK: the kk-th largest key */
     long long cut;   /* TOPK: elements equal to thresh at local index <= cut are kept; -1: none */
     int all;         /* TOPK: keep every element (kk >= len) */
@@ -37,7 +38,8 @@ __device__ __forceinline__ unsigned sb_block_count(unsigned mine, unsigned *sh) 
 
 /* Block-wide parameters of one bucket [j0, j0 + len) for one action. Every thread returns the same values. */
 __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long long j0, int len, int kind,
-                                 int topk, sb_block_params *P, unsigned *sh_u, double *sh_lane) {
+                                 int levels, int trits, int topk, sb_block_params *P, unsigned *sh_u,
+                                 double *sh_lane) {
     int tid = threadIdx.x;
     if (kind == SB_QUANT) {
         sb_u32 mk = 0;
@@ -51,12 +53,13 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
         atomicMax(sh_u, mk);
         __syncthreads();
         if (tid == 0) P->scale = sb_u2f(*sh_u);
-    } else if (kind == SB_SIGN) {
+    } else if (kind == SB_SIGN || kind == SB_LLOYD_MAX) { /* the lane-ordered sums of cpu.c's sb_lane_sum */
+        int square = kind == SB_LLOYD_MAX;
         if (tid < SB_SUM_LANES) {
             double acc = 0.0;
             for (int i = tid; i < len; i += SB_SUM_LANES) {
-                float x = sb_load(g, e, has_g, j0 + i);
-                acc += (double)(x < 0.0f ? -x : x);
+                double x = (double)sb_load(g, e, has_g, j0 + i);
+                acc += square ? x * x : (x < 0.0 ? -x : x);
             }
             sh_lane[tid] = acc;
         }
@@ -64,7 +67,32 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
         if (tid == 0) {
             double total = sh_lane[0];
             for (int l = 1; l < SB_SUM_LANES; l++) total += sh_lane[l];
-            P->scale = (float)(total / (double)len);
+            P->scale = square ? sb_lm_scale(total, len) : (float)(total / (double)len);
+        }
+        if (square) { /* LLOYD_MAX: the candidate rms * factor with the least squared error, as cpu.c's
+                       * sb_lm_best_scale (lane-ordered sums, the first on a tie) */
+            __syncthreads();
+            float rms = P->scale, best = rms * sb_lm_factor[0], best_err = 0.0f;
+            for (int f = 0; f < SB_LM_NFACTORS; f++) {
+                float scale = rms * sb_lm_factor[f];
+                if (tid < SB_SUM_LANES) {
+                    float acc = 0.0f;
+                    for (int i = tid; i < len; i += SB_SUM_LANES)
+                        acc += sb_lm_err2(sb_load(g, e, has_g, j0 + i), scale, levels);
+                    sh_lane[tid] = (double)acc; /* exact: read back as the float32 it was */
+                }
+                __syncthreads();
+                if (tid == 0) {
+                    float err = (float)sh_lane[0];
+                    for (int l = 1; l < SB_SUM_LANES; l++) err += (float)sh_lane[l];
+                    if (f == 0 || err < best_err) {
+                        best = scale;
+                        best_err = err;
+                    }
+                }
+                __syncthreads();
+            }
+            if (tid == 0) P->scale = best;
         }
     } else if (kind == SB_TOPK) {
         int kk = topk < len ? topk : len;
@@ -114,6 +142,8 @@ __device__ __forceinline__ float sb_element(float v, int kind, int levels, int s
     }
     case SB_SIGN:
         return sb_sign(v, P->scale);
+    case SB_LLOYD_MAX:
+        return sb_lm(v, P->scale, levels, trits);
     case SB_TOPK: {
         if (P->all) return sb_bf16_rne(v);
         sb_u32 k = sb_abs_key(v);
@@ -153,7 +183,7 @@ sb_quantize_ef_kernel(const float *g, float *e, float *out, int has_g, long long
     long long b = blockIdx.x;
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
-    sb_block_prepare(g, e, has_g, j0, len, kind, topk, &P, &sh_u, sh_lane);
+    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &P, &sh_u, sh_lane);
     double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
         long long j = j0 + i;
@@ -183,7 +213,7 @@ sb_screen_kernel(const float *g, const float *e, int has_g, long long n, int buc
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     for (int a = 0; a < nact; a++) {
         int kind = kinds[a];
-        sb_block_prepare(g, e, has_g, j0, len, kind, topks[a], &P, &sh_u, sh_lane);
+        sb_block_prepare(g, e, has_g, j0, len, kind, levels[a], trits[a], topks[a], &P, &sh_u, sh_lane);
         double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
         for (int i = threadIdx.x; i < len; i += blockDim.x) {
             long long j = j0 + i;
@@ -202,7 +232,7 @@ sb_screen_kernel(const float *g, const float *e, int has_g, long long n, int buc
 /* Where the sections of a payload body start (bytes from the payload start, header included). */
 struct sb_layout {
     long long nb, kept_full, scales_off, codes_off;
-    int code_bits; /* per code (QUANT bitstream, SIGN = 1) or per index (TOPK) */
+    int code_bits; /* per code (QUANT bitstream, LLOYD_MAX, SIGN = 1) or per index (TOPK); 0 for trits */
 };
 
 __device__ sb_layout sb_body_layout(long long n, int bucket, int kind, int levels, int topk, int trits) {
@@ -212,9 +242,9 @@ __device__ sb_layout sb_body_layout(long long n, int bucket, int kind, int level
     L.scales_off = 16;
     L.codes_off = 16;
     L.code_bits = 0;
-    if (kind == SB_QUANT || kind == SB_SIGN) {
+    if (sb_has_scales(kind)) {
         L.codes_off = 16 + 4 * L.nb;
-        L.code_bits = kind == SB_SIGN ? 1 : (trits ? 0 : sb_quant_bits(levels));
+        L.code_bits = sb_code_bits(kind, levels, trits);
     } else if (kind == SB_TOPK) {
         long long full = n / bucket, rest = n % bucket;
         L.codes_off = 16 + 2 * (full * L.kept_full + (rest < L.kept_full ? rest : L.kept_full));
@@ -270,8 +300,8 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
-    sb_block_prepare(g, e, has_g, j0, len, kind, topk, &P, &sh_u, sh_lane);
-    if (threadIdx.x == 0 && (kind == SB_QUANT || kind == SB_SIGN))
+    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &P, &sh_u, sh_lane);
+    if (threadIdx.x == 0 && sb_has_scales(kind))
         ((float *)(payload + L.scales_off))[b] = P.scale; /* 0 for a zero QUANT bucket */
     float s = (float)levels;
     int cb = L.code_bits;
@@ -312,6 +342,15 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int
                     else sb_put_bits_atomic(payload, L.codes_off * 8 + j * cb, w, cb);
                 }
                 break;
+            case SB_LLOYD_MAX: {
+                float c = sb_lm_code(v, P.scale, levels);
+                sb_u32 neg = sb_quant_sign(v, c, trits);
+                q = sb_lm_value(c, neg, P.scale, levels);
+                sb_u32 w = sb_quant_word(c, neg, cb, trits);
+                if (trits) sb_put_trit_atomic(payload, L.codes_off, j, w);
+                else sb_put_bits_atomic(payload, L.codes_off * 8 + j * cb, w, cb);
+                break;
+            }
             case SB_SIGN: {
                 sb_u32 code = sb_sign_code(v);
                 q = sb_sign_value(code, P.scale);
@@ -384,7 +423,7 @@ sb_decode_kernel(const unsigned char *payload, float *out, long long n, int buck
     sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
     const unsigned char *codes = payload + L.codes_off;
     const unsigned short *half = (const unsigned short *)(payload + 16);
-    float scale = (kind == SB_QUANT || kind == SB_SIGN) ? ((const float *)(payload + L.scales_off))[b] : 0.0f;
+    float scale = sb_has_scales(kind) ? ((const float *)(payload + L.scales_off))[b] : 0.0f;
     float s = (float)levels;
     int cb = L.code_bits;
     long long first = b * L.kept_full;
@@ -405,6 +444,11 @@ sb_decode_kernel(const unsigned char *payload, float *out, long long n, int buck
         case SB_QUANT: {
             sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
             x = sb_quant_value(sb_quant_word_code(w, cb, trits), sb_quant_word_sign(w, cb, trits), scale, s);
+            break;
+        }
+        case SB_LLOYD_MAX: {
+            sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
+            x = sb_lm_value(sb_quant_word_code(w, cb, trits), sb_quant_word_sign(w, cb, trits), scale, levels);
             break;
         }
         case SB_SIGN:

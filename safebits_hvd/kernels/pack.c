@@ -91,7 +91,7 @@ static void sb_tritw_flush(sb_tritw *w) {
 /* Where the sections of a body start, and how the packing pass groups buckets. */
 typedef struct {
     sb_i64 nb, kept_full, codes_off; /* buckets; TOPK kept per full bucket; byte offset of the code section */
-    int code_bits;                   /* bits per code (QUANT/SIGN) or per index (TOPK); 0 for trits/floats */
+    int code_bits;                   /* bits per code (QUANT/LLOYD_MAX/SIGN) or index (TOPK); 0: trits/floats */
     sb_i64 group;                    /* buckets per group (their codes end on a byte boundary) */
 } sb_layout;
 
@@ -107,13 +107,13 @@ static sb_i64 sb_gcd(sb_i64 a, sb_i64 b) {
 static sb_layout sb_body_layout(const sb_action *act, sb_i64 n, sb_i64 bucket) {
     sb_layout L = {0, 0, 0, 0, 1};
     L.nb = (n + bucket - 1) / bucket;
-    if (act->kind == SB_QUANT || act->kind == SB_SIGN) {
+    if (sb_has_scales(act->kind)) {
         L.codes_off = 4 * L.nb;
-        if (act->kind == SB_QUANT && act->trits) {
+        if (act->trits) {
             L.group = 5 / sb_gcd(bucket % 5, 5); /* gcd(0, 5) = 5: a bucket is a whole number of bytes */
             return L;
         }
-        L.code_bits = act->kind == SB_SIGN ? 1 : sb_quant_bits(act->levels);
+        L.code_bits = sb_code_bits(act->kind, act->levels, 0);
     } else if (act->kind == SB_TOPK) {
         L.kept_full = act->topk < bucket ? act->topk : bucket;
         sb_i64 full = n / bucket, rest = n % bucket;
@@ -180,9 +180,10 @@ int sb_quantize_pack_ef(const float *g, float *e, unsigned char *body, sb_i64 n,
                     for (i = 0; i < len; i++) half[j0 + i] = (unsigned short)sb_bf16_code(qb[i]);
                     break;
                 case SB_QUANT:
+                case SB_LLOYD_MAX:
                 case SB_SIGN:
                     scales[b] = scale;
-                    if (kind == SB_QUANT && trits) sb_tritw_put_many(&tw, wb, m);
+                    if (trits) sb_tritw_put_many(&tw, wb, m);
                     else sb_bitw_put_many(&bw, wb, m, L.code_bits);
                     break;
                 case SB_TOPK:
@@ -336,6 +337,21 @@ int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, in
                     for (i = 0; i < len; i++)
                         xb[i] = sb_quant_value(sb_quant_word_code(wb[i], cb, 0), sb_quant_word_sign(wb[i], cb, 0),
                                                scale, s);
+                }
+                break;
+            }
+            case SB_LLOYD_MAX: {
+                float scale = scales[b];
+                if (trits) { /* as QUANT trits: the 3 values once per bucket */
+                    float val[3];
+                    for (sb_u32 w = 0; w < 3; w++)
+                        val[w] = sb_lm_value(sb_quant_word_code(w, 0, 1), sb_quant_word_sign(w, 0, 1), scale, levels);
+                    sb_get_trits_many(codes, j0, len, val, xb);
+                } else {
+                    sb_get_many(codes, j0 * cb, len, cb, wb);
+                    for (i = 0; i < len; i++)
+                        xb[i] = sb_lm_value(sb_quant_word_code(wb[i], cb, 0), sb_quant_word_sign(wb[i], cb, 0), scale,
+                                            levels);
                 }
                 break;
             }

@@ -14,7 +14,16 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from ..actions import Action, ActionKind, Menu, index_bits, quant_code_bits
+from ..actions import (
+    Action,
+    ActionKind,
+    Menu,
+    index_bits,
+    lloyd_max_levels,
+    lloyd_max_scale_factors,
+    lloyd_max_thresholds,
+    quant_code_bits,
+)
 from ..wire import HEADER_BYTES, Header, WireFormatError
 
 _SIGN_BIT = -(2**31)
@@ -28,7 +37,7 @@ def abs_key(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32) & 0x7FFFFFFF
 
 
-def _buckets(v: torch.Tensor, bucket_size: int, buckets: torch.Tensor | None):
+def bucket_matrix(v: torch.Tensor, bucket_size: int, buckets: torch.Tensor | None = None):
     """``(vp, j, lens)``: the listed buckets of ``v`` as a zero-padded ``(m, B)`` matrix, the global element
     index of every cell, and every bucket's length."""
     n = v.numel()
@@ -70,19 +79,69 @@ def quant_value(c: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor, levels:
     return ((c * (scale / s)).view(torch.int32) | neg).view(torch.float32)
 
 
-def sign_scale(vp: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """SIGN scale per bucket ``(m, 1)``: the lane-ordered float64 mean of ``|v|``, as in ``cpu.c``."""
-    a = torch.where(vp < 0, -vp, vp).double()
+def lane_sum(a: torch.Tensor) -> torch.Tensor:
+    """Per bucket ``(m,)``: the lane-ordered sum, in ``a``'s dtype, of the ``(m, B)`` matrix ``a`` (padding cells
+    zero), as ``sb_lane_sum`` in ``cpu.c``: element i to lane i % 8 in index order, then lanes 0, 1, ..., 7."""
     m, b = a.shape
     bp = -(-b // SUM_LANES) * SUM_LANES
     a = torch.nn.functional.pad(a, (0, bp - b)).view(m, bp // SUM_LANES, SUM_LANES)
-    acc = torch.zeros((m, SUM_LANES), dtype=torch.float64, device=vp.device)
+    acc = torch.zeros((m, SUM_LANES), dtype=a.dtype, device=a.device)
     for step in range(bp // SUM_LANES):                         # each lane sums in element order
         acc = acc + a[:, step, :]
     total = acc[:, 0]
     for lane in range(1, SUM_LANES):                             # then lanes 0, 1, ..., 7
         total = total + acc[:, lane]
-    return (total / lens.double()).float()[:, None]
+    return total
+
+
+def sign_scale(vp: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """SIGN scale per bucket ``(m, 1)``: the lane-ordered float64 mean of ``|v|``, as in ``cpu.c``."""
+    a = vp.double()
+    return (lane_sum(torch.where(a < 0, -a, a)) / lens.double()).float()[:, None]
+
+
+def lloyd_max_code(vp: torch.Tensor, lens: torch.Tensor,
+                   action: Action) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LLOYD_MAX codes of the bucket matrix, as ``sb_lm_best_scale`` / ``sb_lm_code`` / ``sb_quant_sign``:
+    ``(scale (m, 1), c, neg)``: the chosen multiple of the bucket's RMS, magnitude indices ``c`` (exact float32
+    integers) and the int32 sign bits of q (none on a trit's 0)."""
+    f32 = torch.float32
+    vd = vp.double()
+    bits = vp.view(torch.int32)
+    rms = torch.sqrt(lane_sum(vd * vd) / lens.double()).float()[:, None]
+    valid = torch.arange(vp.shape[1], device=vp.device)[None, :] < lens[:, None]
+    scale = best_err = None
+    for factor in lloyd_max_scale_factors():                      # the first least squared error wins
+        candidate = rms * torch.tensor(factor, dtype=f32, device=vp.device)
+        c, _ = _lloyd_max_code_at(vp, candidate, action)
+        d = lloyd_max_value(c, torch.zeros_like(bits), candidate, action.levels) - (bits & 0x7FFFFFFF).view(f32)
+        err = lane_sum(torch.where(valid, d * d, 0.0))[:, None]          # sb_lm_err2, float32 lanes
+        if scale is None:
+            scale, best_err = candidate, err
+        else:
+            better = err < best_err
+            scale, best_err = torch.where(better, candidate, scale), torch.where(better, err, best_err)
+    c, neg = _lloyd_max_code_at(vp, scale, action)
+    return scale, c, neg
+
+
+def _lloyd_max_code_at(vp: torch.Tensor, scale: torch.Tensor, action: Action) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sb_lm_code`` / ``sb_quant_sign`` at a given per-bucket scale ``(m, 1)``: ``(c, neg)``."""
+    f32 = torch.float32
+    thresholds = torch.tensor(lloyd_max_thresholds(action.levels), dtype=f32, device=vp.device)
+    bits = vp.view(torch.int32)
+    r = (bits & 0x7FFFFFFF).view(f32) * (1.0 / scale)            # the reciprocal, as sb_lm_code
+    c = (r[..., None] >= thresholds).sum(dim=-1).to(f32)          # NaN compares false: c = 0
+    neg = bits & _SIGN_BIT
+    if action.packs_trits:
+        neg = torch.where(c != 0, neg, 0)
+    return c, neg
+
+
+def lloyd_max_value(c: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+    """``sb_lm_value``: ``level[c] * scale`` carrying the sign bits ``neg``."""
+    table = torch.tensor(lloyd_max_levels(levels), dtype=torch.float32, device=c.device)
+    return ((table[c.long()] * scale).view(torch.int32) | neg).view(torch.float32)
 
 
 def topk_kept(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, action: Action) -> torch.Tensor:
@@ -118,6 +177,9 @@ def quantize_buckets(vp: torch.Tensor, j: torch.Tensor, lens: torch.Tensor, acti
     if kind == ActionKind.SIGN:
         scale = sign_scale(vp, lens)
         return torch.where(vp >= 0, scale, -scale)
+    if kind == ActionKind.LLOYD_MAX:
+        scale, c, neg = lloyd_max_code(vp, lens, action)
+        return lloyd_max_value(c, neg, scale, action.levels)
     if kind == ActionKind.TOPK:
         return torch.where(topk_kept(vp, j, lens, action), vp.bfloat16().float(), zero)
     raise ValueError(f"unknown action kind {kind!r}")
@@ -141,7 +203,7 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     out = torch.zeros((len(menu), 4), dtype=torch.float64, device=e.device)
     if v.numel() == 0:
         return out
-    vp, j, lens = _buckets(v, menu.bucket_size, buckets)
+    vp, j, lens = bucket_matrix(v, menu.bucket_size, buckets)
     valid = (j < v.numel()).to(torch.float32)
     for i, action in enumerate(menu):
         q = quantize_buckets(vp, j, lens, action, key)
@@ -157,7 +219,7 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
     if n == 0:
         return torch.zeros(4, dtype=torch.float64, device=e.device)
     v = _v(g, e)
-    vp, j, lens = _buckets(v, action.bucket_size, None)
+    vp, j, lens = bucket_matrix(v, action.bucket_size, None)
     q = quantize_buckets(vp, j, lens, action, key).reshape(-1)[:n]
     out.copy_(q)
     e.copy_(v - q)
@@ -207,7 +269,7 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
     if n == 0:
         return torch.zeros(4, dtype=torch.float64, device=e.device)
     v = _v(g, e)
-    vp, j, lens = _buckets(v, action.bucket_size, None)
+    vp, j, lens = bucket_matrix(v, action.bucket_size, None)
     valid = j < n
     kind = action.kind
     if kind == ActionKind.FLOAT32:
@@ -228,6 +290,17 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
             codes = pack_trits(ci + negbit)
         else:
             codes = pack_bits(ci | (negbit << (quant_code_bits(action.levels) - 1)), quant_code_bits(action.levels))
+        parts = [scale.reshape(-1), codes]
+    elif kind == ActionKind.LLOYD_MAX:
+        scale, c, neg = lloyd_max_code(vp, lens, action)
+        q = lloyd_max_value(c, neg, scale, action.levels)
+        negbit = (neg != 0).to(torch.int64)[valid]
+        ci = c[valid].to(torch.int64)
+        if action.packs_trits:
+            codes = pack_trits(ci + negbit)
+        else:
+            cb = index_bits(action.levels)
+            codes = pack_bits(ci | (negbit << (cb - 1)), cb)
         parts = [scale.reshape(-1), codes]
     elif kind == ActionKind.SIGN:
         scale = sign_scale(vp, lens)
@@ -262,11 +335,21 @@ def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate:
         x = body.view(torch.float16).float()
     elif header.kind == ActionKind.BFLOAT16:
         x = (body.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-    elif header.kind in (ActionKind.QUANT, ActionKind.SIGN):
+    elif header.kind in (ActionKind.QUANT, ActionKind.SIGN, ActionKind.LLOYD_MAX):
         scale = body[:4 * nb].view(torch.float32)[bucket_of]
         codes = body[4 * nb:]
         if header.kind == ActionKind.SIGN:
             x = torch.where(unpack_bits(codes, n, 1) == 1, -scale, scale)
+        elif header.kind == ActionKind.LLOYD_MAX:
+            if header.trits:
+                w = unpack_trits(codes, n)
+                c, neg = (w != 0).float(), torch.where(w == 2, _SIGN_BIT, 0).to(torch.int32)
+            else:
+                cb = index_bits(header.levels)
+                w = unpack_bits(codes, n, cb)
+                c = (w & ((1 << (cb - 1)) - 1)).float()
+                neg = torch.where((w >> (cb - 1)) & 1 == 1, _SIGN_BIT, 0).to(torch.int32)
+            x = lloyd_max_value(c, neg, scale, header.levels)
         elif header.trits:
             w = unpack_trits(codes, n)
             x = quant_value((w != 0).float(), torch.where(w == 2, _SIGN_BIT, 0).to(torch.int32), scale,

@@ -18,17 +18,21 @@
 #define SB_HD __host__ __device__ __forceinline__
 typedef unsigned int sb_u32;
 typedef long long sb_i64;
+#define SB_TABLE __constant__ const
 #else
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #define SB_HD static inline
+#define SB_TABLE static const
 typedef uint32_t sb_u32;
 typedef int64_t sb_i64;
 #endif
 
-/* Action kinds SB_FLOAT32 ... SB_TOPK come from safebits_hvd.actions.ActionKind (kernels/source.py). */
-#if !defined(SB_FLOAT32) || !defined(SB_TOPK)
-#error "safebits_math.h needs the action kinds from safebits_hvd.kernels.source.constant_defines()"
+/* Action kinds SB_FLOAT32 ... SB_LLOYD_MAX come from safebits_hvd.actions.ActionKind, the Lloyd-Max tables
+ * SB_LM_* from safebits_hvd.actions.LLOYD_MAX_LEVELS (kernels/source.py). */
+#if !defined(SB_FLOAT32) || !defined(SB_TOPK) || !defined(SB_LLOYD_MAX) || !defined(SB_LM_LEVEL_TABLE)
+#error "safebits_math.h needs the action kinds and tables from safebits_hvd.kernels.source.constant_defines()"
 #endif
 
 /* Lanes of the per-bucket float64 sums whose value decides a quantized output (the SIGN scale): element i of a
@@ -176,6 +180,52 @@ SB_HD sb_u32 sb_sign_code(float v) { return (sb_u32)!(v >= 0.0f); }
 SB_HD float sb_sign_value(sb_u32 code, float scale) { return code ? -scale : scale; }
 SB_HD float sb_sign(float v, float scale) { return sb_sign_value(sb_sign_code(v), scale); }
 
+/* LLOYD_MAX: q = +-level[c] * scale, level[] the codebook's magnitudes (ascending; level[0] = 0 for 3 levels).
+ * scale: of the candidates rms * factor[f] (rms = (float)sqrt(lane-ordered double sum of v^2 / len), f ascending),
+ * the first with the least lane-ordered float32 sum of sb_lm_err2 over the bucket. Codes travel as QUANT words do
+ * (sb_quant_sign / sb_quant_word: a sign-magnitude word of log2(levels) bits, or a trit for 3 levels). */
+SB_TABLE float sb_lm_level[SB_LM_TABLE_SIZE] = SB_LM_LEVEL_TABLE;
+SB_TABLE float sb_lm_threshold[SB_LM_TABLE_SIZE] = SB_LM_THRESHOLD_TABLE;
+SB_TABLE float sb_lm_factor[SB_LM_NFACTORS] = SB_LM_FACTORS;
+
+/* Magnitudes of a codebook: 2 for 3 levels (0 and one), levels / 2 otherwise. */
+SB_HD int sb_lm_magnitudes(int levels) { return (levels + 1) / 2; }
+
+SB_HD float sb_lm_scale(double sum_sq, int len) { return (float)sqrt(sum_sq / (double)len); }
+
+/* Magnitude code c (an exact small float): how many of the codebook's thresholds r = |v| * (1 / scale) reaches,
+ * i.e. the nearest magnitude (a NaN ratio, e.g. 0 * inf in a zero bucket, gives 0). A product by the reciprocal,
+ * not a division: the reciprocal is hoisted out of the element loops. Table reads use the loop index only, so every
+ * CUDA thread of a warp reads the same constant. */
+SB_HD float sb_lm_code(float v, float scale, int levels) {
+    float r = sb_u2f(sb_f2u(v) & 0x7fffffffu) * (1.0f / scale);
+    int first = SB_LM_FIRST(levels), m = sb_lm_magnitudes(levels);
+    float c = 0.0f;
+    for (int k = 1; k < m; k++) c += r >= sb_lm_threshold[first + k] ? 1.0f : 0.0f;
+    return c;
+}
+
+/* LLOYD_MAX value of (c, sign): level[c] * scale carrying the sign bit (a select chain, not an indexed read). */
+SB_HD float sb_lm_value(float c, sb_u32 neg, float scale, int levels) {
+    int first = SB_LM_FIRST(levels), m = sb_lm_magnitudes(levels);
+    float x = sb_lm_level[first];
+    for (int k = 1; k < m; k++) x = c >= (float)k ? sb_lm_level[first + k] : x;
+    return sb_u2f(sb_f2u(x * scale) | neg);
+}
+
+/* q = Q(v) for a LLOYD_MAX element (sb_lm_value of sb_lm_code). */
+SB_HD float sb_lm(float v, float scale, int levels, int trits) {
+    float c = sb_lm_code(v, scale, levels);
+    return sb_lm_value(c, sb_quant_sign(v, c, trits), scale, levels);
+}
+
+/* (level[c] * scale - |v|)^2 in float32, = (q - v)^2 up to rounding: what the scale choice sums (in float32 lanes:
+ * the choice only has to be the same everywhere, and float32 halves its cost). */
+SB_HD float sb_lm_err2(float v, float scale, int levels) {
+    float d = sb_lm_value(sb_lm_code(v, scale, levels), 0u, scale, levels) - sb_u2f(sb_f2u(v) & 0x7fffffffu);
+    return d * d;
+}
+
 /* nbits (1..16) bits at bit position `bit` of an LSB-first bitstream; reads only the bytes that hold them. */
 SB_HD sb_u32 sb_get_bits(const unsigned char *p, sb_i64 bit, int nbits) {
     const unsigned char *q = p + (bit >> 3);
@@ -207,5 +257,18 @@ SB_HD int sb_index_bits(sb_i64 bucket) {
 
 /* Bits of one sign-magnitude QUANT code: 1 + ceil(log2(levels + 1)). */
 SB_HD int sb_quant_bits(int levels) { return 1 + sb_index_bits((sb_i64)levels + 1); }
+
+/* Bits of one LLOYD_MAX word: log2(levels) (sign bit on top); 0 for 3 levels (trits). */
+SB_HD int sb_lm_bits(int levels) { return levels == 3 ? 0 : sb_index_bits((sb_i64)levels); }
+
+/* Bits per code of the scale-and-codes kinds (QUANT bitstream, LLOYD_MAX, SIGN); 0 for trits and other kinds. */
+SB_HD int sb_code_bits(int kind, int levels, int trits) {
+    if (trits) return 0;
+    return kind == SB_QUANT ? sb_quant_bits(levels) : kind == SB_LLOYD_MAX ? sb_lm_bits(levels)
+                                                      : kind == SB_SIGN ? 1 : 0;
+}
+
+/* Kinds whose body is one fp32 scale per bucket, then the codes. */
+SB_HD int sb_has_scales(int kind) { return kind == SB_QUANT || kind == SB_SIGN || kind == SB_LLOYD_MAX; }
 
 #endif /* SAFEBITS_MATH_H */
