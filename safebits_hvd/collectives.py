@@ -116,6 +116,132 @@ class HorovodTransport:
         return self._hvd.synchronize(horovod_handle)
 
 
+class _QueuedAllgather:
+    """Allgathers queued by :class:`TorchDistributedTransport` until its next flush: launched as ONE collective."""
+
+    def __init__(self) -> None:
+        self.payloads: list[torch.Tensor] = []
+        self.names: list[str] = []
+        self.launched = False
+        self.work: Any = None
+        self.received: list[torch.Tensor] = []
+        self.lengths = np.zeros((0, 0), dtype=np.int64)          # [rank, payload] bytes
+        self.offsets = np.zeros((0, 0), dtype=np.int64)
+
+    def launch(self, transport: TorchDistributedTransport) -> None:
+        # torch's all_gather moves equal sizes: every rank's payload lengths first (small), then every rank's
+        # payloads back to back, padded to the longest rank's total.
+        self.launched = True
+        device = transport.device
+        lengths = torch.tensor([p.numel() for p in self.payloads], dtype=torch.int64, device=device)
+        self.lengths = transport.gather_now(lengths, f"the sizes of {self.names[0]!r}...").numpy()
+        self.offsets = np.cumsum(self.lengths, axis=1) - self.lengths
+        totals = self.lengths.sum(axis=1)
+        longest = int(totals.max())
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        torch.cat([p.to(device) for p in self.payloads], out=mine[:int(totals[transport.rank])])
+        self.received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(transport.size)]
+        self.work = transport.dist.all_gather(self.received, mine, group=transport.process_group, async_op=True)
+        self.payloads = []
+
+    def result(self, position: int) -> torch.Tensor:
+        """Every rank's payload ``position`` of the batch, concatenated in rank order."""
+        return torch.cat([self.received[r][int(self.offsets[r, position]):
+                                           int(self.offsets[r, position] + self.lengths[r, position])]
+                          for r in range(len(self.received))])
+
+
+class _QueuedAlltoall:
+    """One alltoall queued by :class:`TorchDistributedTransport` until its next flush."""
+
+    def __init__(self, name: str, buffer: torch.Tensor, splits: list[int]) -> None:
+        self.names = [name]
+        self.buffer = buffer
+        self.splits = splits
+        self.launched = False
+        self.work: Any = None
+        self.received = torch.empty(0, dtype=torch.uint8)
+        self.received_splits: list[int] = []
+
+    def launch(self, transport: TorchDistributedTransport) -> None:
+        # all_to_all_single needs the sizes this rank receives: every rank's splits first (small).
+        self.launched = True
+        device = transport.device
+        splits = torch.tensor(self.splits, dtype=torch.int64, device=device)
+        matrix = transport.gather_now(splits, f"the splits of {self.names[0]!r}").numpy()
+        self.received_splits = [int(v) for v in matrix[:, transport.rank]]
+        self.received = torch.empty(sum(self.received_splits), dtype=torch.uint8, device=device)
+        self.work = transport.dist.all_to_all_single(self.received, self.buffer.to(device), self.received_splits,
+                                                     self.splits, group=transport.process_group, async_op=True)
+
+    def result(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.received, torch.tensor(self.received_splits, dtype=torch.int32)
+
+
+class TorchDistributedTransport:
+    """``torch.distributed`` collectives of uint8 buffers on a process group (None: the default group), for the DDP
+    front end (:mod:`.ddp`); Gloo on CPU, NCCL on GPU.
+
+    ``start_allgather`` and ``start_alltoall`` only queue (they never block); :meth:`flush` launches everything
+    queued, in order, and consecutive allgathers as ONE collective: the DDP hook flushes once per bucket, so a
+    bucket's payloads travel together. torch's collectives need every rank's sizes up front, so each launch is
+    preceded by one small blocking all_gather of the sizes; every rank flushes at the same points (the same bucket
+    sequence), so it cannot deadlock. ``wait`` flushes first if its collective is still queued; every wait is
+    bounded by ``timeout`` seconds (:func:`~.exchange.wait_bounded`).
+    """
+
+    def __init__(self, process_group: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.size = dist.get_world_size(process_group)
+        self.timeout = timeout
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
+        self._queue: list[_QueuedAllgather | _QueuedAlltoall] = []
+
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
+        if not self._queue or not isinstance(self._queue[-1], _QueuedAllgather):
+            self._queue.append(_QueuedAllgather())
+        batch = self._queue[-1]
+        assert isinstance(batch, _QueuedAllgather)
+        batch.payloads.append(payload)
+        batch.names.append(name)
+        return batch, len(batch.payloads) - 1
+
+    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+        operation = _QueuedAlltoall(name, buffer, splits)
+        self._queue.append(operation)
+        return operation, 0
+
+    def flush(self) -> None:
+        """Launch every queued collective, in the order queued."""
+        queue, self._queue = self._queue, []
+        for operation in queue:
+            operation.launch(self)
+
+    def wait(self, handle: Any) -> Any:
+        operation, position = handle
+        if not operation.launched:
+            self.flush()
+        if operation.work is not None:
+            wait_bounded(operation.work.is_completed, self.timeout,
+                         f"SafeBits' payload collective {operation.names[0]!r} (torch.distributed)")
+            operation.work.wait()                 # raises the collective's own error, if any
+            operation.work = None
+        return operation.result(position)
+
+    def gather_now(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's ``values`` (same shape everywhere), stacked in rank order on the CPU (a bounded wait)."""
+        pieces = [torch.empty_like(values) for _ in range(self.size)]
+        work = self.dist.all_gather(pieces, values, group=self.process_group, async_op=True)
+        wait_bounded(work.is_completed, self.timeout, f"SafeBits' exchange of {what} (torch.distributed)")
+        work.wait()
+        return torch.stack(pieces).cpu()
+
+
 def make_transport(process_set: Any = None,
                    timeout: float | None = DEFAULT_TIMEOUT) -> LocalTransport | HorovodTransport:
     """The payload transport of the current process: Horovod's on ``process_set`` (None: every rank) when Horovod

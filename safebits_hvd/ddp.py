@@ -1,0 +1,174 @@
+"""The PyTorch DDP front end: a communication hook over :class:`~.core.SafeBitsCore` (docs/DESIGN.md, "The life of
+one step under DDP").
+
+    from safebits_hvd import ddp as sbddp
+    state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=4.4)
+    ddp_model.register_comm_hook(state, sbddp.safebits_hook)
+    ...
+    state.last_step        # the StepRecord of the last step, as with the Horovod front end
+
+DDP calls the hook once per gradient bucket, in bucket order, identically on every rank. Each tensor of the bucket
+goes through the core on its own (its own action, screen and residual); the packed payloads of the bucket travel
+in one ``torch.distributed`` collective (:class:`~.collectives.TorchDistributedTransport`), started before the
+hook returns, so it overlaps the rest of backward. The hook of the last bucket (``bucket.is_last()``) closes the
+step: the core has then started the statistics exchange (one asynchronous ``all_reduce(MAX)``,
+:class:`~.exchange.TorchDistributedExchange`); it waits for every bucket's collective, decodes the payloads in rank
+order into each bucket's buffer (the mean over ranks, bitwise the same on every rank), finishes the step (record,
+digest check) and completes every bucket's future. DDP waits for those futures only after backward.
+"""
+
+# No "from __future__ import annotations": DDP compares the hook's annotations with the real classes.
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .actions import DEFAULT_MENU, Menu
+from .collectives import LocalTransport, PayloadTransport, TorchDistributedTransport
+from .compressor import CoreRecords, build_core
+from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
+
+
+class _Piece(NamedTuple):
+    """One tensor of a bucket: its parameter index, its range in the bucket's buffer, what the core sent."""
+
+    index: int
+    start: int
+    stop: int
+    handle: Any
+
+
+class _PendingBucket(NamedTuple):
+    """A bucket whose reduction completes when the step closes."""
+
+    future: torch.futures.Future[torch.Tensor]
+    buffer: torch.Tensor
+    pieces: list[_Piece]
+    work: Any                   # dense path: the buffer's all_reduce
+
+
+class SafeBitsState(CoreRecords):
+    """SafeBits' state for one DDP model: pass it with :func:`safebits_hook` to ``register_comm_hook``.
+
+    Args:
+        named_parameters: ``model.named_parameters()`` of the wrapped (``DistributedDataParallel``) or the
+            unwrapped model: parameters are matched to DDP's buckets by identity. Parameters with
+            ``requires_grad=False`` are ignored, as DDP ignores them. Every parameter DDP reduces must be here.
+        process_group: the DDP model's process group (``DistributedDataParallel(..., process_group=)``); None:
+            the default group.
+        budget_bits, max_distortion, min_cosine, menu, seed, log_path, sample_buckets, consistency_check_every,
+        nonfinite, screen, name, max_history, collective, timeout: as :class:`~safebits_hvd.SafeBits`. With
+        ``collective="auto"`` two ranks use ``"allgather"`` and more use ``"two_phase"`` (an ``all_to_all``, which
+        Gloo and NCCL both have); ``"dense"`` all-reduces the dequantized float32 values.
+        exchange, transport: the statistics and payload transports; default None: ``torch.distributed`` on
+            ``process_group`` when it has several ranks, else local.
+    """
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | Any,
+                 budget_bits: float | Callable[[int], float] = 4.0, max_distortion: float = 0.5,
+                 min_cosine: float = 0.8, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
+                 log_path: str | os.PathLike[str] | None = None, *, process_group: Any = None,
+                 sample_buckets: int = 16, consistency_check_every: int = 1, nonfinite: str = "propagate",
+                 screen: bool = True, name: str = "safebits", max_history: int = 1000, collective: str = "auto",
+                 timeout: float | None = DEFAULT_TIMEOUT, exchange: StatisticsExchange | None = None,
+                 transport: PayloadTransport | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("SafeBitsState needs torch.distributed initialized (dist.init_process_group) first")
+        if dist.get_rank(process_group) < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not in the process group SafeBitsState was given; build "
+                             f"it only on the ranks of its DDP model's group")
+        self.process_group = process_group
+        several = dist.get_world_size(process_group) > 1
+        params, core = build_core(
+            named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
+            sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
+            screen=screen, name=name, max_history=max_history, collective=collective, timeout=timeout,
+            exchange=exchange if exchange is not None else (
+                lambda t: TorchDistributedExchange(process_group, t) if several else LocalExchange()),
+            transport=transport if transport is not None else (
+                lambda t: TorchDistributedTransport(process_group, t) if several else LocalTransport()))
+        self.core = core
+        self.names = core.names
+        self.timeout = timeout
+        self._index_by_id = {id(p): i for i, p in enumerate(params)}
+        self._params = params
+        self._pending: list[_PendingBucket] = []
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    # ------------------------------------------------------------------ one bucket
+    def _index_of(self, parameter: torch.Tensor) -> int:
+        index = self._index_by_id.get(id(parameter))
+        if index is None or self._params[index] is not parameter:
+            raise ValueError(f"DDP reduces a parameter of shape {tuple(parameter.shape)} that SafeBitsState does not "
+                             f"know; build SafeBitsState from the same model's named_parameters() as DDP")
+        return index
+
+    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Send every tensor of ``bucket`` through the core, start the bucket's collective, and return the future
+        of its mean over ranks (completed when the last bucket of the step is reduced)."""
+        core = self.core
+        buffer = bucket.buffer()
+        pieces: list[_Piece] = []
+        offset = 0
+        step = core.step
+        collective = ""
+        for parameter, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            index = self._index_of(parameter)
+            n = grad.numel()
+            sent = core.send(index, grad)
+            step, collective = sent.step, sent.collective
+            if collective == "dense":
+                # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
+                buffer[offset:offset + n].copy_(sent.wire)
+            pieces.append(_Piece(index, offset, offset + n, sent.handle))
+            offset += n
+        if offset != buffer.numel():
+            raise RuntimeError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its gradients {offset}")
+        work = None
+        transport = core.transport
+        if collective == "dense" and self.world_size > 1:
+            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+        elif isinstance(transport, TorchDistributedTransport):
+            transport.flush()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._pending.append(_PendingBucket(future, buffer, pieces, work))
+        if bucket.is_last():
+            self._close_step(step, collective)
+        return future
+
+    def _close_step(self, step: int, collective: str) -> None:
+        """The last bucket: every bucket's mean into its buffer, the step finished, every future completed."""
+        core = self.core
+        pending, self._pending = self._pending, []
+        if core.in_step:
+            missing = [core.names[i] for i, unsent in enumerate(core.unsent) if unsent]
+            core.finish()
+            raise ValueError(f"SafeBitsState registered parameters DDP does not reduce (e.g. {missing[:3]}); build "
+                             f"it from the same model's named_parameters() as DDP")
+        ranks = self.world_size
+        for bucket in pending:
+            if collective == "dense":
+                if bucket.work is not None:
+                    wait_bounded(bucket.work.is_completed, self.timeout, "the DDP bucket's all_reduce")
+                    bucket.work.wait()
+                    bucket.buffer.div_(ranks)
+                continue
+            for piece in bucket.pieces:
+                total = core.reduced_sum(piece.index, step, collective, piece.handle)
+                bucket.buffer[piece.start:piece.stop].copy_(total.div_(ranks))
+        core.finish(step)
+        for bucket in pending:
+            bucket.future.set_result(bucket.buffer)
+
+
+def safebits_hook(state: SafeBitsState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, safebits_hook)``."""
+    return state.reduce_bucket(bucket)
+
+
+__all__ = ["SafeBitsState", "safebits_hook"]
