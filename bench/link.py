@@ -301,8 +301,9 @@ def ddp_worker_args(args: argparse.Namespace, out: str, quality: bool = False) -
 def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=["1gbit"], choices=RATES)
-    parser.add_argument("--compressors", nargs="+", default=COMPRESSORS,
-                        help="none, fp16, or registry names of safebits_hvd.baselines (name@budget_bits)")
+    parser.add_argument("--compressors", nargs="*", default=COMPRESSORS,
+                        help="none, fp16, or registry names of safebits_hvd.baselines (name@budget_bits); none "
+                             "given: only the DDP rows")
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per case")

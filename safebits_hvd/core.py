@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import checkpoint, collectives, kernels
+from . import checkpoint, collectives, kernels, wire
 from .actions import ActionKind, Menu
 from .allocator import Allocation
 from .collectives import PayloadTransport
@@ -203,6 +203,18 @@ class SafeBitsCore:
             out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
             return collectives.sum_payloads(gathered, self.transport.size, out, self.names[index])
         return self.two_phase.result(index, step)
+
+    @property
+    def allocation_digest(self) -> str:
+        """The digest of the step in progress's allocation (or the last one begun); "" before the first."""
+        return self._digest
+
+    def allocated_payload_bytes(self, index: int) -> int:
+        """Bytes of tensor ``index``'s packed payload at the allocated action of the step in progress (or the last
+        one begun): identical on every rank; a rank that escalates the tensor sends more."""
+        assert self._allocation is not None
+        action = self.menu[int(self._allocation.choice[index])]
+        return wire.HEADER_BYTES + action.cost(int(self.numels[index])) // 8
 
     def finish(self, step: int | None = None) -> None:
         """Finish the pending exchange (only if it is ``step``'s, when given)."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .actions import DEFAULT_MENU, Menu
 from .collectives import LocalTransport, PayloadTransport, TorchDistributedTransport
 from .compressor import CoreRecords, build_core
+from .errors import SafeBitsConsistencyError
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
 
 
@@ -134,12 +135,36 @@ class SafeBitsState(CoreRecords):
         if collective == "dense" and self.world_size > 1:
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         elif isinstance(transport, TorchDistributedTransport):
-            transport.flush()
+            expected = None
+            if collective == "allgather":
+                # The bucket's payloads at their allocated actions: the same size on every rank, so the collective
+                # starts without a size exchange (only an escalated rest waits for the step's close).
+                expected = sum(core.allocated_payload_bytes(p.index) for p in pieces)
+                if not self._pending:
+                    self._check_allocation(transport, step)
+            transport.flush(expected)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._pending.append(_PendingBucket(future, buffer, pieces, work))
         if bucket.is_last():
             self._close_step(step, collective)
         return future
+
+    def _check_allocation(self, transport: TorchDistributedTransport, step: int) -> None:
+        """The first bucket of a step: every rank must have allocated alike (else the buckets' sizes differ and the
+        collective would fail inside Gloo or NCCL): one small blocking all_gather of the allocation digest, the
+        tensor count and the step's payload bytes at the allocated actions, so a mismatch raises
+        :class:`~.errors.SafeBitsConsistencyError` on every rank before any payload moves."""
+        core = self.core
+        digest = int(core.allocation_digest, 16)
+        total = sum(core.allocated_payload_bytes(i) for i in range(len(core.names)))
+        words = torch.tensor([*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total],
+                             dtype=torch.int64, device=transport.device)
+        everyone = transport.gather_now(words, f"the allocation digest of step {step}")
+        if not bool((everyone == everyone[0]).all()):
+            raise SafeBitsConsistencyError(
+                f"ranks disagree on the allocation of step {step} (this rank's digest "
+                f"{self.core.allocation_digest}); every rank must build SafeBitsState with the same parameters, "
+                f"menu, budget and thresholds")
 
     def _close_step(self, step: int, collective: str) -> None:
         """The last bucket: every bucket's mean into its buffer, the step finished, every future completed."""
