@@ -146,6 +146,9 @@ class Scenario:
     nonfinite_step: int = -1             # rank 1 (or 0 alone) sees NaN in fc2.weight's gradient at this step
     lr: float = 0.5
     loss_must_fall: bool = False
+    max_distortion: float = 0.5
+    min_cosine: float = 0.8
+    expect_escalation: bool = False      # escalated payloads outgrow the bucket's allocated size (a second hop)
 
 
 Hook = Callable[[sbddp.SafeBitsState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -165,7 +168,8 @@ def build(sc: Scenario, hook: Hook = sbddp.safebits_hook, tag: str = "", **state
     transport = RecordingTransport()
     named = ddp_model.named_parameters() if sc.wrapped_names else model.named_parameters()
     kwargs = {"budget_bits": sc.budget_bits, "collective": sc.collective, "name": f"safebits.{sc.name}{tag}",
-              "transport": transport, **state_kwargs}
+              "transport": transport, "max_distortion": sc.max_distortion, "min_cosine": sc.min_cosine,
+              **state_kwargs}
     state = sbddp.SafeBitsState(named, **kwargs)
     ddp_model.register_comm_hook(state, hook)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=sc.lr, momentum=0.5)
@@ -235,7 +239,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
     two_phase_sums = {n: torch.zeros(2, k, dtype=torch.float64) for n, k in numels.items()}
     collectives: set[str] = set()
     first_loss = global_loss(model)
-    skipped = 0
+    skipped = escalations = 0
     for step in range(sc.steps):
         current["step"] = step
         seen.clear()
@@ -257,6 +261,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
               f"step {step}: last_step is {None if record is None else record.step}, state.step {state.step}")
         check(set(seen) == set(trainable), f"step {step}: the hook saw {sorted(seen)}")
         collectives.add(record.collective)
+        escalations += len(record.escalations)
         check(record.wire_bytes > 0 if ranks > 1 else record.wire_bytes == 0,
               f"step {step}: wire_bytes {record.wire_bytes}")
 
@@ -344,8 +349,11 @@ def run_training(sc: Scenario) -> dict[str, Any]:
     last_loss = global_loss(model)
     if sc.loss_must_fall:
         check(last_loss < 0.7 * first_loss, f"training loss did not fall: {first_loss:.4f} -> {last_loss:.4f}")
+    if sc.expect_escalation:
+        check(escalations > 0, "expected escalations with these thresholds, got none")
     ratio = float(np.median([r.modeled_compression_ratio for r in state.history]))
     return {"loss": f"{first_loss:.3f}->{last_loss:.3f}", "ratio": round(ratio, 2), "skipped": skipped,
+            "escalations": escalations,
             "collective": "+".join(sorted(collectives)), "exchange": type(state.exchange).__name__}
 
 
@@ -447,7 +455,7 @@ def expect_error(sc: Scenario, text: str, error: type[BaseException] = Exception
 def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
     """Every scenario by name, in the order they run (the failing ones last)."""
     configs = [
-        Scenario("train", steps=30, lr=0.5, loss_must_fall=True),
+        Scenario("train", steps=20, lr=0.5, loss_must_fall=True),
         Scenario("allgather", collective="allgather"),
         Scenario("two_phase", collective="two_phase"),
         Scenario("dense", collective="dense"),
@@ -458,6 +466,7 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
         Scenario("bucket_view", gradient_as_bucket_view=True, wrapped_names=True),
         Scenario("frozen", frozen=True),
         Scenario("nonfinite", nonfinite_step=2),
+        Scenario("escalations", budget_bits=1.0, max_distortion=0.05, min_cosine=0.97, expect_escalation=True),
     ]
     table: dict[str, Callable[[], dict[str, Any]]] = {c.name: (lambda c=c: run_training(c)) for c in configs}
     table["checkpoint_restore"] = run_checkpoint_restore
