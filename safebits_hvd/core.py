@@ -194,15 +194,21 @@ class SafeBitsCore:
             self._close()
         return Sent(sent, step, collective, handle)
 
-    def reduced_sum(self, index: int, step: int, collective: str, handle: Any) -> torch.Tensor:
+    def reduced_sum(self, index: int, step: int, collective: str, handle: Any,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum over ranks of what every rank sent of tensor ``index`` at ``step`` on a packed path, decoded in
-        rank order (bitwise the same on every rank), as a flat float32 tensor. Waits for the collective."""
+        rank order (bitwise the same on every rank), as a flat float32 tensor (``out`` if given: written over).
+        Waits for the collective."""
         assert self.transport is not None
         if collective == "allgather":
             gathered = self.transport.wait(handle)
-            out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
+            if out is None:
+                out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
+            else:
+                out.zero_()
             return collectives.sum_payloads(gathered, self.transport.size, out, self.names[index])
-        return self.two_phase.result(index, step)
+        total = self.two_phase.result(index, step)
+        return total if out is None else out.copy_(total)
 
     @property
     def allocation_digest(self) -> str:

@@ -183,9 +183,14 @@ class SafeBitsState(CoreRecords):
                     bucket.work.wait()
                     bucket.buffer.div_(ranks)
                 continue
+            in_place = bucket.buffer.dtype == torch.float32      # decode straight into DDP's buffer
             for piece in bucket.pieces:
-                total = core.reduced_sum(piece.index, step, collective, piece.handle)
-                bucket.buffer[piece.start:piece.stop].copy_(total.div_(ranks))
+                target = bucket.buffer[piece.start:piece.stop]
+                total = core.reduced_sum(piece.index, step, collective, piece.handle, target if in_place else None)
+                if in_place:
+                    target.div_(ranks)
+                else:
+                    target.copy_(total.div_(ranks))
         core.finish(step)
         for bucket in pending:
             bucket.future.set_result(bucket.buffer)
