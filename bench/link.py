@@ -300,7 +300,8 @@ def ddp_worker_args(args: argparse.Namespace, out: str, quality: bool = False) -
 
 def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", nargs="+", default=["1gbit"], choices=RATES)
+    parser.add_argument("--rates", nargs="*", default=["1gbit"], choices=RATES,
+                        help="link rates to time (none given: only the --quality-steps training run)")
     parser.add_argument("--compressors", nargs="*", default=COMPRESSORS,
                         help="none, fp16, or registry names of safebits_hvd.baselines (name@budget_bits); none "
                              "given: only the DDP rows")
@@ -410,7 +411,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         except LaunchError as exc:
             print(f"[link] training run failed: {exc}", file=sys.stderr)
             failed.append("quality")
-    if not runs:
+    if not runs and not quality:
         return 1
     rows = summarize(runs)
     models = {r["model"]: {"parameters": r["parameters"],
@@ -429,7 +430,8 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
                 f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md
                 + (f"\n### DDP training run ({args.quality_steps} steps, unlimited link)\n\n" + quality_table(quality)
                    if quality else ""))
-    plot(rows, os.path.join(args.out_dir, "link_throughput.png"))
+    if rows:
+        plot(rows, os.path.join(args.out_dir, "link_throughput.png"))
     print(md)
     if quality:
         print(quality_table(quality))

@@ -126,7 +126,7 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
         raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
     if timeout is not None:
         timeout = check_number("timeout", timeout, 0.0, math.inf, low_open=True)
-    if not callable(exchange) and not isinstance(exchange, StatisticsExchange):
+    if not (callable(exchange) or isinstance(exchange, StatisticsExchange)):
         raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
                         f"is_local, rank, size), got {type(exchange).__name__}")
     numels = np.array([p.numel() for p in params], dtype=np.int64)
@@ -140,6 +140,16 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
         transport=transport if isinstance(transport, PayloadTransport) else (lambda: transport(timeout)),
         name=name)
     return params, core
+
+
+def check_transports(exchange: Any, transport: Any) -> None:
+    """``TypeError`` unless ``exchange`` and ``transport`` are None or implement their protocols."""
+    if exchange is not None and not isinstance(exchange, StatisticsExchange):
+        raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
+                        f"is_local, rank, size), got {type(exchange).__name__}")
+    if transport is not None and not isinstance(transport, PayloadTransport):
+        raise TypeError(f"transport must implement safebits_hvd.collectives.PayloadTransport (start_allgather, "
+                        f"start_alltoall, wait, rank, size), got {type(transport).__name__}")
 
 
 class CoreRecords:
@@ -310,6 +320,7 @@ class SafeBits(CoreCompressor):
                  name: str = "safebits", max_history: int = 1000, collective: str = "auto",
                  process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT,
                  exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
+        check_transports(exchange, transport)
         params, core = build_core(
             named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,

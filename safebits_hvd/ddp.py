@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .actions import DEFAULT_MENU, Menu
 from .collectives import LocalTransport, PayloadTransport, TorchDistributedTransport
-from .compressor import CoreRecords, build_core
+from .compressor import CoreRecords, build_core, check_transports
 from .errors import SafeBitsConsistencyError
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
 
@@ -80,6 +80,7 @@ class SafeBitsState(CoreRecords):
         if dist.get_rank(process_group) < 0:
             raise ValueError(f"rank {dist.get_rank()} is not in the process group SafeBitsState was given; build "
                              f"it only on the ranks of its DDP model's group")
+        check_transports(exchange, transport)
         self.process_group = process_group
         several = dist.get_world_size(process_group) > 1
         params, core = build_core(
@@ -114,12 +115,19 @@ class SafeBitsState(CoreRecords):
         of its mean over ranks (completed when the last bucket of the step is reduced)."""
         core = self.core
         buffer = bucket.buffer()
+        grads = bucket.gradients()
+        indices = [self._index_of(p) for p in bucket.parameters()]     # every one known before anything is sent
+        if sum(g.numel() for g in grads) != buffer.numel():
+            raise RuntimeError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its gradients "
+                               f"{sum(g.numel() for g in grads)}")
+        began = not core.in_step
+        if began:
+            self._pending = []       # buckets of a step that an error interrupted: DDP never waits for them
         pieces: list[_Piece] = []
         offset = 0
         step = core.step
         collective = ""
-        for parameter, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            index = self._index_of(parameter)
+        for index, grad in zip(indices, grads, strict=True):
             n = grad.numel()
             sent = core.send(index, grad)
             step, collective = sent.step, sent.collective
@@ -128,8 +136,6 @@ class SafeBitsState(CoreRecords):
                 buffer[offset:offset + n].copy_(sent.wire)
             pieces.append(_Piece(index, offset, offset + n, sent.handle))
             offset += n
-        if offset != buffer.numel():
-            raise RuntimeError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its gradients {offset}")
         work = None
         transport = core.transport
         if collective == "dense" and self.world_size > 1:
@@ -140,7 +146,7 @@ class SafeBitsState(CoreRecords):
                 # The bucket's payloads at their allocated actions: the same size on every rank, so the collective
                 # starts without a size exchange (only an escalated rest waits for the step's close).
                 expected = sum(core.allocated_payload_bytes(p.index) for p in pieces)
-                if not self._pending:
+                if began:
                     self._check_allocation(transport, step)
             transport.flush(expected)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
