@@ -7,7 +7,8 @@ one communication hook per case:
 * ``ddp:none``: DDP's default allreduce (no hook);
 * ``ddp:fp16``: ``default_hooks.fp16_compress_hook``;
 * ``ddp:powersgd1`` / ``ddp:powersgd4``: ``powerSGD_hook`` at rank 1 / 4 (error feedback and warm start on;
-  PowerSGD starts at the first warm-up step after its one required uncompressed step);
+  PowerSGD starts after its one required uncompressed step, within the warm-up), completed inside the hook
+  (:func:`powersgd_in_order`);
 * ``ddp:safebits@B``: :func:`safebits_hvd.ddp.safebits_hook` at ``budget_bits=B``.
 
 With ``--quality-steps N`` it instead trains every case for N steps on a fixed learnable task (3x32x32 images
@@ -59,6 +60,17 @@ def powersgd_modeled_bits(model: torch.nn.Module, rank: int, min_compression_rat
     return 32.0 * floats
 
 
+def powersgd_in_order(state: powerSGD_hook.PowerSGDState,
+                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """``powerSGD_hook``, completed before the hook returns. PowerSGD starts its second and third allreduce of a
+    bucket from the callback of the previous one, on Gloo's worker threads; with several buckets in flight their
+    order can differ between ranks, and Gloo then aborts on a size mismatch (seen in this benchmark). Waiting per
+    bucket keeps every rank's order, at the price of PowerSGD's overlap with backward."""
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
+
+
 def attach(label: str, ddp_model: DistributedDataParallel, model: torch.nn.Module, case_id: int) -> Any:
     """Register ``label``'s hook; returns the SafeBits state (None for the others) and the modeled bits."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -71,7 +83,7 @@ def attach(label: str, ddp_model: DistributedDataParallel, model: torch.nn.Modul
         rank = int(label.removeprefix("ddp:powersgd"))
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=PSGD_START,
                                             random_seed=SEED)
-        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        ddp_model.register_comm_hook(state, powersgd_in_order)
         return None, powersgd_modeled_bits(model, rank)
     name, _, budget = label.removeprefix("ddp:").partition("@")
     if name != "safebits":
