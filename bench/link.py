@@ -425,8 +425,9 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
                    "failed_rates": failed, "total_s": total, "quality_steps": args.quality_steps,
                    "quality": quality}, f, indent=1)
     with open(os.path.join(args.out_dir, "link.md"), "w", encoding="utf-8") as f:
-        f.write(f"# Link benchmark\n\nCommand: `{command}`; 2 Horovod ranks (Gloo) in a network namespace whose "
-                f"loopback is limited by tbf; {args.warmup} warm-up + {args.steps} timed steps per case; total "
+        f.write(f"# Link benchmark\n\nCommand: `{command}`; 2 ranks (Gloo; Horovod rows under horovodrun, "
+                f"ddp: rows under torchrun) in a network namespace whose loopback is limited by tbf; "
+                f"{args.warmup} warm-up + {args.steps} timed steps per case; total "
                 f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md
                 + (f"\n### DDP training run ({args.quality_steps} steps, unlimited link)\n\n" + quality_table(quality)
                    if quality else ""))
