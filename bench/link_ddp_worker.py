@@ -184,7 +184,7 @@ def run_quality(label: str, case_id: int, batch: int, steps: int) -> dict[str, A
         bits.append(fixed_bits if state is None else float(state.last_step.modeled_bits_total))
     barrier()
     tx1 = read_tx_bytes()
-    model.eval()
+    # Batch statistics (train mode): 20-odd steps leave batch-norm's running statistics far from converged.
     with torch.no_grad():
         x, y = teacher_batch(99_999, 256)
         out = model(x)
