@@ -13,7 +13,8 @@ one communication hook per case:
 
 With ``--quality-steps N`` it instead trains every case for N steps on a fixed learnable task (3x32x32 images
 labelled by a fixed random teacher, 8 batches per rank, cycled) and reports the loss on a held-out set of the same
-teacher: the short training run that compares compressors at their bytes. Not meant to be run by hand.
+teacher (batch-norm on batch statistics): the short training run that compares compressors at their bytes. Not
+meant to be run by hand.
 """
 
 # No "from __future__ import annotations": DDP compares a hook's annotations with the real classes.
