@@ -168,7 +168,7 @@ def run_quality(label: str, case_id: int, batch: int, steps: int) -> dict[str, A
     model = ResNet18()
     ddp_model = DistributedDataParallel(model)
     state, fixed_bits = attach(label, ddp_model, model, case_id)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)     # the timed cases' optimizer
     rank = dist.get_rank()
     data = [teacher_batch(8 * rank + k, batch) for k in range(8)]
     barrier()
