@@ -7,12 +7,12 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export SAFEBITS_REQUIRE_NVRTC := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test test-long demo demo-full lint unit mpi mpi-slow bench bench-smoke bench-link clean
+.PHONY: setup test test-long demo demo-full lint unit mpi mpi-slow ddp bench bench-smoke bench-link clean
 
 setup:
 	@bash scripts/setup.sh
 
-test: setup lint unit mpi bench-smoke
+test: setup lint unit mpi ddp bench-smoke
 
 # The long checks (a 10,000-step memory run under horovodrun); CI runs them after `make test` (.ci/run).
 test-long: setup mpi-slow
@@ -28,6 +28,10 @@ mpi: setup
 
 mpi-slow: setup
 	$(PY) -m pytest mpi_tests -q -m slow
+
+# The DDP front end under torchrun (Gloo), 2 and 4 ranks.
+ddp: setup
+	$(PY) -m pytest ddp_tests -q
 
 bench-smoke: setup
 	$(PY) -m pytest bench -q --benchmark-enable --benchmark-min-rounds=3 --benchmark-max-time=0.05 \

@@ -20,11 +20,21 @@ Models: a CIFAR-style ResNet-18 (11.2M parameters) on synthetic 3x32x32 images, 
 transformer LM. Compressors: ``none`` and ``fp16`` (Horovod's), ``qsgd4``, ``topk10_ef``, ``safebits@2``,
 ``safebits@4.4``, ``safebits@8``.
 
+DDP rows (ResNet-18 only): one ``torchrun`` launch of ``bench/link_ddp_worker.py`` per rate, on the same link, with
+PyTorch DDP and a communication hook: ``ddp:none`` (DDP's default allreduce), ``ddp:fp16``
+(``fp16_compress_hook``), ``ddp:powersgd1`` and ``ddp:powersgd4`` (PowerSGD at rank 1 and 4), ``ddp:safebits@B``
+(SafeBits' DDP hook). Their ``x none`` / ``x fp16`` columns compare with ``ddp:none`` / ``ddp:fp16``. With
+``--quality-steps N`` every DDP compressor (plus ``--quality-extra``) also trains N steps of a fixed learnable task
+on the unlimited link, and the held-out loss and link bytes go in a table of their own: the compressors' quality
+at their bytes.
+
 Run it as root (it needs CAP_NET_ADMIN for ``ip netns`` and ``tc``; without it, it says so and exits 0)::
 
     make bench-link                                       # --rates 1gbit
     .venv/bin/python bench/link.py --rates 100mbit 1gbit 10gbit unlimited
-    .venv/bin/python bench/link.py --quick                # smoke run: 1 rate, 2 steps, CNN, 3 compressors
+    .venv/bin/python bench/link.py --quick                # smoke run: 1 rate, 2 steps, CNN, 3 + 3 compressors
+    .venv/bin/python bench/link.py --rates 1gbit unlimited --models resnet18 --compressors none \
+        --quality-steps 40                                # the DDP rows and their training run
 
 Writes ``results/link.json`` (raw and derived figures, the command, rates, model sizes, the qdisc statistics),
 ``results/link.md`` (one table per model) and ``results/link_throughput.png`` (samples/s against link rate).
@@ -51,6 +61,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATES = ["100mbit", "1gbit", "10gbit", "unlimited"]
 COMPRESSORS = ["none", "fp16", "qsgd4", "topk10_ef", "safebits@2", "safebits@4.4", "safebits@8"]
 QUICK_COMPRESSORS = ["none", "fp16", "safebits@4.4"]
+DDP_COMPRESSORS = ["ddp:none", "ddp:fp16", "ddp:powersgd1", "ddp:powersgd4", "ddp:safebits@2", "ddp:safebits@4.4",
+                   "ddp:safebits@8"]
+QUICK_DDP_COMPRESSORS = ["ddp:none", "ddp:fp16", "ddp:safebits@4.4"]
 MODELS = ["resnet18", "bytes_lm"]
 LO_MTU = 65536
 """The loopback's MTU: a tbf bucket smaller than one full-size frame (plus its link header) drops that frame."""
@@ -117,20 +130,39 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 "collective": case.get("collective"), "violations": case.get("violations", 0),
             })
     index = {(r["rate"], r["model"], r["compressor"]): r for r in rows}
-    unlimited_none = {r["model"]: r["step_time_s"] for r in rows if r["rate"] == "unlimited"
-                      and r["compressor"] == "none"}
+    # Each front end against its own references: Horovod's none / fp16, DDP's ddp:none / ddp:fp16.
+    unlimited_none = {(r["model"], r["compressor"]): r["step_time_s"] for r in rows if r["rate"] == "unlimited"
+                      and r["compressor"] in ("none", "ddp:none")}
     for r in rows:
+        front = front_end_prefix(r["compressor"])
         for ref in ("none", "fp16"):
-            other = index.get((r["rate"], r["model"], ref))
+            other = index.get((r["rate"], r["model"], front + ref))
             r[f"ratio_to_{ref}"] = (r["samples_per_s"] / other["samples_per_s"]
                                     if other and other["samples_per_s"] > 0 else None)
-        base = unlimited_none.get(r["model"])
+        base = unlimited_none.get((r["model"], front + "none"))
         if base is None:
             r["vs_limit"] = None
         else:
             transfer = 0.0 if r["rate_bps"] is None else r["modeled_bytes_per_step"] * 8 / r["rate_bps"]
             r["vs_limit"] = r["step_time_s"] / (base + transfer)
     return rows
+
+
+def front_end_prefix(compressor: str) -> str:
+    """``"ddp:"`` for the DDP rows, ``""`` for Horovod's."""
+    return "ddp:" if compressor.startswith("ddp:") else ""
+
+
+def quality_table(cases: list[dict[str, Any]]) -> str:
+    """Markdown: per DDP compressor of the training run, link MB and modeled MB per step (both ranks), the loss
+    at the start and over the last 5 steps, and the held-out loss and accuracy at the end."""
+    lines = ["| compressor | link MB/step | modeled MB/step | first loss | last-5 loss | held-out loss | "
+             "held-out accuracy |", "|" + " --- |" * 7]
+    for c in cases:
+        lines.append(f"| {c['compressor']} | {c['link_bytes'] / c['steps'] / 1e6:.2f} | "
+                     f"{c['modeled_bytes_per_step'] / 1e6:.2f} | {c['train_loss_first']:.3f} | "
+                     f"{c['train_loss_last5']:.3f} | {c['held_out_loss']:.3f} | {c['held_out_accuracy']:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def format_value(value: float | None, spec: str, suffix: str = "") -> str:
@@ -172,7 +204,8 @@ def build_tables(rows: list[dict[str, Any]]) -> str:
                  "= loopback tx_bytes delta (TCP/IP headers and Horovod coordination included), `wire` = the "
                  "compressors' own wire_bytes (`-`: not reported), `modeled` = modeled bits / 8. `vs limit`: step "
                  "time / (none's step time on the unlimited link + modeled bytes / link rate); `-` without an "
-                 "unlimited run.")
+                 "unlimited run. `ddp:` rows: PyTorch DDP with that communication hook, compared with `ddp:none` "
+                 "and `ddp:fp16`.")
     return "\n".join(lines) + "\n"
 
 
@@ -259,27 +292,45 @@ def worker_args(args: argparse.Namespace, out: str) -> list[str]:
             "--lm-batch", str(args.lm_batch)]
 
 
+def ddp_worker_args(args: argparse.Namespace, out: str, quality: bool = False) -> list[str]:
+    compressors = args.ddp_compressors + (args.quality_extra if quality else [])
+    return ["--out", out, "--compressors", *compressors, "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--cnn-batch", str(args.cnn_batch), "--quality-steps", str(args.quality_steps if quality else 0)]
+
+
 def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", nargs="+", default=["1gbit"], choices=RATES)
-    parser.add_argument("--compressors", nargs="+", default=COMPRESSORS,
-                        help="none, fp16, or registry names of safebits_hvd.baselines (name@budget_bits)")
+    parser.add_argument("--rates", nargs="*", default=["1gbit"], choices=RATES,
+                        help="link rates to time (none given: only the --quality-steps training run)")
+    parser.add_argument("--compressors", nargs="*", default=COMPRESSORS,
+                        help="none, fp16, or registry names of safebits_hvd.baselines (name@budget_bits); none "
+                             "given: only the DDP rows")
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
     parser.add_argument("--cnn-batch", type=int, default=16, help="ResNet-18 images per rank per step")
     parser.add_argument("--lm-batch", type=int, default=16, help="LM sequences (64 bytes) per rank per step")
+    parser.add_argument("--ddp-compressors", nargs="*", default=DDP_COMPRESSORS,
+                        help="DDP rows (ResNet-18, torchrun): ddp:none, ddp:fp16, ddp:powersgdR, ddp:safebits@B; "
+                             "none to skip them")
+    parser.add_argument("--quality-steps", type=int, default=0,
+                        help="train every DDP compressor this many steps on the unlimited link (0: no training run)")
+    parser.add_argument("--quality-extra", nargs="*", default=[],
+                        help="DDP compressors of the training run only (e.g. ddp:safebits@0.3 at PowerSGD's bytes)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: first rate only, 1 warm-up and 2 timed steps, ResNet-18, "
-                             + ", ".join(QUICK_COMPRESSORS))
+                             + ", ".join(QUICK_COMPRESSORS + QUICK_DDP_COMPRESSORS))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per horovodrun launch")
     args = parser.parse_args(None if argv is None else list(argv))
     if args.quick:
         args.rates, args.warmup, args.steps = args.rates[:1], 1, 2
         args.models, args.compressors = ["resnet18"], QUICK_COMPRESSORS
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
+        args.ddp_compressors, args.quality_steps = QUICK_DDP_COMPRESSORS, 0
+    if args.steps < 1 or args.warmup < 0 or args.quality_steps < 0:
+        parser.error("--steps must be >= 1, --warmup and --quality-steps >= 0")
+    if not all(c.startswith("ddp:") for c in args.ddp_compressors + args.quality_extra):
+        parser.error("DDP compressors are named ddp:<name>")
     return args
 
 
@@ -312,11 +363,13 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace, ns: str) -> int:
-    from safebits_hvd.launch import LaunchError, horovodrun
+    from safebits_hvd.launch import LaunchError, horovodrun, torchrun
 
     os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python", "bench/link.py", *sys.argv[1:]])
     worker = os.path.join(ROOT, "bench", "link_worker.py")
+    ddp_worker = os.path.join(ROOT, "bench", "link_ddp_worker.py")
+    env = {"OMP_NUM_THREADS": "1"}
     runs: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, dict[str, Any]] = {}
     failed = []
@@ -330,20 +383,35 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
             os.remove(raw_path)
         t0, load_before = time.perf_counter(), os.getloadavg()
         try:
-            horovodrun(2, worker, *worker_args(args, raw_path), prefix=_in_ns(ns), env={"OMP_NUM_THREADS": "1"},
-                       timeout=args.timeout, on_line=_progress)
+            raw: dict[str, Any] = {"cases": []}
+            if args.compressors:
+                horovodrun(2, worker, *worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
+                           timeout=args.timeout, on_line=_progress)
+                raw = read_raw(raw_path)
+            if args.ddp_compressors:
+                torchrun(2, ddp_worker, *ddp_worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
+                         timeout=args.timeout, on_line=_progress)
+                raw["cases"] += read_raw(raw_path)["cases"]
         except LaunchError as exc:
             print(f"[link] rate {rate} failed: {exc}", file=sys.stderr)
             failed.append(rate)
             continue
-        with open(raw_path, encoding="utf-8") as f:
-            raw = json.load(f)
-        os.remove(raw_path)
         runs[rate] = raw.pop("cases")
         meta[rate] = {"rate_bps": bps, "burst_bytes": None if bps is None else burst_bytes(bps), "qdisc": qdisc,
                       "qdisc_stats": qdisc_stats(ns), "wall_s": time.perf_counter() - t0,
                       "loadavg_before": load_before, "loadavg_after": os.getloadavg(), **raw}
-    if not runs:
+    quality: list[dict[str, Any]] = []
+    if args.quality_steps and args.ddp_compressors:
+        configure_link(ns, None)
+        raw_path = os.path.join(args.out_dir, ".link_raw_quality.json")
+        try:
+            torchrun(2, ddp_worker, *ddp_worker_args(args, raw_path, quality=True), prefix=_in_ns(ns), env=env,
+                     timeout=args.timeout, on_line=_progress)
+            quality = read_raw(raw_path)["cases"]
+        except LaunchError as exc:
+            print(f"[link] training run failed: {exc}", file=sys.stderr)
+            failed.append("quality")
+    if not runs and not quality:
         return 1
     rows = summarize(runs)
     models = {r["model"]: {"parameters": r["parameters"],
@@ -354,17 +422,32 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
     with open(os.path.join(args.out_dir, "link.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "rates": list(runs), "models": models, "compressors": args.compressors,
                    "warmup": args.warmup, "steps": args.steps, "launches": meta, "rows": rows, "raw": runs,
-                   "failed_rates": failed, "total_s": total}, f, indent=1)
+                   "failed_rates": failed, "total_s": total, "quality_steps": args.quality_steps,
+                   "quality": quality}, f, indent=1)
     with open(os.path.join(args.out_dir, "link.md"), "w", encoding="utf-8") as f:
-        f.write(f"# Link benchmark\n\nCommand: `{command}`; 2 Horovod ranks (Gloo) in a network namespace whose "
-                f"loopback is limited by tbf; {args.warmup} warm-up + {args.steps} timed steps per case; total "
-                f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md)
-    plot(rows, os.path.join(args.out_dir, "link_throughput.png"))
+        f.write(f"# Link benchmark\n\nCommand: `{command}`; 2 ranks (Gloo; Horovod rows under horovodrun, "
+                f"ddp: rows under torchrun) in a network namespace whose loopback is limited by tbf; "
+                f"{args.warmup} warm-up + {args.steps} timed steps per case; total "
+                f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md
+                + (f"\n### DDP training run ({args.quality_steps} steps, unlimited link)\n\n" + quality_table(quality)
+                   if quality else ""))
+    if rows:
+        plot(rows, os.path.join(args.out_dir, "link_throughput.png"))
     print(md)
+    if quality:
+        print(quality_table(quality))
     print(probe_line(meta))
     print(f"[link] wrote link.json, link.md and link_throughput.png in {args.out_dir}; total {total:.0f} s",
           flush=True)
     return 1 if failed else 0
+
+
+def read_raw(path: str) -> dict[str, Any]:
+    """A worker's raw JSON (then removed, so a later launch cannot be mistaken for it)."""
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    os.remove(path)
+    return raw
 
 
 def probe_line(meta: dict[str, dict[str, Any]]) -> str:

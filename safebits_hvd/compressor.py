@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from . import collectives
 from .actions import DEFAULT_MENU, Menu, make_menu
 from .collectives import PayloadTransport, make_transport
 from .core import NONFINITE_MODES, SafeBitsCore, check_count, check_number
@@ -102,7 +103,98 @@ def registered_parameters(parameters: Any) -> tuple[list[str], list[torch.nn.Par
     return names, params
 
 
-class CoreCompressor(Compressor):
+def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float], max_distortion: float,
+               min_cosine: float, menu: Menu | Iterable[str], seed: int, log_path: str | os.PathLike[str] | None,
+               *, sample_buckets: int, consistency_check_every: int, nonfinite: str, screen: bool, name: str,
+               max_history: int, collective: str, timeout: float | None,
+               exchange: StatisticsExchange | Callable[[float | None], StatisticsExchange],
+               transport: PayloadTransport | Callable[[float | None], PayloadTransport],
+               fusion_elements: int = collectives.FUSION_ELEMENTS) -> tuple[list[torch.nn.Parameter], SafeBitsCore]:
+    """Check SafeBits' options (every front end takes the same ones) and build the core over the parameters with
+    ``requires_grad``. ``exchange`` and ``transport`` are the front end's, or callables of the checked ``timeout``
+    that make them when the first step needs them; ``fusion_elements``: see :class:`~.core.SafeBitsCore`."""
+    names, params = registered_parameters(named_parameters)
+    schedule = as_schedule(budget_bits)
+    if not callable(budget_bits):
+        schedule(0)    # a constant is checked now
+    max_distortion = check_number("max_distortion", max_distortion, 0.0, 1.0, low_open=True)
+    min_cosine = check_number("min_cosine", min_cosine, -1.0, 1.0)
+    menu = make_menu(menu)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    if timeout is not None:
+        timeout = check_number("timeout", timeout, 0.0, math.inf, low_open=True)
+    if not (callable(exchange) or isinstance(exchange, StatisticsExchange)):
+        raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
+                        f"is_local, rank, size), got {type(exchange).__name__}")
+    numels = np.array([p.numel() for p in params], dtype=np.int64)
+    policy = BudgetPolicy(menu, numels, max_distortion, min_cosine, screen=bool(screen))
+    core = SafeBitsCore(
+        names, numels, policy=policy, schedule=schedule, seed=seed,
+        exchange=exchange if isinstance(exchange, StatisticsExchange) else (lambda: exchange(timeout)),
+        nonfinite=nonfinite, sample_buckets=check_count("sample_buckets", sample_buckets, 1),
+        consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
+        max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
+        transport=transport if isinstance(transport, PayloadTransport) else (lambda: transport(timeout)),
+        name=name, fusion_elements=fusion_elements)
+    return params, core
+
+
+def check_transports(exchange: Any, transport: Any) -> None:
+    """``TypeError`` unless ``exchange`` and ``transport`` are None or implement their protocols."""
+    if exchange is not None and not isinstance(exchange, StatisticsExchange):
+        raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
+                        f"is_local, rank, size), got {type(exchange).__name__}")
+    if transport is not None and not isinstance(transport, PayloadTransport):
+        raise TypeError(f"transport must implement safebits_hvd.collectives.PayloadTransport (start_allgather, "
+                        f"start_alltoall, wait, rank, size), got {type(transport).__name__}")
+
+
+class CoreRecords:
+    """What every front end exposes of its :class:`~.core.SafeBitsCore`: records, step, residuals, checkpoints."""
+
+    core: SafeBitsCore
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """The :class:`StepRecord` of the last completed step (None before the first)."""
+        return self.core.last_step
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """The last ``max_history`` :class:`StepRecord` objects, oldest first (a new list each time)."""
+        return self.core.history
+
+    @property
+    def step(self) -> int:
+        """Index of the next step to be compressed (the number of steps begun and closed)."""
+        return self.core.step
+
+    @property
+    def exchange(self) -> StatisticsExchange | None:
+        """The statistics transport (None until the first step closes, when it is chosen)."""
+        return self.core.exchange
+
+    @property
+    def memory(self) -> ErrorFeedback:
+        """The error-feedback residuals (per parameter name)."""
+        return self.core.memory
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically, as plain tensors, numbers and strings.
+
+        Call between optimizer steps. With several ranks each rank saves its own (the residuals are per rank).
+        """
+        return self.core.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raises ``ValueError`` if it was saved for another model or menu."""
+        self.core.load_state_dict(state)
+
+
+class CoreCompressor(CoreRecords, Compressor):
     """A Horovod compressor over a :class:`~.core.SafeBitsCore`: ``compress`` sends through the core,
     ``decompress`` finishes the step's exchange. Shared by :class:`SafeBits` and the fixed-action baselines."""
 
@@ -162,42 +254,6 @@ class CoreCompressor(Compressor):
     def flush(self) -> None:
         """Finish a pending statistics exchange (``decompress`` does this; call it if you only ``compress``)."""
         self.core.finish()
-
-    @property
-    def last_step(self) -> StepRecord | None:
-        """The :class:`StepRecord` of the last completed step (None before the first)."""
-        return self.core.last_step
-
-    @property
-    def history(self) -> list[StepRecord]:
-        """The last ``max_history`` :class:`StepRecord` objects, oldest first (a new list each time)."""
-        return self.core.history
-
-    @property
-    def step(self) -> int:
-        """Index of the next step to be compressed (the number of steps begun and closed)."""
-        return self.core.step
-
-    @property
-    def exchange(self) -> StatisticsExchange | None:
-        """The statistics transport (None until the first step closes, when it is chosen)."""
-        return self.core.exchange
-
-    @property
-    def memory(self) -> ErrorFeedback:
-        """The error-feedback residuals (per parameter name)."""
-        return self.core.memory
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically, as plain tensors, numbers and strings.
-
-        Call between optimizer steps. Under Horovod each rank saves its own (the residuals are per rank).
-        """
-        return self.core.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; raises ``ValueError`` if it was saved for another model or menu."""
-        self.core.load_state_dict(state)
 
 
 class SafeBits(CoreCompressor):
@@ -277,38 +333,19 @@ class SafeBits(CoreCompressor):
                  name: str = "safebits", max_history: int = 1000, collective: str = "auto",
                  process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT,
                  exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
-        names, params = registered_parameters(named_parameters)
-        schedule = as_schedule(budget_bits)
-        if not callable(budget_bits):
-            schedule(0)    # a constant is checked now
-        max_distortion = check_number("max_distortion", max_distortion, 0.0, 1.0, low_open=True)
-        min_cosine = check_number("min_cosine", min_cosine, -1.0, 1.0)
-        menu = make_menu(menu)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-        if timeout is not None:
-            timeout = check_number("timeout", timeout, 0.0, math.inf, low_open=True)
-        if exchange is not None and not isinstance(exchange, StatisticsExchange):
-            raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
-                            f"is_local, rank, size), got {type(exchange).__name__}")
-        numels = np.array([p.numel() for p in params], dtype=np.int64)
-        policy = BudgetPolicy(menu, numels, max_distortion, min_cosine, screen=bool(screen))
-        core = SafeBitsCore(
-            names, numels, policy=policy, schedule=schedule, seed=seed,
-            exchange=exchange if exchange is not None else (lambda: make_exchange(name, process_set, timeout)),
-            nonfinite=nonfinite, sample_buckets=check_count("sample_buckets", sample_buckets, 1),
-            consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
-            max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
-            transport=transport if transport is not None else (lambda: make_transport(process_set, timeout)),
-            name=name)
+        check_transports(exchange, transport)
+        params, core = build_core(
+            named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
+            sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
+            screen=screen, name=name, max_history=max_history, collective=collective, timeout=timeout,
+            exchange=exchange if exchange is not None else (lambda t: make_exchange(name, process_set, t)),
+            transport=transport if transport is not None else (lambda t: make_transport(process_set, t)))
         self._attach(params, core)
-        self.menu = menu
-        self.schedule = schedule
-        self.max_distortion = max_distortion
-        self.min_cosine = min_cosine
-        self.screen_enabled = bool(screen)
+        self.menu = core.menu
+        self.schedule = core.schedule
+        self.max_distortion = core.policy.max_distortion
+        self.min_cosine = core.policy.min_cosine
+        self.screen_enabled = core.policy.screen_enabled
         self.exchange_name = name
         self.process_set = process_set
 

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import checkpoint, collectives, kernels
+from . import checkpoint, collectives, kernels, wire
 from .actions import ActionKind, Menu
 from .allocator import Allocation
 from .collectives import PayloadTransport
@@ -98,6 +98,8 @@ class SafeBitsCore:
         transport: the payload transport, or a callable that makes it when the first step begins.
         dense_wire_bytes: bytes per element the front end puts on the wire on the dense path (4: float32).
         name: prefix of the payload collectives' names (distinct per object).
+        fusion_elements: elements per fusion group of the allgather path (:func:`.collectives.fusion_groups`); 0:
+            every tensor alone (a front end that batches itself, as the DDP hook does per bucket).
     """
 
     def __init__(self, names: list[str], numels: np.ndarray, *, policy: BudgetPolicy,
@@ -107,7 +109,8 @@ class SafeBitsCore:
                  max_history: int = 10000, log_path: str | os.PathLike[str] | None = None,
                  collective: str = "dense",
                  transport: PayloadTransport | Callable[[], PayloadTransport] = collectives.make_transport,
-                 dense_wire_bytes: int = 4, name: str = "safebits") -> None:
+                 dense_wire_bytes: int = 4, name: str = "safebits",
+                 fusion_elements: int = collectives.FUSION_ELEMENTS) -> None:
         # -- what is being compressed, and how decisions are made
         self.names = names
         self.numels = numels
@@ -135,7 +138,7 @@ class SafeBitsCore:
         # Two-phase: segments, the step in flight, and the second hop's residuals (of the segments this rank owns).
         self.two_phase = TwoPhaseReduction(names, numels, policy.menu, policy, name)
         # Allgather: the step's fusion groups in flight (one collective per group of small tensors).
-        self.allgather = collectives.FusedAllgather(names, numels, name)
+        self.allgather = collectives.FusedAllgather(names, numels, name, fusion_elements)
         self.step = 0                                  # index of the next step to begin
         # The last finished step's reduced statistics: the next allocation's input (None before the first step).
         self._previous_screened: np.ndarray | None = None
@@ -196,15 +199,32 @@ class SafeBitsCore:
             self._close()
         return Sent(sent, step, collective)
 
-    def reduced_sum(self, index: int, step: int, collective: str) -> torch.Tensor:
+    def reduced_sum(self, index: int, step: int, collective: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum over ranks of what every rank sent of tensor ``index`` at ``step`` on a packed path, decoded in
-        rank order (bitwise the same on every rank), as a flat float32 tensor. Waits for the collective."""
+        rank order (bitwise the same on every rank), as a flat float32 tensor (``out`` if given: written over).
+        Waits for the collective."""
         assert self.transport is not None
         if collective == "allgather":
-            out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=self._device)
+            if out is None:
+                out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=self._device)
+            else:
+                out.zero_()
             return self.allgather.reduced_sum(self.transport, index, step, out,
                                               lambda index, device: self._zeros(index, "allgather", device))
-        return self.two_phase.result(index, step)
+        total = self.two_phase.result(index, step)
+        return total if out is None else out.copy_(total)
+
+    @property
+    def allocation_digest(self) -> str:
+        """The digest of the step in progress's allocation (or the last one begun); "" before the first."""
+        return self._digest
+
+    def allocated_payload_bytes(self, index: int) -> int:
+        """Bytes of tensor ``index``'s packed payload at the allocated action of the step in progress (or the last
+        one begun): identical on every rank; a rank that escalates the tensor sends more."""
+        assert self._allocation is not None
+        action = self.menu[int(self._allocation.choice[index])]
+        return wire.HEADER_BYTES + action.cost(int(self.numels[index])) // 8
 
     def finish(self, step: int | None = None) -> None:
         """Finish the pending exchange (only if it is ``step``'s, when given)."""

@@ -19,7 +19,8 @@ Transports, chosen when the first exchange starts (``hvd.init()`` may come after
 * one process, or Horovod not initialized: :class:`LocalExchange`;
 * Horovod on MPI (``hvd.mpi_enabled()``) and an MPI with ``MPI_THREAD_MULTIPLE``: :class:`MPIExchange`, mpi4py's
   non-blocking ``Iallreduce`` on a duplicate of ``COMM_WORLD`` (its own context, never matching Horovod's messages);
-* otherwise (Gloo): :class:`HorovodExchange`, Horovod's own in-place ``allreduce_async_`` with ``op=hvd.Max``.
+* otherwise (Gloo): :class:`HorovodExchange`, Horovod's own in-place ``allreduce_async_`` with ``op=hvd.Max``;
+* the DDP front end (:mod:`.ddp`): :class:`TorchDistributedExchange`, ``torch.distributed.all_reduce`` (MAX).
 
 Why it cannot deadlock (docs/DESIGN.md, "Why the exchange cannot deadlock"): it is started once a rank has handed
 every gradient of the step to Horovod, and finished at the first ``decompress`` of that step.
@@ -187,6 +188,46 @@ class MPIExchange(_RankExchange):
         # Not request.Wait(): Open MPI's Wait spins at full speed, and where ranks share cores it starves Horovod's
         # background thread and the other rank, which the exchange waits on (docs/RESULTS.md, section 3.4).
         wait_bounded(request.Test, self.timeout, "SafeBits' statistics exchange (MPI)")
+
+
+class TorchDistributedExchange(_RankExchange):
+    """MAX-allreduce through ``torch.distributed`` (``all_reduce(..., op=MAX, async_op=True)``) on a process group
+    (None: the default group), for the DDP front end (:mod:`.ddp`). Gloo reduces the vector in place; NCCL needs
+    it on the GPU, so there it travels through a device copy and comes back at :meth:`wait`."""
+
+    def __init__(self, process_group: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.size = dist.get_world_size(process_group)
+        self.timeout = timeout
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
+
+    def _reduce(self, values: np.ndarray) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        host = torch.from_numpy(values)           # shares the vector's memory
+        tensor = host if self.device.type == "cpu" else host.to(self.device)
+        work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        return work, tensor, host
+
+    def _complete(self, handle: tuple[Any, torch.Tensor, torch.Tensor]) -> None:
+        work, tensor, host = handle
+        wait_bounded(work.is_completed, self.timeout, "SafeBits' statistics exchange (torch.distributed)")
+        work.wait()                               # raises the collective's own error, if any
+        if tensor.data_ptr() != host.data_ptr():
+            host.copy_(tensor.cpu())
+
+    def _max_now(self, values: np.ndarray) -> np.ndarray:
+        self._complete(self._reduce(values))
+        return values
+
+    def _start(self, values: np.ndarray) -> Any:
+        return self._reduce(values)
+
+    def wait(self, handle: Any) -> None:
+        self._complete(handle)
 
 
 def make_exchange(name: str, process_set: Any = None,

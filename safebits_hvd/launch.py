@@ -1,4 +1,5 @@
-"""One way to start ``horovodrun`` from Python: used by the MPI tests, the benchmarks and the demo.
+"""One way to start ``horovodrun`` (and ``torchrun``, for the DDP front end) from Python: used by the MPI and DDP
+tests, the benchmarks and the demo.
 
 Every launch runs in its own process group with a hard timeout (a hang becomes :class:`LaunchError`, and the
 launcher and every rank it started are killed), with the environment a root container needs, and with
@@ -84,6 +85,29 @@ def horovodrun(ranks: int, script: str | os.PathLike[str], *args: str, transport
         LaunchError: on a non-zero exit or a timeout.
     """
     command = horovodrun_command(ranks, script, *args, transport=transport, prefix=prefix, elastic=elastic)
+    return run_launch(command, ranks, timeout, env, on_line)
+
+
+def torchrun_command(ranks: int, script: str | os.PathLike[str], *args: str,
+                     prefix: Sequence[str] = ()) -> list[str]:
+    """``[*prefix, python, -m, torch.distributed.run, --standalone, --nproc_per_node, ranks, script, *args]``
+    (``--standalone``: a free local port per launch, so launches running at the same time never meet)."""
+    return [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(ranks), os.fspath(script), *args]
+
+
+def torchrun(ranks: int, script: str | os.PathLike[str], *args: str, timeout: float = 600,
+             env: Mapping[str, str] | None = None, prefix: Sequence[str] = (),
+             on_line: Callable[[str], None] | None = None) -> str:
+    """Run ``script`` on ``ranks`` local ranks under ``torchrun`` (the DDP tests and benchmark); as
+    :func:`horovodrun` otherwise."""
+    return run_launch(torchrun_command(ranks, script, *args, prefix=prefix), ranks, timeout, env, on_line)
+
+
+def run_launch(command: list[str], ranks: int, timeout: float, env: Mapping[str, str] | None,
+               on_line: Callable[[str], None] | None) -> str:
+    """Run one launcher ``command`` in its own process group; its output, or :class:`LaunchError` on a non-zero
+    exit or after ``timeout`` seconds (the launcher and every rank killed)."""
     proc = subprocess.Popen(command, cwd=REPO, env=launch_env(ranks, env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     assert proc.stdout is not None

@@ -56,6 +56,10 @@ def test_quick_flag() -> None:
     assert args.rates == ["100mbit"] and args.steps == 2 and args.models == ["resnet18"]
     assert args.compressors == link.QUICK_COMPRESSORS and len(args.compressors) == 3
     assert link.parse_args([]).rates == ["1gbit"] and link.parse_args([]).compressors == link.COMPRESSORS
+    assert args.ddp_compressors == link.QUICK_DDP_COMPRESSORS and args.quality_steps == 0
+    assert link.parse_args([]).ddp_compressors == link.DDP_COMPRESSORS
+    with pytest.raises(SystemExit):
+        link.parse_args(["--ddp-compressors", "safebits@4.4"])      # DDP rows are named ddp:...
     with pytest.raises(SystemExit):
         link.parse_args(["--rates", "5gbit"])
 
@@ -98,6 +102,25 @@ def test_summarize_without_unlimited_or_baselines() -> None:
     runs = {"1gbit": [case("cnn", "safebits@2", [1.0], 10, 5.0)]}
     (row,) = link.summarize(runs)
     assert row["vs_limit"] is None and row["ratio_to_none"] is None and row["ratio_to_fp16"] is None
+
+
+def test_summarize_compares_ddp_rows_with_ddp_baselines() -> None:
+    runs = fake_runs()
+    runs["1gbit"] += [case("cnn", "ddp:none", [1.0], 100, 8000.0), case("cnn", "ddp:fp16", [0.8], 50, 4000.0),
+                      case("cnn", "ddp:safebits@4.4", [0.4], 10, 1100.0, wire=1100.0)]
+    runs["unlimited"].append(case("cnn", "ddp:none", [0.25], 100, 8000.0))
+    rows = {(r["rate"], r["compressor"]): r for r in link.summarize(runs)}
+    sb = rows["1gbit", "ddp:safebits@4.4"]
+    assert sb["ratio_to_none"] == pytest.approx(2.5) and sb["ratio_to_fp16"] == pytest.approx(2.0)
+    assert sb["vs_limit"] == pytest.approx(0.4 / (0.25 + 1100.0 * 8 / 1e9))
+    assert rows["1gbit", "safebits@4.4"]["ratio_to_none"] == pytest.approx(4.0)     # Horovod's rows unchanged
+
+
+def test_quality_table() -> None:
+    md = link.quality_table([{"compressor": "ddp:powersgd4", "steps": 10, "link_bytes": 20_000_000,
+                              "modeled_bytes_per_step": 1_500_000.0, "train_loss_first": 2.5,
+                              "train_loss_last5": 1.25, "held_out_loss": 1.5, "held_out_accuracy": 0.5}])
+    assert "| ddp:powersgd4 | 2.00 | 1.50 | 2.500 | 1.250 | 1.500 | 0.500 |" in md
 
 
 def test_build_tables() -> None:

@@ -1,0 +1,238 @@
+"""One torchrun rank of the link benchmark's DDP rows (launched by ``bench/link.py`` inside its network namespace).
+
+The same model, batch, link and figures as ``bench/link_worker.py`` (step times, loopback ``tx_bytes``, the
+compressor's ``wire_bytes`` and modeled bytes), with ``torch.nn.parallel.DistributedDataParallel`` over Gloo and
+one communication hook per case:
+
+* ``ddp:none``: DDP's default allreduce (no hook);
+* ``ddp:fp16``: ``default_hooks.fp16_compress_hook``;
+* ``ddp:powersgd1`` / ``ddp:powersgd4``: ``powerSGD_hook`` at rank 1 / 4 (error feedback and warm start on;
+  PowerSGD starts after its one required uncompressed step, within the warm-up), completed inside the hook
+  (:func:`powersgd_in_order`);
+* ``ddp:safebits@B``: :func:`safebits_hvd.ddp.safebits_hook` at ``budget_bits=B``.
+
+With ``--quality-steps N`` it instead trains every case for N steps on a fixed learnable task (3x32x32 images
+labelled by a fixed random teacher, 8 batches per rank, cycled) and reports the loss on a held-out set of the same
+teacher (batch-norm on batch statistics): the short training run that compares compressors at their bytes. Not
+meant to be run by hand.
+"""
+
+# No "from __future__ import annotations": DDP compares a hook's annotations with the real classes.
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from link_worker import ResNet18, read_tx_bytes
+
+from safebits_hvd import ddp as sbddp
+
+SEED = 0
+PSGD_START = 2          # PowerSGD needs one uncompressed step first (start_powerSGD_iter > 1 with error feedback)
+
+
+def powersgd_modeled_bits(model: torch.nn.Module, rank: int, min_compression_rate: float = 2.0) -> float:
+    """Bits one rank sends per step under PowerSGD at ``rank``: ``(n + m) r`` float32 per matrix it compresses
+    (a tensor viewed as ``shape[0] x rest``, compressed when ``nm / ((n + m) r) >= min_compression_rate``), float32
+    for the rest (as ``powerSGD_hook`` decides)."""
+    floats = 0
+    for p in model.parameters():
+        if p.dim() > 1:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            r = min(n, m, rank)
+            if n * m >= min_compression_rate * (n + m) * r:
+                floats += (n + m) * r
+                continue
+        floats += p.numel()
+    return 32.0 * floats
+
+
+def powersgd_in_order(state: powerSGD_hook.PowerSGDState,
+                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """``powerSGD_hook``, completed before the hook returns. PowerSGD starts its second and third allreduce of a
+    bucket from the callback of the previous one, on Gloo's worker threads; with several buckets in flight their
+    order can differ between ranks, and Gloo then aborts on a size mismatch (seen in this benchmark). Waiting per
+    bucket keeps every rank's order, at the price of PowerSGD's overlap with backward."""
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
+
+
+def attach(label: str, ddp_model: DistributedDataParallel, model: torch.nn.Module, case_id: int) -> Any:
+    """Register ``label``'s hook; returns the SafeBits state (None for the others) and the modeled bits."""
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if label == "ddp:none":
+        return None, 32.0 * params
+    if label == "ddp:fp16":
+        ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None, 16.0 * params
+    if label.startswith("ddp:powersgd"):
+        rank = int(label.removeprefix("ddp:powersgd"))
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=PSGD_START,
+                                            random_seed=SEED)
+        ddp_model.register_comm_hook(state, powersgd_in_order)
+        return None, powersgd_modeled_bits(model, rank)
+    name, _, budget = label.removeprefix("ddp:").partition("@")
+    if name != "safebits":
+        raise ValueError(f"unknown DDP compressor {label!r}")
+    state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=float(budget or 4.0), seed=SEED,
+                                name=f"safebits.ddp.{case_id}")
+    ddp_model.register_comm_hook(state, sbddp.safebits_hook)
+    return state, None
+
+
+def barrier() -> None:
+    dist.all_reduce(torch.zeros(1))
+
+
+def run_case(label: str, case_id: int, batch: int, warmup: int, steps: int) -> dict[str, Any]:
+    """Warm-up steps, then timed steps between two barriers (the same protocol as link_worker.run_case)."""
+    torch.manual_seed(SEED)
+    model = ResNet18()
+    ddp_model = DistributedDataParallel(model)
+    state, fixed_bits = attach(label, ddp_model, model, case_id)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(SEED * 7919 + dist.get_rank())
+
+    def step() -> None:
+        opt.zero_grad()
+        x = torch.randn(batch, 3, 32, 32, generator=gen)
+        y = torch.randint(10, (batch,), generator=gen)
+        F.cross_entropy(ddp_model(x), y).backward()
+        opt.step()
+
+    for _ in range(max(warmup, PSGD_START if "powersgd" in label else 0)):
+        step()
+    barrier()
+    tx0 = read_tx_bytes()
+    start = time.perf_counter()
+    step_times, wire, modeled_bits = [], [], []
+    collective, violations = None, 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        step_times.append(time.perf_counter() - t0)
+        if state is None:
+            modeled_bits.append(fixed_bits)
+            continue
+        record = state.last_step
+        wire.append(float(record.wire_bytes))
+        modeled_bits.append(float(record.modeled_bits_total))
+        collective = record.collective
+        violations += int(record.violation)
+    barrier()
+    elapsed = time.perf_counter() - start
+    tx1 = read_tx_bytes()
+    wire_total = None
+    if state is not None:
+        total = torch.tensor([sum(wire)], dtype=torch.float64)
+        dist.all_reduce(total)
+        wire_total = float(total[0])
+    result = {
+        "model": "resnet18", "compressor": label, "parameters": params, "batch_per_rank": batch,
+        "ranks": dist.get_world_size(), "warmup": warmup, "steps": steps, "step_times_s": step_times,
+        "elapsed_s": elapsed, "link_bytes": tx1 - tx0, "wire_bytes_total": wire_total,
+        "modeled_bytes_per_step": dist.get_world_size() * statistics.fmean(modeled_bits) / 8,
+        "modeled_bits_per_rank": modeled_bits, "collective": collective, "violations": violations,
+    }
+    return result
+
+
+def teacher_batch(index: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``index`` of the quality task: images and the fixed teacher's labels (a random linear map of the
+    4x4-pooled image)."""
+    gen = torch.Generator().manual_seed(10_000 + index)
+    x = torch.randn(batch, 3, 32, 32, generator=gen)
+    w = torch.randn(3 * 4 * 4, 10, generator=torch.Generator().manual_seed(4242))
+    return x, (F.adaptive_avg_pool2d(x, 4).flatten(1) @ w).argmax(dim=1)
+
+
+def run_quality(label: str, case_id: int, batch: int, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps on the teacher task; the held-out loss and accuracy at the end, and the link bytes."""
+    torch.manual_seed(SEED)
+    model = ResNet18()
+    ddp_model = DistributedDataParallel(model)
+    state, fixed_bits = attach(label, ddp_model, model, case_id)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)     # the timed cases' optimizer
+    rank = dist.get_rank()
+    data = [teacher_batch(8 * rank + k, batch) for k in range(8)]
+    barrier()
+    tx0 = read_tx_bytes()
+    losses = []
+    bits = []
+    for step in range(steps):
+        x, y = data[step % len(data)]
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp_model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        bits.append(fixed_bits if state is None else float(state.last_step.modeled_bits_total))
+    barrier()
+    tx1 = read_tx_bytes()
+    # Batch statistics (train mode): 20-odd steps leave batch-norm's running statistics far from converged.
+    with torch.no_grad():
+        x, y = teacher_batch(99_999, 256)
+        out = model(x)
+        held_out = float(F.cross_entropy(out, y))
+        accuracy = float((out.argmax(dim=1) == y).float().mean())
+    result = {"compressor": label, "steps": steps, "batch_per_rank": batch, "link_bytes": tx1 - tx0,
+              "modeled_bytes_per_step": dist.get_world_size() * statistics.fmean(bits) / 8,
+              "train_loss_last5": statistics.fmean(losses[-5:]), "train_loss_first": losses[0],
+              "held_out_loss": held_out, "held_out_accuracy": accuracy}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
+    parser.add_argument("--compressors", nargs="+", required=True)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--cnn-batch", type=int, default=16)
+    parser.add_argument("--quality-steps", type=int, default=0, help="train instead of timing (0: time)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations are counted per case
+    dist.init_process_group("gloo")
+    rank0 = dist.get_rank() == 0
+    cases = []
+    for case_id, label in enumerate(args.compressors):
+        if args.quality_steps:
+            result = run_quality(label, case_id, args.cnn_batch, args.quality_steps)
+            if rank0:
+                print(f"[link] quality {label:17s} held-out loss {result['held_out_loss']:.4f} accuracy "
+                      f"{result['held_out_accuracy']:.3f}  link {result['link_bytes'] / args.quality_steps / 1e6:.2f}"
+                      f" MB/step", flush=True)
+        else:
+            result = run_case(label, case_id, args.cnn_batch, args.warmup, args.steps)
+            if rank0:
+                print(f"[link] resnet18  {label:17s} step {statistics.median(result['step_times_s']) * 1e3:8.1f} ms  "
+                      f"link {result['link_bytes'] / result['steps'] / 1e6:8.2f} MB/step  "
+                      f"modeled {result['modeled_bytes_per_step'] / 1e6:8.2f} MB/step", flush=True)
+        cases.append(result)
+        gc.collect()                      # the case's model, DDP wrapper and hook state
+    if rank0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"cases": cases, "torch": torch.__version__, "threads": torch.get_num_threads()}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The PyTorch DDP front end: a communication hook over :class:`~.core.SafeBitsCore` (docs/DESIGN.md, "The life of
+one step under DDP").
+
+    from safebits_hvd import ddp as sbddp
+    state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=4.4)
+    ddp_model.register_comm_hook(state, sbddp.safebits_hook)
+    ...
+    state.last_step        # the StepRecord of the last step, as with the Horovod front end
+
+DDP calls the hook once per gradient bucket, in bucket order, identically on every rank. Each tensor of the bucket
+goes through the core on its own (its own action, screen and residual); the packed payloads of the bucket travel
+in one ``torch.distributed`` collective (:class:`~.collectives.TorchDistributedTransport`), started before the
+hook returns, so it overlaps the rest of backward. The hook of the last bucket (``bucket.is_last()``) closes the
+step: the core has then started the statistics exchange (one asynchronous ``all_reduce(MAX)``,
+:class:`~.exchange.TorchDistributedExchange`); it waits for every bucket's collective, decodes the payloads in rank
+order into each bucket's buffer (the mean over ranks, bitwise the same on every rank), finishes the step (record,
+digest check) and completes every bucket's future. DDP waits for those futures only after backward.
+"""
+
+# No "from __future__ import annotations": DDP compares the hook's annotations with the real classes.
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .actions import DEFAULT_MENU, Menu
+from .collectives import LocalTransport, PayloadTransport, TorchDistributedTransport
+from .compressor import CoreRecords, build_core, check_transports
+from .errors import SafeBitsConsistencyError
+from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
+
+
+class _Piece(NamedTuple):
+    """One tensor of a bucket: its parameter index and its range in the bucket's buffer."""
+
+    index: int
+    start: int
+    stop: int
+
+
+class _PendingBucket(NamedTuple):
+    """A bucket whose reduction completes when the step closes."""
+
+    future: torch.futures.Future[torch.Tensor]
+    buffer: torch.Tensor
+    pieces: list[_Piece]
+    work: Any                   # dense path: the buffer's all_reduce
+
+
+class SafeBitsState(CoreRecords):
+    """SafeBits' state for one DDP model: pass it with :func:`safebits_hook` to ``register_comm_hook``.
+
+    Args:
+        named_parameters: ``model.named_parameters()`` of the wrapped (``DistributedDataParallel``) or the
+            unwrapped model: parameters are matched to DDP's buckets by identity. Parameters with
+            ``requires_grad=False`` are ignored, as DDP ignores them. Every parameter DDP reduces must be here.
+        process_group: the DDP model's process group (``DistributedDataParallel(..., process_group=)``); None:
+            the default group.
+        budget_bits, max_distortion, min_cosine, menu, seed, log_path, sample_buckets, consistency_check_every,
+        nonfinite, screen, name, max_history, collective, timeout: as :class:`~safebits_hvd.SafeBits`. With
+        ``collective="auto"`` two ranks use ``"allgather"`` and more use ``"two_phase"`` (an ``all_to_all``, which
+        Gloo and NCCL both have); ``"dense"`` all-reduces the dequantized float32 values.
+        exchange, transport: the statistics and payload transports; default None: ``torch.distributed`` on
+            ``process_group`` when it has several ranks, else local.
+    """
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | Any,
+                 budget_bits: float | Callable[[int], float] = 4.0, max_distortion: float = 0.5,
+                 min_cosine: float = 0.8, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
+                 log_path: str | os.PathLike[str] | None = None, *, process_group: Any = None,
+                 sample_buckets: int = 16, consistency_check_every: int = 1, nonfinite: str = "propagate",
+                 screen: bool = True, name: str = "safebits", max_history: int = 1000, collective: str = "auto",
+                 timeout: float | None = DEFAULT_TIMEOUT, exchange: StatisticsExchange | None = None,
+                 transport: PayloadTransport | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("SafeBitsState needs torch.distributed initialized (dist.init_process_group) first")
+        if dist.get_rank(process_group) < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not in the process group SafeBitsState was given; build "
+                             f"it only on the ranks of its DDP model's group")
+        check_transports(exchange, transport)
+        self.process_group = process_group
+        several = dist.get_world_size(process_group) > 1
+        params, core = build_core(
+            named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
+            sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
+            screen=screen, name=name, max_history=max_history, collective=collective, timeout=timeout,
+            exchange=exchange if exchange is not None else (
+                lambda t: TorchDistributedExchange(process_group, t) if several else LocalExchange()),
+            transport=transport if transport is not None else (
+                lambda t: TorchDistributedTransport(process_group, t) if several else LocalTransport()),
+            fusion_elements=0)       # a bucket's payloads already travel as one collective (the transport's flush)
+        self.core = core
+        self.names = core.names
+        self.timeout = timeout
+        self._index_by_id = {id(p): i for i, p in enumerate(params)}
+        self._params = params
+        self._pending: list[_PendingBucket] = []
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    # ------------------------------------------------------------------ one bucket
+    def _index_of(self, parameter: torch.Tensor) -> int:
+        index = self._index_by_id.get(id(parameter))
+        if index is None or self._params[index] is not parameter:
+            raise ValueError(f"DDP reduces a parameter of shape {tuple(parameter.shape)} that SafeBitsState does not "
+                             f"know; build SafeBitsState from the same model's named_parameters() as DDP")
+        return index
+
+    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Send every tensor of ``bucket`` through the core, start the bucket's collective, and return the future
+        of its mean over ranks (completed when the last bucket of the step is reduced)."""
+        core = self.core
+        buffer = bucket.buffer()
+        grads = bucket.gradients()
+        indices = [self._index_of(p) for p in bucket.parameters()]     # every one known before anything is sent
+        if sum(g.numel() for g in grads) != buffer.numel():
+            raise RuntimeError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its gradients "
+                               f"{sum(g.numel() for g in grads)}")
+        began = not core.in_step
+        if began:
+            self._pending = []       # buckets of a step that an error interrupted: DDP never waits for them
+        pieces: list[_Piece] = []
+        offset = 0
+        step = core.step
+        collective = ""
+        for index, grad in zip(indices, grads, strict=True):
+            n = grad.numel()
+            sent = core.send(index, grad)
+            step, collective = sent.step, sent.collective
+            if collective == "dense":
+                # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
+                buffer[offset:offset + n].copy_(sent.wire)
+            pieces.append(_Piece(index, offset, offset + n))
+            offset += n
+        work = None
+        transport = core.transport
+        if collective == "dense" and self.world_size > 1:
+            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+        elif isinstance(transport, TorchDistributedTransport):
+            expected = None
+            if collective == "allgather":
+                # The bucket's payloads at their allocated actions: the same size on every rank, so the collective
+                # starts without a size exchange (only an escalated rest waits for the step's close).
+                expected = sum(core.allocated_payload_bytes(p.index) for p in pieces)
+                if began:
+                    self._check_allocation(transport, step)
+            transport.flush(expected)
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._pending.append(_PendingBucket(future, buffer, pieces, work))
+        if bucket.is_last():
+            self._close_step(step, collective)
+        return future
+
+    def _check_allocation(self, transport: TorchDistributedTransport, step: int) -> None:
+        """The first bucket of a step: every rank must have allocated alike (else the buckets' sizes differ and the
+        collective would fail inside Gloo or NCCL): one small blocking all_gather of the allocation digest, the
+        tensor count and the step's payload bytes at the allocated actions, so a mismatch raises
+        :class:`~.errors.SafeBitsConsistencyError` on every rank before any payload moves."""
+        core = self.core
+        digest = int(core.allocation_digest, 16)
+        total = sum(core.allocated_payload_bytes(i) for i in range(len(core.names)))
+        words = torch.tensor([*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total],
+                             dtype=torch.int64, device=transport.device)
+        everyone = transport.gather_now(words, f"the allocation digest of step {step}")
+        if not bool((everyone == everyone[0]).all()):
+            raise SafeBitsConsistencyError(
+                f"ranks disagree on the allocation of step {step} (this rank's digest "
+                f"{self.core.allocation_digest}); every rank must build SafeBitsState with the same parameters, "
+                f"menu, budget and thresholds")
+
+    def _close_step(self, step: int, collective: str) -> None:
+        """The last bucket: every bucket's mean into its buffer, the step finished, every future completed."""
+        core = self.core
+        pending, self._pending = self._pending, []
+        if core.in_step:
+            missing = [core.names[i] for i, unsent in enumerate(core.unsent) if unsent]
+            core.finish()
+            raise ValueError(f"SafeBitsState registered parameters DDP does not reduce (e.g. {missing[:3]}); build "
+                             f"it from the same model's named_parameters() as DDP")
+        ranks = self.world_size
+        for bucket in pending:
+            if collective == "dense":
+                if bucket.work is not None:
+                    wait_bounded(bucket.work.is_completed, self.timeout, "the DDP bucket's all_reduce")
+                    bucket.work.wait()
+                    bucket.buffer.div_(ranks)
+                continue
+            in_place = bucket.buffer.dtype == torch.float32      # decode straight into DDP's buffer
+            for piece in bucket.pieces:
+                target = bucket.buffer[piece.start:piece.stop]
+                total = core.reduced_sum(piece.index, step, collective, target if in_place else None)
+                if in_place:
+                    target.div_(ranks)
+                else:
+                    target.copy_(total.div_(ranks))
+        core.finish(step)
+        for bucket in pending:
+            bucket.future.set_result(bucket.buffer)
+
+
+def safebits_hook(state: SafeBitsState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, safebits_hook)``."""
+    return state.reduce_bucket(bucket)
+
+
+__all__ = ["SafeBitsState", "safebits_hook"]
