@@ -387,7 +387,9 @@ class FusedAllgather:
     def _start(self, transport: PayloadTransport, group: int) -> None:
         members = self._payloads.pop(group)
         buffer = torch.cat([members[index] for index in self.groups[group]])
-        self._handles[group] = transport.start_allgather(f"{self.name}.payload.{group}", buffer)
+        # Named by the group's first tensor: a group of one tensor is named by that tensor (disjoint groups: unique).
+        first = self.groups[group][0]
+        self._handles[group] = transport.start_allgather(f"{self.name}.payload.{first}", buffer)
 
     def reduced_sum(self, transport: PayloadTransport, index: int, step: int, out: torch.Tensor,
                     zeros: Any) -> torch.Tensor:
