@@ -104,11 +104,18 @@ def run_ranks(ranks: int, body: Callable[[int, Any, Any], Any]) -> list[Any]:
         except BaseException as exc:   # re-raised in the test thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    # One kernel thread per rank, as each rank process would have its share of the cores. With OpenMP teams
+    # started from several of these threads at once, one run in about a hundred under load hung in a kernel.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        torch.set_num_threads(threads_before)
     if errors:
         raise errors[0]
     return results
