@@ -104,8 +104,8 @@ def run_ranks(ranks: int, body: Callable[[int, Any, Any], Any]) -> list[Any]:
         except BaseException as exc:   # re-raised in the test thread
             errors.append(exc)
 
-    # One kernel thread per rank, as each rank process would have its share of the cores. With OpenMP teams
-    # started from several of these threads at once, one run in about a hundred under load hung in a kernel.
+    # One kernel thread per rank, as each rank process would have its share of the cores. It also keeps several
+    # threads from starting OpenMP teams at once: the suspected cause of a rare hang of these tests under load.
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
