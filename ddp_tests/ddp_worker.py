@@ -18,7 +18,6 @@ as the Horovod front end, and clear errors for a mismatched registration or budg
 """
 
 import argparse
-import io
 import os
 import sys
 from collections.abc import Callable
@@ -32,15 +31,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi_tests"))
-from scenario_runner import check, params_digest, run_scenarios
+from scenario_runner import (
+    CLASSES,
+    IN_FEATURES,
+    Net,
+    check,
+    checkpoint_through_bytes,
+    params_digest,
+    restore_checkpoint,
+    run_scenarios,
+)
 
 import safebits_hvd as sb
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.collectives import TorchDistributedTransport, decode_sequence, segment_bounds
 from safebits_hvd.exchange import TorchDistributedExchange
 
-IN_FEATURES = 20
-CLASSES = 4
 BATCH = 64
 
 
@@ -63,29 +69,6 @@ class TorchRanks:
 
 
 RANKS = TorchRanks()
-
-
-class Net(nn.Module):
-    """Small MLP; ``aux`` is an extra head used only on some steps (an unused parameter), ``frozen`` optional."""
-
-    def __init__(self, frozen: bool = False) -> None:
-        super().__init__()
-        self.frozen = nn.Linear(IN_FEATURES, IN_FEATURES) if frozen else None
-        if self.frozen is not None:
-            self.frozen.requires_grad_(False)
-        self.fc1 = nn.Linear(IN_FEATURES, 64)
-        self.fc2 = nn.Linear(64, 64)
-        self.head = nn.Linear(64, CLASSES)
-        self.aux = nn.Linear(64, CLASSES)
-
-    def forward(self, x: torch.Tensor, use_aux: bool = True) -> torch.Tensor:
-        if self.frozen is not None:
-            x = x + self.frozen(x)
-        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
-        out = self.head(h)
-        if use_aux:
-            out = out + self.aux(h)
-        return out
 
 
 class RecordingTransport(TorchDistributedTransport):
@@ -160,7 +143,7 @@ def build(sc: Scenario, hook: Hook = sbddp.safebits_hook, tag: str = "", **state
     """The scenario's model (seed 0), its DDP wrapper with SafeBits' hook (or ``hook``), the state, its recording
     transport and an SGD optimizer with momentum."""
     torch.manual_seed(0)
-    model = Net(frozen=sc.frozen)
+    model = Net(frozen=sc.frozen, aux_by_default=True)
     ddp_model = DistributedDataParallel(model, bucket_cap_mb=sc.bucket_cap_mb,
                                         find_unused_parameters=sc.find_unused_parameters,
                                         static_graph=sc.static_graph,
@@ -375,14 +358,9 @@ def run_checkpoint_restore() -> dict[str, Any]:
 
     model, ddp_model, state, _, opt = build(sc, tag=".first")
     train_plain(ddp_model, opt, range(3))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "safebits": state.state_dict()}, buffer)
-    buffer.seek(0)
+    saved = checkpoint_through_bytes(model, opt, state)
     model, ddp_model, state, _, opt = build(sc, tag=".resumed")
-    saved = torch.load(buffer, weights_only=True)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    state.load_state_dict(saved["safebits"])
+    restore_checkpoint(saved, model, opt, state)
     check(state.step == 3, f"restored step {state.step}, expected 3")
     train_plain(ddp_model, opt, range(3, 6))
     resumed = params_digest(model)
@@ -399,7 +377,7 @@ def run_front_end_parity() -> dict[str, Any]:
     sc = Scenario("parity", budget_bits=4.4, lr=0.3)
     model, ddp_model, state, _, opt = build(sc)
     torch.manual_seed(0)
-    twin = Net()
+    twin = Net(aux_by_default=True)
     named = list(twin.named_parameters())
     compressor = sb.SafeBits(named, budget_bits=4.4, name="safebits.parity.hvd",
                              exchange=TorchDistributedExchange(), transport=TorchDistributedTransport())
@@ -438,7 +416,7 @@ def expect_error(sc: Scenario, text: str, error: type[BaseException] = Exception
     raised = ""
     try:
         torch.manual_seed(0)
-        model = Net()
+        model = Net(aux_by_default=True)
         ddp_model = DistributedDataParallel(model, bucket_cap_mb=sc.bucket_cap_mb)
         kwargs = rank1_kwargs if dist.get_rank() == 1 else {}
         state = sbddp.SafeBitsState(named(model) if named is not None else model.named_parameters(),

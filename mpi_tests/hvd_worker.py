@@ -17,7 +17,6 @@ if any scenario failed on any rank.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,37 +25,22 @@ from typing import Any
 import horovod.torch as hvd
 import numpy as np
 import torch
-from scenario_runner import ScenarioFailure, check, params_digest, run_scenarios
+from scenario_runner import (
+    CLASSES,
+    IN_FEATURES,
+    Net,
+    ScenarioFailure,
+    check,
+    checkpoint_through_bytes,
+    params_digest,
+    restore_checkpoint,
+    run_scenarios,
+)
 from torch import nn
 
 import safebits_hvd as sb
 
-IN_FEATURES = 20
-CLASSES = 4
 BATCH = 64
-
-
-class Net(nn.Module):
-    """Small MLP; ``aux`` is an optional extra head (for the no-gradient case), ``frozen`` an optional frozen layer."""
-
-    def __init__(self, frozen: bool = False) -> None:
-        super().__init__()
-        self.frozen = nn.Linear(IN_FEATURES, IN_FEATURES) if frozen else None
-        if self.frozen is not None:
-            self.frozen.requires_grad_(False)
-        self.fc1 = nn.Linear(IN_FEATURES, 64)
-        self.fc2 = nn.Linear(64, 64)
-        self.head = nn.Linear(64, CLASSES)
-        self.aux = nn.Linear(64, CLASSES)
-
-    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
-        if self.frozen is not None:
-            x = x + self.frozen(x)
-        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
-        out = self.head(h)
-        if use_aux:
-            out = out + self.aux(h)
-        return out
 
 
 class TrackingSafeBits(sb.SafeBits):
@@ -365,15 +349,9 @@ def run_checkpoint_restore(collective: str = "auto") -> dict[str, Any]:
 
     model, opt, compression = build("first")
     train(model, opt, range(3))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "safebits": compression.state_dict()},
-               buffer)
-    buffer.seek(0)
+    saved = checkpoint_through_bytes(model, opt, compression)
     model, opt, compression = build("resumed")
-    state = torch.load(buffer, weights_only=True)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    compression.load_state_dict(state["safebits"])
+    restore_checkpoint(saved, model, opt, compression)
     check(compression.step == 3, f"restored step {compression.step}, expected 3")
     train(model, opt, range(3, 6))
     resumed = params_digest(model)

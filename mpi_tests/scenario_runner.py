@@ -6,12 +6,58 @@ by default; the DDP worker (ddp_tests/) passes its torch.distributed ones."""
 from __future__ import annotations
 
 import hashlib
+import io
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from torch import nn
+
+IN_FEATURES = 20
+CLASSES = 4
+
+
+class Net(nn.Module):
+    """The small MLP both workers train: ``aux`` is an extra head used on some steps only (an unused parameter on
+    the others; ``aux_by_default``: whether ``forward`` uses it unless told), ``frozen`` an optional frozen layer."""
+
+    def __init__(self, frozen: bool = False, aux_by_default: bool = False) -> None:
+        super().__init__()
+        self.aux_by_default = aux_by_default
+        self.frozen = nn.Linear(IN_FEATURES, IN_FEATURES) if frozen else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
+        self.fc1 = nn.Linear(IN_FEATURES, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.head = nn.Linear(64, CLASSES)
+        self.aux = nn.Linear(64, CLASSES)
+
+    def forward(self, x: torch.Tensor, use_aux: bool | None = None) -> torch.Tensor:
+        if self.frozen is not None:
+            x = x + self.frozen(x)
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        out = self.head(h)
+        if self.aux_by_default if use_aux is None else use_aux:
+            out = out + self.aux(h)
+        return out
+
+
+def checkpoint_through_bytes(model: nn.Module, opt: torch.optim.Optimizer, compressor: Any) -> dict[str, Any]:
+    """The README's checkpoint recipe through a byte buffer: model, optimizer and SafeBits state saved with
+    ``torch.save`` and loaded back with ``weights_only=True``."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "safebits": compressor.state_dict()}, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def restore_checkpoint(saved: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer, compressor: Any) -> None:
+    """Load :func:`checkpoint_through_bytes`'s dict into a freshly built model, optimizer and SafeBits."""
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    compressor.load_state_dict(saved["safebits"])
 
 
 class ScenarioFailure(AssertionError):

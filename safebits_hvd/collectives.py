@@ -33,7 +33,7 @@ import torch
 
 from . import kernels, wire
 from .actions import Action
-from .exchange import DEFAULT_TIMEOUT, check_member, horovod_if_initialized, wait_bounded
+from .exchange import DEFAULT_TIMEOUT, check_member, horovod_if_initialized, torch_distributed_group, wait_bounded
 from .rng import stream_key
 
 COLLECTIVES = ("auto", "allgather", "two_phase", "dense")
@@ -244,15 +244,9 @@ class TorchDistributedTransport:
     """
 
     def __init__(self, process_group: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
+        self.dist, self.rank, self.size, self.device = torch_distributed_group(process_group)
         self.process_group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.size = dist.get_world_size(process_group)
         self.timeout = timeout
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
         self._queue: list[_QueuedAllgather | _QueuedAlltoall] = []
 
     def start_allgather(self, name: str, payload: torch.Tensor) -> Any:

@@ -190,21 +190,25 @@ class MPIExchange(_RankExchange):
         wait_bounded(request.Test, self.timeout, "SafeBits' statistics exchange (MPI)")
 
 
+def torch_distributed_group(process_group: Any) -> tuple[Any, int, int, torch.device]:
+    """``(torch.distributed, rank, size, device)`` of a process group (None: the default group); the device is
+    where its collectives need tensors: the current GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
+    return dist, dist.get_rank(process_group), dist.get_world_size(process_group), device
+
+
 class TorchDistributedExchange(_RankExchange):
     """MAX-allreduce through ``torch.distributed`` (``all_reduce(..., op=MAX, async_op=True)``) on a process group
     (None: the default group), for the DDP front end (:mod:`.ddp`). Gloo reduces the vector in place; NCCL needs
     it on the GPU, so there it travels through a device copy and comes back at :meth:`wait`."""
 
     def __init__(self, process_group: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
+        self._dist, self.rank, self.size, self.device = torch_distributed_group(process_group)
         self.process_group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.size = dist.get_world_size(process_group)
         self.timeout = timeout
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
 
     def _reduce(self, values: np.ndarray) -> tuple[Any, torch.Tensor, torch.Tensor]:
         host = torch.from_numpy(values)           # shares the vector's memory
