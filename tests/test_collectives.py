@@ -104,18 +104,11 @@ def run_ranks(ranks: int, body: Callable[[int, Any, Any], Any]) -> list[Any]:
         except BaseException as exc:   # re-raised in the test thread
             errors.append(exc)
 
-    # One kernel thread per rank, as each rank process would have its share of the cores. It also keeps several
-    # threads from starting OpenMP teams at once: the suspected cause of a rare hang of these tests under load.
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        threads = [threading.Thread(target=target, args=(r,)) for r in range(ranks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    finally:
-        torch.set_num_threads(threads_before)
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
     if errors:
         raise errors[0]
     return results
