@@ -271,6 +271,13 @@ __device__ __forceinline__ void sb_put_trit_atomic(unsigned char *base, long lon
     atomicAdd((unsigned int *)base + (byte >> 2), (d * sb_pow3((int)(j % 5))) << (8 * (int)(byte & 3)));
 }
 
+/* Element j's code word w in the codes section at byte `off`: 5 trits per byte, or cb bits. */
+__device__ __forceinline__ void sb_put_code_atomic(unsigned char *base, long long off, long long j, sb_u32 w,
+                                                   int cb, int trits) {
+    if (trits) sb_put_trit_atomic(base, off, j, w);
+    else sb_put_bits_atomic(base, off * 8 + j * cb, w, cb);
+}
+
 /* Exclusive block-wide prefix sum of one flag per thread; *total gets the sum. sh: SB_THREADS ints. */
 __device__ int sb_block_exclusive_scan(int flag, int *sh, int *total) {
     int tid = threadIdx.x;
@@ -338,8 +345,7 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int
                     sb_u32 neg = sb_quant_sign(v, c, trits);
                     q = sb_quant_value(c, neg, P.scale, s);
                     sb_u32 w = sb_quant_word(c, neg, cb, trits);
-                    if (trits) sb_put_trit_atomic(payload, L.codes_off, j, w);
-                    else sb_put_bits_atomic(payload, L.codes_off * 8 + j * cb, w, cb);
+                    sb_put_code_atomic(payload, L.codes_off, j, w, cb, trits);
                 }
                 break;
             case SB_LLOYD_MAX: {
@@ -347,8 +353,7 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int
                 sb_u32 neg = sb_quant_sign(v, c, trits);
                 q = sb_lm_value(c, neg, P.scale, levels);
                 sb_u32 w = sb_quant_word(c, neg, cb, trits);
-                if (trits) sb_put_trit_atomic(payload, L.codes_off, j, w);
-                else sb_put_bits_atomic(payload, L.codes_off * 8 + j * cb, w, cb);
+                sb_put_code_atomic(payload, L.codes_off, j, w, cb, trits);
                 break;
             }
             case SB_SIGN: {
