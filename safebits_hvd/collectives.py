@@ -388,7 +388,8 @@ class FusedAllgather:
 
     def reduced_sum(self, transport: PayloadTransport, index: int, step: int, out: torch.Tensor,
                     zeros: Any) -> torch.Tensor:
-        """Add every rank's payload of tensor ``index`` at ``step``, in rank order, into ``out``; returns ``out``.
+        """Write the sum of every rank's payload of tensor ``index`` at ``step``, in rank order, over ``out``
+        (rank 0's values, then each later rank's added); returns ``out``.
         A group asked for before it completed (a step in which some registered tensors are never sent) is started
         first with ``zeros`` for the missing members (:meth:`flush`), as on every rank at the same call."""
         if step != self.step:
@@ -404,7 +405,11 @@ class FusedAllgather:
                                                    f"{self.name} group {group} step {step}")
         parts, members, member = self._received[group], len(self.groups[group]), int(self.member_of[index])
         for rank in range(transport.size):
-            kernels.decode_add(parts[rank * members + member], out, name=f"{self.names[index]} (rank {rank})")
+            payload, name = parts[rank * members + member], f"{self.names[index]} (rank {rank})"
+            if rank == 0:
+                kernels.decode(payload, name=name, out=out)
+            else:
+                kernels.decode_add(payload, out, name=name)
         return out
 
 

@@ -43,6 +43,10 @@ class Context(NamedTuple):
     index: int                  # the parameter
     collective: str             # "dense", "allgather" or "two_phase"
     wire: torch.Tensor          # what this rank sent: the packed payload (uint8) or the dense float32 values
+    # Packed paths: the gradient's own flat storage, which the reduced sum is decoded into (compress has consumed
+    # its values; Horovod's uncompressed allreduce overwrites it too), so a step allocates no new gradients; None
+    # when it is not contiguous float32 (a fresh tensor is decoded into then).
+    gradient: torch.Tensor | None = None
 
 
 def op_factor(reduced_marker: torch.Tensor, ranks: int) -> float:
@@ -213,24 +217,27 @@ class CoreCompressor(CoreRecords, Compressor):
         context :meth:`decompress` needs.
 
         On the allgather path the packed payload's allgather is started here, and Horovod allreduces a one-element
-        marker whose reduced value tells :meth:`decompress` whether the op averaged or summed. On the dense path
-        Horovod allreduces the flat float32 dequantized values.
+        marker whose reduced value tells :meth:`decompress` whether the op averaged or summed; :meth:`decompress`
+        then writes the reduced gradient over ``tensor`` when it is contiguous float32 (as Horovod's uncompressed
+        allreduce does in place). On the dense path Horovod allreduces the flat float32 dequantized values.
         """
         core = self.core
         if not core.in_step:
             self._follow_world()
         index = self._index.find(tensor, core.unsent if core.in_step else None)
         sent = core.send(index, tensor)
-        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
-        if sent.collective != "dense":
-            return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
-        return sent.wire, ctx
+        if sent.collective == "dense":
+            return sent.wire, Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
+        reusable = tensor.dtype == torch.float32 and tensor.is_contiguous() and not tensor.requires_grad
+        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire,
+                      tensor.detach().view(-1) if reusable else None)
+        return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
         """The reduced gradient in its shape and dtype (finishes the step's statistics exchange)."""
         core = self.core
         if ctx.collective != "dense":
-            total = core.reduced_sum(ctx.index, ctx.step, ctx.collective)
+            total = core.reduced_sum(ctx.index, ctx.step, ctx.collective, ctx.gradient)
             ranks = core.transport.size if core.transport is not None else 1
             factor = op_factor(tensor, ranks)
             if factor != ranks:

@@ -206,9 +206,7 @@ class SafeBitsCore:
         assert self.transport is not None
         if collective == "allgather":
             if out is None:
-                out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=self._device)
-            else:
-                out.zero_()
+                out = torch.empty(int(self.numels[index]), dtype=torch.float32, device=self._device)
             return self.allgather.reduced_sum(self.transport, index, step, out,
                                               lambda index, device: self._zeros(index, "allgather", device))
         total = self.two_phase.result(index, step)

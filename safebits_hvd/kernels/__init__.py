@@ -192,11 +192,16 @@ def decode_add(payload: torch.Tensor, out: torch.Tensor, *, name: str = "tensor"
     return out
 
 
-def decode(payload: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
-    """The float32 values of ``payload`` (bitwise the ``out`` of :func:`quantize_ef`, -0.0 included)."""
-    header = wire.parse_header(payload, name) if isinstance(payload, torch.Tensor) else None
-    if header is None:
-        raise wire.WireFormatError(f"{name}: a payload is a uint8 tensor, got {type(payload).__name__}")
-    out = torch.empty(header.n, dtype=torch.float32, device=payload.device)
+def decode(payload: torch.Tensor, *, name: str = "tensor", out: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 values of ``payload`` (bitwise the ``out`` of :func:`quantize_ef`, -0.0 included), written over
+    ``out`` when given (1-D contiguous float32 of the payload's element count: no zero-fill pass, unlike
+    :func:`decode_add` into zeros)."""
+    if out is None:
+        header = wire.parse_header(payload, name) if isinstance(payload, torch.Tensor) else None
+        if header is None:
+            raise wire.WireFormatError(f"{name}: a payload is a uint8 tensor, got {type(payload).__name__}")
+        out = torch.empty(header.n, dtype=torch.float32, device=payload.device)
+    else:
+        _check("out", out)
     _decode(payload, out, False, name)
     return out

@@ -34,7 +34,8 @@ static inline void sb_bitw_flush(sb_bitw *w) {
     w->nacc = 0;
 }
 
-/* m words of nbits each; byte-at-a-time fast paths for 1/2/4/8-bit words on a byte boundary. */
+/* m words of nbits each. On a byte boundary, words of at most 8 bits go 8 at a time: 8 words of nbits bits are
+ * exactly nbits whole bytes (1/2/4/8-bit words, a byte at a time). */
 SB_CLONES void sb_bitw_put_many(sb_bitw *w, const sb_u32 *restrict word, int m, int nbits) {
     int i = 0;
     if (w->nacc == 0 && (nbits == 1 || nbits == 2 || nbits == 4 || nbits == 8)) {
@@ -47,6 +48,14 @@ SB_CLONES void sb_bitw_put_many(sb_bitw *w, const sb_u32 *restrict word, int m, 
         }
         w->p += nbytes;
         i = nbytes * per;
+    } else if (w->nacc == 0 && nbits < 8) {
+        unsigned char *restrict p = w->p;
+        for (; i + 8 <= m; i += 8) {
+            unsigned long long acc = 0;
+            for (int k = 0; k < 8; k++) acc |= (unsigned long long)word[i + k] << (k * nbits);
+            for (int k = 0; k < nbits; k++) *p++ = (unsigned char)(acc >> (8 * k));
+        }
+        w->p = p;
     }
     for (; i < m; i++) sb_bitw_put(w, word[i], nbits);
 }
@@ -208,18 +217,29 @@ int sb_quantize_pack_ef(const float *g, float *e, unsigned char *body, sb_i64 n,
     return fail ? -1 : 0;
 }
 
-/* wb[0..m) = the m words of nbits at bit position bit0; byte-at-a-time fast paths as in sb_bitw_put_many. */
+/* wb[0..m) = the m words of nbits at bit position bit0; the fast paths of sb_bitw_put_many, in reverse. */
 SB_CLONES void sb_get_many(const unsigned char *restrict p, sb_i64 bit0, int m, int nbits, sb_u32 *restrict wb) {
     int i = 0;
+    const unsigned char *restrict q = p + (bit0 >> 3);
+    sb_u32 mask = (1u << nbits) - 1u;
     if ((bit0 & 7) == 0 && (nbits == 1 || nbits == 2 || nbits == 4 || nbits == 8)) {
         int per = 8 / nbits, nbytes = m / per;
-        const unsigned char *restrict q = p + (bit0 >> 3);
-        sb_u32 mask = (1u << nbits) - 1u;
         for (int b = 0; b < nbytes; b++)
             for (int k = 0; k < per; k++) wb[b * per + k] = ((sb_u32)q[b] >> (k * nbits)) & mask;
         i = nbytes * per;
+    } else if ((bit0 & 7) == 0 && nbits < 8) {
+        for (; i + 8 <= m; i += 8) {
+            unsigned long long acc = 0;
+            for (int k = 0; k < nbits; k++) acc |= (unsigned long long)*q++ << (8 * k);
+            for (int k = 0; k < 8; k++) wb[i + k] = (sb_u32)(acc >> (k * nbits)) & mask;
+        }
     }
     for (; i < m; i++) wb[i] = sb_get_bits(p, bit0 + (sb_i64)i * nbits, nbits);
+}
+
+/* x[0..m) = val[wb[i]]: a code word's value from a table made once per bucket, not recomputed per element. */
+SB_CLONES void sb_lookup_many(const sb_u32 *restrict wb, int m, const float *restrict val, float *restrict x) {
+    for (int i = 0; i < m; i++) x[i] = val[wb[i]];
 }
 
 /* The 5 trit digits of every byte value (digit i = byte / 3^i % 3, as sb_get_trit; bytes above 242 never come
@@ -313,6 +333,7 @@ int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, in
             sb_i64 j0 = b * bucket;
             int len = (int)((n - j0) < bucket ? (n - j0) : bucket), i;
             float *x = xb;
+            float val[128]; /* a bucket's value of each code word of up to 7 bits (QUANT, LLOYD_MAX) */
             switch (kind) {
             case SB_FLOAT32:
                 x = (float *)(body + 4 * j0); /* the values themselves */
@@ -326,13 +347,17 @@ int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, in
             case SB_QUANT: {
                 float scale = scales[b];
                 if (trits) { /* a digit has 3 values: compute them once per bucket with the shared functions */
-                    float val[3];
                     for (sb_u32 w = 0; w < 3; w++)
                         val[w] = sb_quant_value(sb_quant_word_code(w, cb, 1), sb_quant_word_sign(w, cb, 1), scale, s);
                     sb_get_trits_many(codes, j0, len, val, xb);
                 } else if (cb == 8) { /* 8-bit codes are whole bytes: read them in the value loop */
                     sb_quant_bytes(codes + j0, len, scale, s, xb);
-                } else {
+                } else if (cb < 8) { /* the value of each of the 2^cb words once per bucket */
+                    for (sb_u32 w = 0; w < (1u << cb); w++)
+                        val[w] = sb_quant_value(sb_quant_word_code(w, cb, 0), sb_quant_word_sign(w, cb, 0), scale, s);
+                    sb_get_many(codes, j0 * cb, len, cb, wb);
+                    sb_lookup_many(wb, len, val, xb);
+                } else { /* 9 to 16 bits (up to 32767 levels): rare; per element */
                     sb_get_many(codes, j0 * cb, len, cb, wb);
                     for (i = 0; i < len; i++)
                         xb[i] = sb_quant_value(sb_quant_word_code(wb[i], cb, 0), sb_quant_word_sign(wb[i], cb, 0),
@@ -343,15 +368,15 @@ int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, in
             case SB_LLOYD_MAX: {
                 float scale = scales[b];
                 if (trits) { /* as QUANT trits: the 3 values once per bucket */
-                    float val[3];
                     for (sb_u32 w = 0; w < 3; w++)
                         val[w] = sb_lm_value(sb_quant_word_code(w, 0, 1), sb_quant_word_sign(w, 0, 1), scale, levels);
                     sb_get_trits_many(codes, j0, len, val, xb);
-                } else {
+                } else { /* as QUANT: a table of the 2^cb word values per bucket */
+                    for (sb_u32 w = 0; w < (1u << cb); w++)
+                        val[w] = sb_lm_value(sb_quant_word_code(w, cb, 0), sb_quant_word_sign(w, cb, 0), scale,
+                                             levels);
                     sb_get_many(codes, j0 * cb, len, cb, wb);
-                    for (i = 0; i < len; i++)
-                        xb[i] = sb_lm_value(sb_quant_word_code(wb[i], cb, 0), sb_quant_word_sign(wb[i], cb, 0), scale,
-                                            levels);
+                    sb_lookup_many(wb, len, val, xb);
                 }
                 break;
             }
