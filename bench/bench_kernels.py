@@ -25,7 +25,7 @@ DEVICE = os.environ.get("SAFEBITS_BENCH_DEVICE", "cpu")
 SIZES = [1 << 16, 1 << 20, 1 << 24]
 ACTIONS = ["fp32", "fp16", "bf16", "int8", "int4", "int2", "ternary", "sign", "topk10", "topk1"]
 WIRE_N = 1 << 24
-WIRE_ACTIONS = ["int4", "int8", "ternary", "sign", "topk10"]
+WIRE_ACTIONS = ["int4", "int8", "int3_mse", "ternary", "ternary_mse", "sign", "topk10"]
 KEY = rng.stream_key(0, 1, 2)
 
 if DEVICE == "cuda" and not torch.cuda.is_available():
