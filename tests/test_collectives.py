@@ -20,37 +20,42 @@ from .helpers import many_tensor_params, random_grads
 
 
 class Group:
-    """``ranks`` in-process ranks: a collective completes when every rank has started it under the same name."""
+    """``ranks`` in-process ranks: a collective completes when every rank has started it under the same name.
+
+    Names repeat every step (as Horovod's do), so a collective is keyed by its name and how many times this rank
+    started that name before: a rank that runs a step ahead must not take the result of the step before, which
+    a slower rank has not collected yet."""
 
     def __init__(self, ranks: int) -> None:
         self.ranks = ranks
         self.cond = threading.Condition()
-        self.pending: dict[str, dict[int, Any]] = {}
-        self.results: dict[str, Any] = {}
+        self.started: dict[tuple[int, str], int] = {}
+        self.pending: dict[tuple[str, int], dict[int, Any]] = {}
+        self.results: dict[tuple[str, int], list[Any]] = {}     # key -> [result, ranks that have not taken it]
 
-    def contribute(self, name: str, rank: int, item: Any, reduce: Callable[[list[Any]], Any]) -> str:
+    def contribute(self, name: str, rank: int, item: Any, reduce: Callable[[list[Any]], Any]) -> tuple[str, int]:
         with self.cond:
-            contributions = self.pending.setdefault(name, {})
+            key = (name, self.started.get((rank, name), 0))
+            self.started[(rank, name)] = key[1] + 1
+            contributions = self.pending.setdefault(key, {})
             contributions[rank] = item
             if len(contributions) == self.ranks:
-                self.results[name] = reduce([contributions[r] for r in range(self.ranks)])
-                self.results[name + "#left"] = self.ranks
-                del self.pending[name]
+                self.results[key] = [reduce([contributions[r] for r in range(self.ranks)]), self.ranks]
+                del self.pending[key]
                 self.cond.notify_all()
-        return name
+        return key
 
-    def result(self, name: str) -> Any:
+    def result(self, key: tuple[str, int]) -> Any:
         with self.cond:
-            assert self.cond.wait_for(lambda: name in self.results, timeout=60), f"{name}: a rank never started it"
-            result = self.results[name]
-            self.results[name + "#left"] -= 1
-            if not self.results[name + "#left"]:
-                del self.results[name], self.results[name + "#left"]
-            return result
+            assert self.cond.wait_for(lambda: key in self.results, timeout=60), f"{key}: a rank never started it"
+            entry = self.results[key]
+            entry[1] -= 1
+            if not entry[1]:
+                del self.results[key]
+            return entry[0]
 
     def member(self, rank: int) -> tuple[Any, Any]:
         group = self
-        counter = {"exchange": 0}
 
         class Exchange:
             is_local = False
@@ -59,14 +64,12 @@ class Group:
             def __init__(self) -> None:
                 self.rank = rank
 
-            def start(self, values: np.ndarray) -> tuple[str, np.ndarray]:
-                counter["exchange"] += 1
-                name = f"exchange.{counter['exchange']}"
-                return group.contribute(name, rank, values.copy(), lambda vs: np.maximum.reduce(vs)), values
+            def start(self, values: np.ndarray) -> tuple[tuple[str, int], np.ndarray]:
+                return group.contribute("exchange", rank, values.copy(), lambda vs: np.maximum.reduce(vs)), values
 
-            def wait(self, handle: tuple[str, np.ndarray]) -> None:
-                name, values = handle
-                values[:] = group.result(name)
+            def wait(self, handle: tuple[tuple[str, int], np.ndarray]) -> None:
+                key, values = handle
+                values[:] = group.result(key)
 
         class Transport:
             size = group.ranks
@@ -82,8 +85,8 @@ class Group:
                 return ("a2a", group.contribute(name + ".a2a", rank, pieces, lambda all_pieces: all_pieces))
 
             def wait(self, handle: Any) -> Any:
-                kind, name = handle
-                result = group.result(name)
+                kind, key = handle
+                result = group.result(key)
                 if kind == "ag":
                     return result
                 mine = [pieces[rank] for pieces in result]      # what every rank sent this one, in rank order
