@@ -220,7 +220,7 @@ static inline void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u
 }
 
 /* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words (TOPK,
- * LLOYD_MAX).
+ * LLOYD_MAX, and QUANT's packing pass).
  * With word != NULL (the packing pass) also the wire codes: QUANT: len sb_quant_word()s and *scale; SIGN: len
  * sign codes and *scale; TOPK: the kept local indices in ascending order. Returns the number of words written
  * (0 for the float kinds, whose wire values the packer takes from q). */
@@ -253,9 +253,13 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
         }
         if (word) { /* packing pass: the same code and value functions, keeping the code */
             sb_u32 j32 = (sb_u32)j0;
+            float *restrict u = (float *)kb; /* the draws first: two simple loops vectorize, one mixed does not */
+            if (act->stochastic)
+                for (i = 0; i < len; i++) u[i] = sb_uniform(key, (sb_i64)(j32 + (sb_u32)i));
+            else
+                for (i = 0; i < len; i++) u[i] = 0.5f;
             for (i = 0; i < len; i++) {
-                float u = act->stochastic ? sb_uniform(key, (sb_i64)(j32 + (sb_u32)i)) : 0.5f;
-                float c = sb_quant_code(v[i], scale, s, u);
+                float c = sb_quant_code(v[i], scale, s, u[i]);
                 sb_u32 neg = sb_quant_sign(v[i], c, trits);
                 q[i] = sb_quant_value(c, neg, scale, s);
                 word[i] = sb_quant_word(c, neg, cb, trits);
