@@ -17,6 +17,7 @@ values into a float32 tensor, :func:`decode` returns them.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -32,21 +33,21 @@ PAYLOAD_ALIGN = 16
 STAT_COLUMNS = ("err2", "qv", "q2", "v2")
 
 _log = logging.getLogger(__name__)
-_cpu_ok: bool | None = None
+_cpu_module: Any = None        # the CPU backend once chosen (an import statement per call costs microseconds)
 
 
 def _cpu_backend():
-    global _cpu_ok
-    from . import cpu
+    global _cpu_module
+    if _cpu_module is None:
+        from . import cpu
 
-    if _cpu_ok is None:
         try:
             cpu.load()
-            _cpu_ok = True
+            _cpu_module = cpu
         except (RuntimeError, OSError) as exc:
-            _cpu_ok = False
+            _cpu_module = reference
             _log.warning("SafeBits: C kernels unavailable (%s); using the slow PyTorch reference", exc)
-    return cpu if _cpu_ok else reference
+    return _cpu_module
 
 
 def _backend(device: torch.device):
