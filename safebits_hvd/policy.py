@@ -142,10 +142,12 @@ class BudgetPolicy:
                           self.planning_margin)
 
     def plannable_one(self, action_index: int, distortion: float, cosine: float) -> bool:
-        """:meth:`plannable` of one action's exact statistics, in Python floats (the send path)."""
+        """:meth:`plannable` of one action's exact statistics, in Python floats (the send path: the same float64
+        arithmetic as :func:`~.screen.admissible` without NumPy's per-call cost)."""
+        margin = self.planning_margin
         return bool(not self.screen_enabled or self.lossless[action_index]
-                    or admissible(distortion, cosine, False, self.max_distortion, self.min_cosine,
-                                  self.planning_margin))
+                    or (distortion <= self.max_distortion * (1.0 - margin)
+                        and cosine >= self.min_cosine + margin * (1.0 - self.min_cosine)))
 
     def send_order(self, index: int, allocated: int, ok: np.ndarray) -> list[int]:
         """Actions to try for tensor ``index``, in order: the allocated one if admissible, the other admissible
