@@ -6,8 +6,8 @@ at 2.0, 4.4 (about 7.2x) and 8.0 bits per parameter, on a small CNN (scikit-lear
 transformer LM (CPython standard-library sources), with one seed, data order and initialization for all.
 
 Writes ``results/demo.json`` (one record per run: task, compressor, budget_bits, seed, final_loss, final_metric,
-metric_name, compression_ratio, violations, escalations, collapsed, wall_s), ``results/demo.md`` (the table) and
-per task ``results/demo_<task>_loss_vs_step.png`` and ``results/demo_<task>_loss_vs_bytes.png``.
+metric_name, compression_ratio, violations, escalations, infeasible, collapsed, wall_s), ``results/demo.md`` (the
+table) and per task ``results/demo_<task>_loss_vs_step.png`` and ``results/demo_<task>_loss_vs_bytes.png``.
 
 Default: 1 seed, 250 CNN steps, 160 LM steps (under 10 minutes on 2 cores, startup included).
 ``--full``: seeds 0, 1, 2 and 500 / 320 steps (about 6x the default's time).
@@ -29,7 +29,7 @@ from safebits_hvd.baselines import label as compressor_label
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metric", "metric_name",
-          "compression_ratio", "violations", "escalations", "collapsed", "wall_s"]
+          "compression_ratio", "violations", "escalations", "infeasible", "collapsed", "wall_s"]
 
 
 def label(run: dict[str, Any]) -> str:
@@ -112,8 +112,8 @@ def table(runs: list[dict[str, Any]], collapse_factor: float) -> str:
         ref = sum(fp32) / len(fp32) if fp32 else math.nan
         lines += [f"### {task}", "",
                   f"| compressor | seeds | final val loss | {metric} | vs fp32 | modeled ratio | "
-                  f"violations | escalations | collapsed | wall s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  f"violations | infeasible | escalations | collapsed | wall s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for (t, name), rs in groups.items():
             if t != task:
                 continue
@@ -123,13 +123,15 @@ def table(runs: list[dict[str, Any]], collapse_factor: float) -> str:
             rel = (mean["final_metric"] - ref) / ref * 100 if ref else math.nan
             lines.append(f"| {name} | {n} | {mean['final_loss']:.4f} | {mean['final_metric']:.4f} | "
                          f"{rel:+.1f}% | {ratio:.2f}x | {sum(r['violations'] for r in rs)} | "
+                         f"{sum(r.get('infeasible', 0) for r in rs)} | "
                          f"{sum(r['escalations'] for r in rs)} | {sum(r['collapsed'] for r in rs)}/{n} | "
                          f"{mean['wall_s']:.1f} |")
         lines.append("")
     lines.append(f"`collapsed`: non-finite loss, or final validation loss > {collapse_factor}x the validation "
                  f"loss of the initial weights. `vs fp32`: relative difference of the metric's mean to fp32's "
                  f"(accuracy: higher is better; bits per byte: lower is better). `modeled ratio`: 32 x parameters x "
-                 f"steps / modeled bits sent. Violations and escalations are summed over steps and seeds.")
+                 f"steps / modeled bits sent. Violations (steps over budget), infeasible steps (no admitted "
+                 f"configuration fitted the budget: over budget too) and escalations are summed over steps and seeds.")
     return "\n".join(lines) + "\n"
 
 

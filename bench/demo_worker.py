@@ -190,7 +190,7 @@ def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, r
     total_elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
     losses: list[float] = []
     bits: list[int] = []
-    violations = escalations = 0
+    violations = escalations = infeasible = 0
     nonfinite = False
     hvd.allreduce(torch.zeros(1), name=f"barrier.{run_id}")
     start = time.perf_counter()
@@ -208,6 +208,7 @@ def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, r
         bits.append(int(record.modeled_bits_total))
         violations += int(record.violation)
         escalations += len(record.escalations)
+        infeasible += int(record.infeasible)
     wall_s = time.perf_counter() - start
     final_loss, final_metric = task.evaluate(model)
     if not all(math.isfinite(float(p.detach().sum())) for p in model.parameters()):
@@ -218,7 +219,7 @@ def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, r
         "task": task.name, "compressor": compressor, "budget_bits": budget_bits, "seed": seed,
         "final_loss": final_loss, "final_metric": final_metric, "metric_name": task.metric_name,
         "compression_ratio": 32.0 * total_elements * len(bits) / used if used else None,
-        "violations": violations, "escalations": escalations, "collapsed": bool(collapsed),
+        "violations": violations, "escalations": escalations, "infeasible": infeasible, "collapsed": bool(collapsed),
         "wall_s": wall_s,
         "curves": {"initial_loss": initial_loss, "train_loss": losses, "bits": bits,
                    "parameters": total_elements, "steps_done": len(bits)},
@@ -262,7 +263,7 @@ def main() -> None:
                     print(f"[demo] {name:10s} seed={seed} {label:16s} loss {result['curves']['initial_loss']:.3f}"
                           f" -> {result['final_loss']:.3f}  {task.metric_name}={result['final_metric']:.4f}"
                           f"  ratio={result['compression_ratio'] or float('nan'):6.2f}x"
-                          f"  viol={result['violations']} esc={result['escalations']}"
+                          f"  viol={result['violations']} infeasible={result['infeasible']} esc={result['escalations']}"
                           f"{'  COLLAPSED' if result['collapsed'] else ''}  {result['wall_s']:.1f}s", flush=True)
     if rank0:
         with open(args.out, "w", encoding="utf-8") as f:

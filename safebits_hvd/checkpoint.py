@@ -2,7 +2,8 @@
 
 A state holds the error-feedback residuals (per rank: under Horovod each rank saves its own; with the two-phase
 collective also the second hop's residuals of the segments the rank owns), the step counter,
-the seed, the last step's reduced statistics (the next allocation's input) and the schedule's state. It names the
+the seed, the last step's reduced statistics (the next allocation's input), the escalation overshoots the policy's
+reserve is learned from and the schedule's state. It names the
 parameters, their sizes and the menu, so a state saved for another model is refused with a clear error.
 """
 
@@ -13,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-STATE_FORMAT = 4
-"""Version of the state dict layout. Formats 2 (no second-hop residuals) and 3 (no second-hop ranges) are still
-read; others are refused."""
-READABLE_FORMATS = (2, 3, 4)
+STATE_FORMAT = 5
+"""Version of the state dict layout. Formats 2 (no second-hop residuals), 3 (no second-hop ranges) and 4 (no
+overshoot history: read as empty, so the escalation reserve starts again from 0) are still read; others are refused."""
+READABLE_FORMATS = (2, 3, 4, 5)
 PER_RANK = ("residuals", "second_hop_residuals", "second_hop_ranges")
 """The entries each rank holds for itself; every other entry is the same on every rank (elastic sync sends them)."""
 
@@ -24,7 +25,7 @@ PER_RANK = ("residuals", "second_hop_residuals", "second_hop_ranges")
 def make_state(*, step: int, seed: int, names: list[str], numels: np.ndarray, menu_names: list[str],
                residuals: dict[str, torch.Tensor], second_hop_residuals: dict[str, torch.Tensor],
                second_hop_ranges: dict[str, tuple[int, int]], screened: np.ndarray | None,
-               v2: np.ndarray | None, schedule_state: Any) -> dict[str, Any]:
+               v2: np.ndarray | None, overshoot_history: list[float], schedule_state: Any) -> dict[str, Any]:
     """The state dict (arrays copied: the caller may go on training)."""
     previous = screened is not None and v2 is not None
     return {
@@ -41,6 +42,7 @@ def make_state(*, step: int, seed: int, names: list[str], numels: np.ndarray, me
         "second_hop_ranges": {name: [int(start), int(stop)] for name, (start, stop) in second_hop_ranges.items()},
         "prev_screened": torch.from_numpy(screened.copy()) if previous else None,
         "prev_v2": torch.from_numpy(v2.copy()) if previous else None,
+        "overshoot_history": [float(x) for x in overshoot_history],
         "schedule": schedule_state,
     }
 
@@ -83,3 +85,8 @@ def previous_statistics(state: dict[str, Any]) -> tuple[np.ndarray | None, np.nd
     if state["prev_screened"] is None:
         return None, None
     return state["prev_screened"].numpy().copy(), state["prev_v2"].numpy().copy()
+
+
+def overshoot_history(state: dict[str, Any]) -> list[float]:
+    """The saved overshoots of the escalation reserve, oldest first (empty before format 5: nothing learned)."""
+    return [float(x) for x in state.get("overshoot_history", [])]

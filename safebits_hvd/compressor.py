@@ -276,7 +276,10 @@ class SafeBits(CoreCompressor):
     * **Global allocation**: a multiple-choice knapsack minimising the total squared error subject to the budget,
       computed from the previous step's statistics (Horovod sends each gradient as soon as it is ready, so the
       allocation cannot wait for all of them). At send time the current screen decides: an allocated action that is
-      not admissible now *escalates* to the tensor's cheapest admissible action, and the step records it.
+      not admissible now *escalates* to the tensor's cheapest admissible action, and the step records it. So that
+      escalations rarely push a step over budget, the allocation plans only with actions that passed the screen
+      with a 5% margin and leaves unplanned an *escalation reserve*, the largest fraction of the budget that
+      escalations overran in the last 100 steps (docs/DESIGN.md, "The algorithm as implemented").
     * **Fallback**: when even the cheapest admissible action of every tensor exceeds the budget, that
       configuration is used and the step records a budget *violation* (safety is never traded for budget).
     * **Start policy** (step 0, no statistics yet): each tensor is allocated the costliest action whose modeled

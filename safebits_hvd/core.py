@@ -350,9 +350,10 @@ class SafeBitsCore:
             estimate = kernels.screen(g, e, self.menu, key, self._sample_of(index, n, g.device)).cpu().numpy()
             distortion, cosine = distortion_cosine(estimate)
             ok = policy.screen(distortion, cosine)
-            # What the allocator needs of an action is its distortion if the screen admits it, +inf if not; the
-            # MAX over ranks then admits an action only if every rank's screen did, at the largest distortion.
-            fields.screened[index] = np.where(ok, distortion, np.inf)
+            # What the allocator needs of an action is its distortion if it may plan with it (the screen admits it
+            # with the planning margin), +inf if not; the MAX over ranks then admits an action only if every rank
+            # did, at the largest distortion.
+            fields.screened[index] = np.where(policy.plannable(distortion, cosine), distortion, np.inf)
         else:
             ok = np.ones(len(self.menu), dtype=bool)
 
@@ -370,7 +371,8 @@ class SafeBitsCore:
         fields.escalated[index] = action_index != allocated
         fields.sent_distortion[index] = d
         fields.neg_sent_cosine[index] = -c
-        fields.screened[index, action_index] = d      # the exact figure beats the estimate (and passed the screen)
+        # The exact figure beats the estimate (it passed the screen; planning may need it to pass by more).
+        fields.screened[index, action_index] = d if policy.plannable_one(action_index, d, c) else math.inf
         v2 = float(stats[3])
         fields.v2[index] = v2 if math.isfinite(v2) else math.inf     # never NaN: NaN would poison the MAX
         return sent
@@ -440,6 +442,7 @@ class SafeBitsCore:
             screened[nonfinite] = np.where(self.policy.lossless, 0.0, np.inf)
         v2 = reduced.v2
         self._previous_screened, self._previous_v2 = screened, np.where(np.isfinite(v2), v2, 0.0)
+        self.policy.observe(budget_total, self._allocation.cost_bits, arrays.modeled_bits_total)
         self.log.add(arrays, self.exchange.rank)
         observe = getattr(self.schedule, "observe", None)
         if observe is not None:
@@ -485,6 +488,7 @@ class SafeBitsCore:
                                      second_hop_residuals=self.two_phase.memory.state_dict(),
                                      second_hop_ranges=self.two_phase.ranges,
                                      screened=self._previous_screened, v2=self._previous_v2,
+                                     overshoot_history=self.policy.overshoot_history,
                                      schedule_state=schedule_state() if schedule_state is not None else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -500,6 +504,7 @@ class SafeBitsCore:
         self.log.truncate(self.step)                 # records of later steps describe steps undone
         self.seed = int(state["seed"])
         self._previous_screened, self._previous_v2 = checkpoint.previous_statistics(state)
+        self.policy.overshoot_history = checkpoint.overshoot_history(state)
         if state["schedule"] is not None and hasattr(self.schedule, "load_state_dict"):
             self.schedule.load_state_dict(state["schedule"])
 

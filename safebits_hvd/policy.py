@@ -7,10 +7,13 @@ reduced statistics after the exchange, so every rank makes the same decisions.
 * **Start policy** (no statistics yet): each tensor gets the costliest action whose modeled cost fits the
   per-parameter budget (the cheapest action if none fits); the screen then applies as usual.
 * **Allocation** (:mod:`.allocator`): minimise the total squared error, ``distortion * ||v||^2`` from the last
-  step's reduced statistics, subject to the step's budget; inadmissible actions carry +inf. When even the
-  cheapest admissible configuration exceeds the budget, that configuration is the **fallback**
-  (``Allocation.feasible`` is False and the step records a violation).
+  step's reduced statistics, subject to the step's budget less the **escalation reserve**; actions not
+  *plannable* (below) carry +inf. When even the cheapest plannable configuration exceeds the budget, that
+  configuration is the **fallback** (``Allocation.feasible`` is False and the step records a violation).
 * **Screen**: admissible iff ``distortion <= max_distortion`` and ``cosine >= min_cosine``; lossless always is.
+  **Plannable**: admitted with :data:`PLANNING_MARGIN` to spare (what the exchanged ``screened`` statistics carry).
+* **Escalation reserve**: the largest overshoot (bits sent beyond the allocation, a fraction of the budget) of the
+  last :data:`RESERVE_WINDOW` steps, learned from the reduced records by :meth:`BudgetPolicy.observe`.
 * **Escalation**: the allocated action if the current screen admits it, then the other admissible actions by
   ascending cost, then the lossless action; the first whose *exact* statistics pass (with
   :data:`~.screen.ACCEPT_MARGIN`) is sent.
@@ -27,6 +30,14 @@ from .actions import Menu
 from .allocator import Allocation, allocate
 from .screen import ACCEPT_MARGIN, admissible
 
+PLANNING_MARGIN = 0.05
+"""Default relative margin of the planning screen (:meth:`BudgetPolicy.plannable`), in the form of
+:data:`~.screen.ACCEPT_MARGIN`: the allocation plans only with actions whose screen passed by this much."""
+
+RESERVE_WINDOW = 100
+"""Default number of past steps whose largest escalation overshoot is the escalation reserve
+(:meth:`BudgetPolicy.observe`)."""
+
 
 class BudgetPolicy:
     """Allocation, screening and escalation for ``len(numels)`` tensors over one menu.
@@ -42,12 +53,18 @@ class BudgetPolicy:
     """The allocation reads the last step's statistics, so every send measures the menu (``kernels.screen``)."""
 
     def __init__(self, menu: Menu, numels: np.ndarray, max_distortion: float, min_cosine: float,
-                 screen: bool = True) -> None:
+                 screen: bool = True, planning_margin: float = PLANNING_MARGIN,
+                 reserve_window: int = RESERVE_WINDOW) -> None:
         self.menu = menu
         self.numels = numels
         self.max_distortion = max_distortion
         self.min_cosine = min_cosine
         self.screen_enabled = screen
+        self.planning_margin = planning_margin
+        self.reserve_window = reserve_window
+        # Learned across steps (checkpointed): the escalation overshoots of the last reserve_window steps, oldest
+        # first, as fractions of their budgets (docs/DESIGN.md, "The algorithm as implemented").
+        self.overshoot_history: list[float] = []
         actions = len(menu)
         tensors = len(numels)
         self.costs = np.array([menu.costs(int(n)) for n in numels], dtype=np.int64).reshape(tensors, actions)
@@ -75,7 +92,26 @@ class BudgetPolicy:
         weight = np.where(v2 > 0, v2, 1.0)
         errors = np.multiply(screened, weight[:, None], out=self._errors)
         errors[:, self._lossless_columns] = 0.0
-        return allocate(self.costs, errors, None, budget_bits_total)
+        planned = allocate(self.costs, errors, None, budget_bits_total * (1.0 - self.reserve_fraction))
+        # Feasibility is judged against the step's whole budget: the reserve only shapes the plan. When the reserve
+        # leaves too little, the plan is the cheapest admissible configuration, which still fits the budget.
+        return Allocation(planned.choice, planned.cost_bits, planned.squared_error, budget_bits_total,
+                          planned.min_cost_bits, planned.min_cost_bits <= budget_bits_total)
+
+    @property
+    def reserve_fraction(self) -> float:
+        """The escalation reserve: the largest overshoot of the last ``reserve_window`` steps, a fraction of the
+        budget that the allocation leaves unplanned (at most 1)."""
+        return min(1.0, max(self.overshoot_history, default=0.0))
+
+    def observe(self, budget_bits_total: float, allocated_bits: int, modeled_bits: int) -> None:
+        """Learn from a finished step (the same reduced figures on every rank): its overshoot is the bits its
+        escalations added beyond the allocation, as a fraction of its budget."""
+        if self.reserve_window <= 0:
+            return
+        overshoot = max(0, modeled_bits - allocated_bits) / budget_bits_total if budget_bits_total > 0 else 0.0
+        self.overshoot_history.append(overshoot)
+        del self.overshoot_history[:-self.reserve_window]
 
     def start_allocation(self, bits_per_parameter: float, budget_bits_total: float) -> Allocation:
         """Start policy: the costliest action within ``bits_per_parameter`` per element, else the cheapest."""
@@ -96,6 +132,22 @@ class BudgetPolicy:
         if not self.screen_enabled:
             return np.ones(len(self.menu), dtype=bool)
         return admissible(distortion, cosine, self.lossless, self.max_distortion, self.min_cosine)
+
+    def plannable(self, distortion: np.ndarray, cosine: np.ndarray) -> np.ndarray:
+        """Actions the next allocation may plan with: those the screen admits with ``planning_margin`` to spare
+        (all of them when the screen is off)."""
+        if not self.screen_enabled:
+            return np.ones(len(self.menu), dtype=bool)
+        return admissible(distortion, cosine, self.lossless, self.max_distortion, self.min_cosine,
+                          self.planning_margin)
+
+    def plannable_one(self, action_index: int, distortion: float, cosine: float) -> bool:
+        """:meth:`plannable` of one action's exact statistics, in Python floats (the send path: the same float64
+        arithmetic as :func:`~.screen.admissible` without NumPy's per-call cost)."""
+        margin = self.planning_margin
+        return bool(not self.screen_enabled or self.lossless[action_index]
+                    or (distortion <= self.max_distortion * (1.0 - margin)
+                        and cosine >= self.min_cosine + margin * (1.0 - self.min_cosine)))
 
     def send_order(self, index: int, allocated: int, ok: np.ndarray) -> list[int]:
         """Actions to try for tensor ``index``, in order: the allocated one if admissible, the other admissible
@@ -139,3 +191,6 @@ class FixedActionPolicy(BudgetPolicy):
 
     def budget_bits_total(self, bits_per_parameter: float, total_elements: int) -> float:
         return float(self.bits_per_step)     # exact: bits_per_parameter * total_elements may round
+
+    def observe(self, budget_bits_total: float, allocated_bits: int, modeled_bits: int) -> None:
+        """Nothing to learn: the fixed action is sent whatever happens."""

@@ -1,0 +1,143 @@
+"""A budget that holds (docs/DESIGN.md, "The algorithm as implemented", step 1): the escalation reserve."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import safebits_hvd as sb
+from safebits_hvd.policy import BudgetPolicy
+
+from .helpers import many_tensor_params, random_grads, run_steps
+from .test_compressor import PairExchange
+
+MENU = ["fp32", "int8", "int4", "int2"]
+
+
+def escalating_stream(policy: BudgetPolicy, steps: int, every: int) -> list[tuple[int, int, float]]:
+    """Drive ``policy`` through a synthetic stream: 32 tensors of 1024 elements, each action's distortion fixed,
+    and every ``every``-th step tensor 0's allocated action fails at send time and escalates to int8 (as a gradient
+    that turns spiky does). Returns per step (allocated bits, modeled bits, budget)."""
+    menu = policy.menu
+    numels = policy.numels
+    distortion = np.array([0.0, 1e-4, 0.02, 0.2])[None, :].repeat(len(numels), axis=0)
+    distortion = distortion * (1.0 + np.arange(len(numels)))[:, None] / len(numels)
+    v2 = np.ones(len(numels))
+    int8 = menu.names.index("int8")
+    budget = policy.budget_bits_total(3.0, int(numels.sum()))
+    rows = []
+    for step in range(steps):
+        allocation = policy.allocate(3.0, budget, distortion, v2)
+        modeled = allocation.cost_bits
+        if step % every == every - 1 and policy.costs[0, allocation.choice[0]] < policy.costs[0, int8]:
+            modeled += int(policy.costs[0, int8] - policy.costs[0, allocation.choice[0]])
+        policy.observe(budget, allocation.cost_bits, modeled)
+        rows.append((allocation.cost_bits, modeled, budget))
+    return rows
+
+
+def test_reserve_holds_a_budget_that_escalations_overran() -> None:
+    numels = np.full(32, 1024)
+    without = escalating_stream(BudgetPolicy(sb.make_menu(MENU), numels, 0.5, 0.8, reserve_window=0), 60, 4)
+    with_reserve = escalating_stream(BudgetPolicy(sb.make_menu(MENU), numels, 0.5, 0.8, reserve_window=20), 60, 4)
+    over_without = sum(modeled > budget for _, modeled, budget in without)
+    over_with = sum(modeled > budget for _, modeled, budget in with_reserve)
+    assert over_without == 15                     # every escalation overran the fully planned budget
+    assert over_with <= 2                         # the reserve covers it after it has seen one or two
+    # The reserve is only as large as the overshoots seen: the plan still uses most of the budget.
+    assert all(allocated >= 0.8 * budget for allocated, _, budget in with_reserve)
+
+
+def test_reserve_returns_to_zero_after_a_quiet_window() -> None:
+    numels = np.full(32, 1024)
+    policy = BudgetPolicy(sb.make_menu(MENU), numels, 0.5, 0.8, reserve_window=5)
+    policy.observe(1000.0, 900, 1100)
+    assert policy.reserve_fraction == 0.2
+    policy.observe(1000.0, 1000, 1000)
+    assert policy.reserve_fraction == 0.2
+    for _ in range(4):
+        policy.observe(1000.0, 1000, 990)         # a cheaper send (a skipped tensor) is no overshoot
+    assert policy.reserve_fraction == 0.0
+    # The reserve shapes the plan only: feasibility is judged against the whole budget.
+    policy.observe(1000.0, 0, 900)                  # a reserve of 90%: the plan can only be the cheapest one
+    distortion = np.zeros((32, 4))
+    allocation = policy.allocate(3.0, 3.0 * 32 * 1024, distortion, np.ones(32))
+    assert allocation.feasible and allocation.budget_bits_total == 3.0 * 32 * 1024
+    assert allocation.cost_bits == allocation.min_cost_bits == int(policy.costs[:, 3].sum())
+
+
+def tight(params):
+    """SafeBits whose tight screen escalates now and then on the helpers' heavy-tailed gradients."""
+    return sb.SafeBits(params, budget_bits=4.4, max_distortion=0.12, min_cosine=0.9, seed=5)
+
+
+def test_the_reserve_is_checkpointed_and_resumes_bit_identically(tmp_path) -> None:
+    params = many_tensor_params()
+    straight = tight(params)
+    run_steps(straight, params, 10)
+    params = many_tensor_params()
+    first = tight(params)
+    run_steps(first, params, 6)
+    state = first.state_dict()
+    assert max(state["overshoot_history"]) > 0          # the stream escalated: there is something to restore
+    torch.save(state, tmp_path / "sb.pt")
+    resumed = tight(params)
+    resumed.load_state_dict(torch.load(tmp_path / "sb.pt", weights_only=True))
+    assert resumed.core.policy.overshoot_history == first.core.policy.overshoot_history
+    for step in range(6, 10):
+        random_grads(params, step)
+        for _, p in reversed(params):
+            sent, ctx = resumed.compress(p.grad)
+            resumed.decompress(sent, ctx)
+    assert [r.allocation_digest for r in straight.history[6:]] == [r.allocation_digest for r in resumed.history]
+    assert [r.modeled_bits_total for r in straight.history[6:]] == [r.modeled_bits_total for r in resumed.history]
+
+
+def test_a_state_of_format_4_loads_with_an_empty_reserve() -> None:
+    params = many_tensor_params()
+    c = tight(params)
+    run_steps(c, params, 6)
+    state = c.state_dict()
+    del state["overshoot_history"]
+    state["format"] = 4
+    other = tight(many_tensor_params())
+    other.load_state_dict(state)
+    assert other.step == 6 and other.core.policy.overshoot_history == []
+    assert other.core.policy.reserve_fraction == 0.0
+
+
+def test_every_rank_learns_the_same_reserve_from_the_reduced_records() -> None:
+    """Only rank b's gradient of 'w' turns spiky (its allocated action escalates there alone): the overshoot comes
+    from the MAX over ranks, so both ranks learn the same reserve and keep allocating alike."""
+    exchange = PairExchange()
+    ranks = []
+    for _ in range(2):
+        w, u = torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(16384))
+        ranks.append((sb.SafeBits([("w", w), ("u", u)], budget_bits=3.0, menu=["fp32", "int8", "int4", "int2"],
+                                  exchange=exchange), w, u))
+    spikes = torch.zeros(4096)
+    spikes[::97] = torch.arange(1, 44, dtype=torch.float32)
+    for step in range(12):
+        gen = torch.Generator().manual_seed(step)
+        for rank, (_, w, u) in enumerate(ranks):
+            w.grad = spikes.clone() if rank == 1 and step % 3 == 2 else torch.randn(4096, generator=gen)
+            u.grad = torch.randn(16384, generator=gen)
+        pending = [(c, c.compress(p.grad)) for c, w, u in ranks for p in (u, w)]
+        for c, (sent, ctx) in pending:
+            c.decompress(sent, ctx)
+    a, b = ranks[0][0], ranks[1][0]
+    assert any(r.escalations for r in a.history)
+    assert [r.to_json() for r in a.history] == [r.to_json() for r in b.history]
+    assert a.core.policy.overshoot_history == b.core.policy.overshoot_history
+    assert a.core.policy.reserve_fraction > 0
+
+
+def test_the_plan_avoids_actions_that_pass_the_screen_narrowly() -> None:
+    policy = BudgetPolicy(sb.make_menu(MENU), np.full(2, 1024), 0.5, 0.8)
+    distortion = np.array([0.0, 1e-4, 0.2, 0.49])          # int2 passes the screen by 2%
+    cosine = np.array([1.0, 1.0, 0.9, 0.9])
+    assert policy.screen(distortion, cosine).tolist() == [True, True, True, True]
+    assert policy.plannable(distortion, cosine).tolist() == [True, True, True, False]
+    assert policy.plannable_one(3, 0.49, 0.9) is False and policy.accepts(3, 0.49, 0.9)
+    cosine[2] = 0.805                                        # int4's cosine passes by 2.5% of the way to 1
+    assert not policy.plannable(distortion, cosine)[2] and policy.screen(distortion, cosine)[2]
