@@ -112,10 +112,10 @@ def table(runs: list[dict[str, Any]], collapse_factor: float = COLLAPSE_FACTOR) 
             loss = mean_std([r["final_loss"] for r in rs])
             value = mean_std([r["final_metric"] for r in rs])
             ratio = mean_std([r["compression_ratio"] or 0.0 for r in rs])[0]
-            rel = (value[0] - ref) / ref * 100 if fp32 and ref else math.nan
+            rel = f"{(value[0] - ref) / ref * 100:+.1f}%" if fp32 and ref else "-"
             wall = mean_std([r["wall_s"] for r in rs])[0]
             bpp = 32.0 / ratio if ratio else math.nan
-            lines.append(f"| {name} | {n} | {fmt(*loss)} | {fmt(*value)} | {rel:+.1f}% | {ratio:.2f}x | "
+            lines.append(f"| {name} | {n} | {fmt(*loss)} | {fmt(*value)} | {rel} | {ratio:.2f}x | "
                          f"{bpp:.2f} | {sum(r['violations'] for r in rs)} | {sum(r['escalations'] for r in rs)} | "
                          f"{sum(r['collapsed'] for r in rs)}/{n} | {wall:.1f} |")
         lines.append("")

@@ -108,8 +108,10 @@ def test_table_lower_is_better() -> None:
     runs = [run("qsgd4", s, 3.0, ratio=7.9, metric_name="val_bits_per_byte") for s in range(3)]
     runs += [run("safebits", s, 2.9 + 0.01 * s, budget=4.4, ratio=7.3, metric_name="val_bits_per_byte")
              for s in range(3)]
-    line = next(x for x in stats.table(runs).splitlines() if x.startswith("| safebits@4.4 | 7.30x"))
+    md = stats.table(runs)
+    line = next(x for x in md.splitlines() if x.startswith("| safebits@4.4 | 7.30x"))
     assert line.endswith("| better |")
+    assert "| 2.9100 ± 0.0100 | - | 7.30x |" in md          # no fp32 run: no relative change
 
 
 def test_sweep_table_rows_and_cells() -> None:
