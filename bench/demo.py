@@ -13,7 +13,8 @@ closest fixed baseline at equal bytes, paired by seed) and per task ``results/de
 ``results/demo_<task>_loss_vs_bytes.png`` (seed 0).
 
 Default: seeds 0, 1, 2; fp32, QSGD 4/2, scaled sign + EF, top-k 10% + EF, SafeBits and unscreened at 1, 2, 4.4
-bits; 250 CNN steps, 160 LM steps (66 runs; under 10 minutes on 2 idle cores, startup included).
+bits; 250 CNN steps, 160 LM steps (66 runs; 802 s measured on 2 shared cores, about 450-650 s estimated on 2 idle
+cores; docs/RESULTS.md section 6.7).
 ``--full``: every registry compressor, budgets 1, 2, 4.4, 8, seeds 0, 1, 2 and 500 / 320 steps.
 Worker options given here (``--seeds 0``, ``--compressors ...``, ``--budgets ...``) override the defaults.
 """
