@@ -1,40 +1,47 @@
-"""The main job (``make demo``): every compressor, end to end, on 2 Horovod ranks on localhost.
+"""The main job (``make demo``): compressors end to end, on 2 Horovod ranks on localhost, 3 seeds.
 
 Launches ONE ``horovodrun -np 2 --gloo`` of ``bench/demo_worker.py``, which trains, one run after another in the
-same two processes, every baseline of :mod:`safebits_hvd.baselines` and SafeBits / unscreened global budgeting
-at 2.0, 4.4 (about 7.2x) and 8.0 bits per parameter, on a small CNN (scikit-learn digits) and a byte-level
-transformer LM (CPython standard-library sources), with one seed, data order and initialization for all.
+same two processes, fixed baselines of :mod:`safebits_hvd.baselines` and SafeBits / unscreened global budgeting
+at 1.0 (tight), 2.0 and 4.4 (about 7.2x) bits per parameter, on a small CNN (scikit-learn digits) and a
+byte-level transformer LM (CPython standard-library sources), with the same initialization and data order for
+every compressor of a seed.
 
 Writes ``results/demo.json`` (one record per run: task, compressor, budget_bits, seed, final_loss, final_metric,
-metric_name, compression_ratio, violations, escalations, infeasible, collapsed, wall_s), ``results/demo.md`` (the
-table) and per task ``results/demo_<task>_loss_vs_step.png`` and ``results/demo_<task>_loss_vs_bytes.png``.
+metric_name, compression_ratio, violations, escalations, infeasible, collapsed, wall_s, and max_distortion, min_cosine,
+bits_per_param), ``results/demo.md`` (per task: mean ± std over seeds, and every budgeted run against the
+closest fixed baseline at equal bytes, paired by seed) and per task ``results/demo_<task>_loss_vs_step.png`` and
+``results/demo_<task>_loss_vs_bytes.png`` (seed 0).
 
-Default: 1 seed, 250 CNN steps, 160 LM steps (under 10 minutes on 2 cores, startup included).
-``--full``: seeds 0, 1, 2 and 500 / 320 steps (about 6x the default's time).
+Default: seeds 0, 1, 2; fp32, QSGD 4/2, scaled sign + EF, top-k 10% + EF, SafeBits and unscreened at 1, 2, 4.4
+bits; 250 CNN steps, 160 LM steps (66 runs; 802 s measured on 2 shared cores, about 450-650 s estimated on 2 idle
+cores; docs/RESULTS.md section 6.7).
+``--full``: every registry compressor, budgets 1, 2, 4.4, 8, seeds 0, 1, 2 and 500 / 320 steps.
+Worker options given here (``--seeds 0``, ``--compressors ...``, ``--budgets ...``) override the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
-from collections import defaultdict
 from typing import Any
 
+from demo_stats import run_label, table
+
 from safebits_hvd import launch
-from safebits_hvd.baselines import label as compressor_label
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metric", "metric_name",
-          "compression_ratio", "violations", "escalations", "infeasible", "collapsed", "wall_s"]
+          "compression_ratio", "violations", "escalations", "infeasible", "collapsed", "wall_s", "max_distortion",
+          "min_cosine", "bits_per_param"]
 
-
-def label(run: dict[str, Any]) -> str:
-    """``compressor`` or ``compressor@budget``."""
-    return compressor_label(run["compressor"], run["budget_bits"])
+DEFAULT_COMPRESSORS = ["fp32", "qsgd4", "qsgd2", "signsgd_ef", "topk10_ef", "safebits", "unscreened"]
+"""``make demo``'s compressors: fp32 and the fixed baselines nearest in bytes to the budgeted runs."""
+DEFAULT_BUDGETS = [1.0, 2.0, 4.4]
+"""``make demo``'s budgets: a tight one (1 bit per parameter), 2 and 4.4 (about 7.2x)."""
+FULL_BUDGETS = [1.0, 2.0, 4.4, 8.0]
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -80,7 +87,7 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
                     screened = run["compressor"] == "safebits"
                     color = plt.get_cmap("Reds" if screened else "Blues")(shade)
                     style, width = ("-", 1.8) if screened else ("--", 1.6)
-                ax.plot(x, loss, style, color=color, lw=width, label=label(run))
+                ax.plot(x, loss, style, color=color, lw=width, label=run_label(run))
             ax.set_ylabel("training loss (nats, 10-step moving average, mean of 2 ranks)")
             if kind == "step":
                 ax.set_xlabel("optimizer step")
@@ -100,51 +107,18 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
     return paths
 
 
-def table(runs: list[dict[str, Any]], collapse_factor: float) -> str:
-    """Markdown table: per task and compressor, the mean over seeds (and collapses counted)."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in runs:
-        groups[(r["task"], label(r))].append(r)
-    lines = []
-    for task in dict.fromkeys(r["task"] for r in runs):
-        metric = next(r["metric_name"] for r in runs if r["task"] == task)
-        fp32 = [r["final_metric"] for r in groups.get((task, "fp32"), [])]
-        ref = sum(fp32) / len(fp32) if fp32 else math.nan
-        lines += [f"### {task}", "",
-                  f"| compressor | seeds | final val loss | {metric} | vs fp32 | modeled ratio | "
-                  f"violations | infeasible | escalations | collapsed | wall s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for (t, name), rs in groups.items():
-            if t != task:
-                continue
-            n = len(rs)
-            mean = {k: sum(r[k] for r in rs) / n for k in ("final_loss", "final_metric", "wall_s")}
-            ratio = sum(r["compression_ratio"] or 0 for r in rs) / n
-            rel = (mean["final_metric"] - ref) / ref * 100 if ref else math.nan
-            lines.append(f"| {name} | {n} | {mean['final_loss']:.4f} | {mean['final_metric']:.4f} | "
-                         f"{rel:+.1f}% | {ratio:.2f}x | {sum(r['violations'] for r in rs)} | "
-                         f"{sum(r.get('infeasible', 0) for r in rs)} | "
-                         f"{sum(r['escalations'] for r in rs)} | {sum(r['collapsed'] for r in rs)}/{n} | "
-                         f"{mean['wall_s']:.1f} |")
-        lines.append("")
-    lines.append(f"`collapsed`: non-finite loss, or final validation loss > {collapse_factor}x the validation "
-                 f"loss of the initial weights. `vs fp32`: relative difference of the metric's mean to fp32's "
-                 f"(accuracy: higher is better; bits per byte: lower is better). `modeled ratio`: 32 x parameters x "
-                 f"steps / modeled bits sent. Violations (steps over budget), infeasible steps (no admitted "
-                 f"configuration fitted the budget: over budget too) and escalations are summed over steps and seeds.")
-    return "\n".join(lines) + "\n"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="3 seeds, twice the steps")
+    parser.add_argument("--full", action="store_true", help="every compressor, budgets 1-8, twice the steps")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--mpi", action="store_true", help="horovodrun --mpi instead of --gloo")
     args, extra = parser.parse_known_args()
     os.makedirs(args.out_dir, exist_ok=True)
     raw_path = os.path.join(args.out_dir, "demo_raw.json")
-    worker_args = (["--seeds", "0", "1", "2", "--cnn-steps", "500", "--lm-steps", "320"] if args.full
-                   else ["--seeds", "0", "--cnn-steps", "250", "--lm-steps", "160"])
+    worker_args = (["--seeds", "0", "1", "2", "--cnn-steps", "500", "--lm-steps", "320", "--budgets",
+                    *map(str, FULL_BUDGETS)] if args.full
+                   else ["--seeds", "0", "1", "2", "--cnn-steps", "250", "--lm-steps", "160", "--budgets",
+                         *map(str, DEFAULT_BUDGETS), "--compressors", *DEFAULT_COMPRESSORS])
     worker = os.path.join(ROOT, "bench", "demo_worker.py")
     command = ["horovodrun", "-np", "2", "--mpi" if args.mpi else "--gloo", "python", worker, "--out", raw_path,
                *worker_args, *extra]

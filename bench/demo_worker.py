@@ -33,14 +33,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from safebits_hvd.baselines import BUDGETED, make_compressor
-from safebits_hvd.baselines import label as compressor_label
+from demo_stats import COLLAPSE_FACTOR, collapsed, run_label
 
-COLLAPSE_FACTOR = 0.9
-"""A run has collapsed when its loss is non-finite or its final validation loss exceeds this multiple of the
-validation loss of the initial weights: a run that did not end at least 10% below where it started has failed,
-whether it diverged upward or trained and then fell back to chance level (which EF-free 2-bit quantizers and
-scaled sign do on the CNN at this learning rate)."""
+from safebits_hvd.baselines import BUDGETED, make_compressor
 
 FIXED = ["fp32", "fp16", "qsgd8", "qsgd4", "qsgd2", "terngrad", "signsgd_ef", "topk10_ef", "topk1_ef"]
 """Fixed-action baselines, in table order."""
@@ -173,14 +168,21 @@ def load_corpus() -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- one run
-def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, run_id: int) -> dict[str, Any]:
-    """Train ``task`` with one compressor under Horovod; returns the run's summary and per-step curves."""
+def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, run_id: int,
+            thresholds: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Train ``task`` with one compressor under Horovod; returns the run's summary and per-step curves.
+
+    ``thresholds``: SafeBits' ``(max_distortion, min_cosine)``; None: the library's defaults (and for every other
+    compressor, which has no screen).
+    """
     torch.manual_seed(seed)
     model = task.model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     kwargs: dict[str, Any] = {}
     if compressor in BUDGETED:
         kwargs = {"name": f"safebits.{run_id}", "nonfinite": "skip"}
+    if compressor == "safebits" and thresholds is not None:
+        kwargs.update(max_distortion=thresholds[0], min_cosine=thresholds[1])
     compression = make_compressor(compressor, model.named_parameters(), seed=seed, budget_bits=budget_bits,
                                   **kwargs)
     opt = hvd.DistributedOptimizer(task.optimizer(model), named_parameters=model.named_parameters(),
@@ -213,17 +215,46 @@ def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, r
     final_loss, final_metric = task.evaluate(model)
     if not all(math.isfinite(float(p.detach().sum())) for p in model.parameters()):
         nonfinite = True
-    collapsed = nonfinite or not math.isfinite(final_loss) or final_loss > COLLAPSE_FACTOR * initial_loss
     used = sum(bits)
+    screened = getattr(compression, "screen_enabled", False)
     return {
         "task": task.name, "compressor": compressor, "budget_bits": budget_bits, "seed": seed,
         "final_loss": final_loss, "final_metric": final_metric, "metric_name": task.metric_name,
         "compression_ratio": 32.0 * total_elements * len(bits) / used if used else None,
-        "violations": violations, "escalations": escalations, "infeasible": infeasible, "collapsed": bool(collapsed),
+        "violations": violations, "escalations": escalations, "infeasible": infeasible,
+        "collapsed": collapsed(initial_loss, final_loss, nonfinite),
         "wall_s": wall_s,
+        "max_distortion": compression.max_distortion if screened else None,
+        "min_cosine": compression.min_cosine if screened else None,
+        "bits_per_param": used / (total_elements * len(bits)) if bits else None,
         "curves": {"initial_loss": initial_loss, "train_loss": losses, "bits": bits,
                    "parameters": total_elements, "steps_done": len(bits)},
     }
+
+
+def parse_thresholds(text: str) -> tuple[float, float]:
+    """``"0.5:0.8"`` -> ``(0.5, 0.8)``: SafeBits' ``(max_distortion, min_cosine)``."""
+    try:
+        distortion, cosine = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MAX_DISTORTION:MIN_COSINE, got {text!r}") from None
+    return distortion, cosine
+
+
+Plan = list[tuple[str, float | None, tuple[float, float] | None]]
+
+
+def make_plan(budgets: list[float], thresholds: list[tuple[float, float] | None],
+              compressors: list[str] | None = None) -> Plan:
+    """Runs per task and seed, in table order: ``(compressor, budget_bits, thresholds)``.
+
+    The fixed baselines, then per budget one SafeBits run per screen in ``thresholds`` (None: the library's
+    defaults) and one unscreened run; ``compressors`` keeps only those registry names.
+    """
+    plan: Plan = [(c, None, None) for c in FIXED]
+    for b in budgets:
+        plan += [("safebits", b, t) for t in thresholds] + [("unscreened", b, None)]
+    return [p for p in plan if not compressors or p[0] in compressors]
 
 
 def main() -> None:
@@ -234,15 +265,18 @@ def main() -> None:
     parser.add_argument("--lm-steps", type=int, default=150)
     parser.add_argument("--tasks", nargs="+", default=["digits_cnn", "bytes_lm"])
     parser.add_argument("--compressors", nargs="+", default=None, help="subset of registry names")
+    parser.add_argument("--budgets", type=float, nargs="+", default=BUDGETS,
+                        help="bits per parameter per step of SafeBits and unscreened budgeting")
+    parser.add_argument("--thresholds", type=parse_thresholds, nargs="+", default=[None],
+                        help="SafeBits screens as MAX_DISTORTION:MIN_COSINE (one SafeBits run per budget and "
+                             "pair); default: the library's")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations/escalations are counted per run
     hvd.init()
     rank0 = hvd.rank() == 0
-    plan = [(c, None) for c in FIXED] + [(c, b) for b in BUDGETS for c in ("safebits", "unscreened")]
-    if args.compressors:
-        plan = [(c, b) for c, b in plan if c in args.compressors]
+    plan = make_plan(args.budgets, args.thresholds, args.compressors)
     tasks = {"digits_cnn": Task("digits_cnn", "val_accuracy", args.cnn_steps, lr=0.1),
              "bytes_lm": Task("bytes_lm", "val_bits_per_byte", args.lm_steps, lr=3e-3)}
     runs = []
@@ -254,16 +288,16 @@ def main() -> None:
     for name in args.tasks:
         task = tasks[name]
         for seed in args.seeds:
-            for compressor, budget in plan:
-                result = run_one(task, compressor, budget, seed, run_id)
+            for compressor, budget, thresholds in plan:
+                result = run_one(task, compressor, budget, seed, run_id, thresholds)
                 run_id += 1
                 runs.append(result)
                 if rank0:
-                    label = compressor_label(compressor, budget)
+                    label = run_label(result)
                     print(f"[demo] {name:10s} seed={seed} {label:16s} loss {result['curves']['initial_loss']:.3f}"
                           f" -> {result['final_loss']:.3f}  {task.metric_name}={result['final_metric']:.4f}"
                           f"  ratio={result['compression_ratio'] or float('nan'):6.2f}x"
-                          f"  viol={result['violations']} infeasible={result['infeasible']} esc={result['escalations']}"
+                          f"  viol={result['violations']} esc={result['escalations']}"
                           f"{'  COLLAPSED' if result['collapsed'] else ''}  {result['wall_s']:.1f}s", flush=True)
     if rank0:
         with open(args.out, "w", encoding="utf-8") as f:

@@ -1,0 +1,139 @@
+"""The demo's and the threshold sweep's pure logic: collapse rule, seed statistics, labels, plan and tables."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(_BENCH))
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"eval13_{name}", _BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+stats = _load("demo_stats")
+sweep = _load("threshold_sweep")
+
+
+def run(compressor: str, seed: int, metric: float, *, task: str = "t", budget: float | None = None,
+        ratio: float = 1.0, collapsed: bool = False, thresholds: tuple[float, float] | None = None,
+        metric_name: str = "val_accuracy") -> dict[str, Any]:
+    if thresholds is None and compressor == "safebits":
+        thresholds = stats.DEFAULT_THRESHOLDS
+    return {"task": task, "compressor": compressor, "budget_bits": budget, "seed": seed, "final_loss": 1.0,
+            "final_metric": metric, "metric_name": metric_name, "compression_ratio": ratio, "violations": 1,
+            "escalations": 2, "collapsed": collapsed, "wall_s": 1.0,
+            "max_distortion": thresholds[0] if thresholds else None,
+            "min_cosine": thresholds[1] if thresholds else None, "bits_per_param": 32.0 / ratio}
+
+
+def test_default_thresholds_are_the_library_defaults() -> None:
+    assert stats.DEFAULT_THRESHOLDS == (0.5, 0.8)
+
+
+@pytest.mark.parametrize("initial,final,nonfinite,expected", [
+    (2.3, 0.1, False, False),      # trained
+    (2.3, 2.3, False, True),       # back at chance level
+    (2.3, 2.07, False, False),     # exactly 10% below: not collapsed
+    (2.3, 2.08, False, True),      # less than 10% below
+    (2.3, 9.0, False, True),       # diverged upward
+    (2.3, math.nan, False, True),
+    (2.3, math.inf, False, True),
+    (2.3, 0.1, True, True),        # a non-finite training loss or parameter
+])
+def test_collapsed(initial: float, final: float, nonfinite: bool, expected: bool) -> None:
+    assert stats.collapsed(initial, final, nonfinite) is expected
+
+
+def test_mean_std() -> None:
+    assert stats.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    assert stats.mean_std([4.0]) == (4.0, 0.0)
+    mean, std = stats.mean_std([])
+    assert math.isnan(mean) and math.isnan(std)
+
+
+def test_paired_difference_pairs_by_seed() -> None:
+    a = [run("safebits", s, m, budget=2.0) for s, m in [(0, 0.9), (1, 0.8), (2, 0.7)]]
+    b = [run("qsgd2", s, m) for s, m in [(2, 0.6), (0, 0.8), (5, 0.0)]]   # seed 1 missing, seed 5 extra
+    mean, std, n = stats.paired_difference(a, b)
+    assert n == 2 and mean == pytest.approx(0.1) and std == pytest.approx(0.0, abs=1e-12)
+
+
+def test_run_label() -> None:
+    assert stats.run_label(run("fp32", 0, 1.0)) == "fp32"
+    assert stats.run_label(run("safebits", 0, 1.0, budget=4.4)) == "safebits@4.4"
+    assert stats.run_label(run("safebits", 0, 1.0, budget=2.0, thresholds=(0.3, 0.9))) == "safebits[d=0.3,c=0.9]@2"
+    assert stats.run_label(run("unscreened", 0, 1.0, budget=1.0)) == "unscreened@1"
+
+
+def test_closest_fixed_by_log_ratio_skips_fp32_and_budgeted() -> None:
+    groups = {"fp32": [run("fp32", 0, 1.0, ratio=1.0)],
+              "qsgd4": [run("qsgd4", 0, 1.0, ratio=7.9)],
+              "qsgd2": [run("qsgd2", 0, 1.0, ratio=15.4)],
+              "unscreened@2": [run("unscreened", 0, 1.0, budget=2.0, ratio=16.0)]}
+    assert stats.closest_fixed([run("safebits", 0, 1.0, budget=2.0, ratio=11.5)], groups) == "qsgd2"
+    assert stats.closest_fixed([run("safebits", 0, 1.0, budget=2.0, ratio=10.5)], groups) == "qsgd4"
+    assert stats.closest_fixed([run("safebits", 0, 1.0, budget=2.0, ratio=1.1)], groups) == "qsgd4"
+    assert stats.closest_fixed([run("safebits", 0, 1.0, budget=2.0)], {"fp32": groups["fp32"]}) is None
+
+
+def test_table_verdicts() -> None:
+    runs = []
+    for s in range(3):
+        runs += [run("fp32", s, 0.97), run("qsgd2", s, 0.10 + 0.01 * s, ratio=15.4, collapsed=True),
+                 run("safebits", s, 0.96 + 0.001 * s, budget=1.0, ratio=15.0),
+                 run("unscreened", s, 0.10 + 0.01 * s + (0.2 if s == 1 else 0.0), budget=1.0, ratio=16.0)]
+    md = stats.table(runs)
+    assert "| qsgd2 | 3 |" in md and "| 3/3 |" in md
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if "x | qsgd2 |" in line}
+    assert "better" in rows["safebits@1"] and "+0.8510 ± 0.0090" in rows["safebits@1"]
+    assert rows["unscreened@1"].endswith("| no |")        # +0.067 mean, but the seeds' spread (0.115) is larger
+
+
+def test_table_lower_is_better() -> None:
+    runs = [run("qsgd4", s, 3.0, ratio=7.9, metric_name="val_bits_per_byte") for s in range(3)]
+    runs += [run("safebits", s, 2.9 + 0.01 * s, budget=4.4, ratio=7.3, metric_name="val_bits_per_byte")
+             for s in range(3)]
+    md = stats.table(runs)
+    line = next(x for x in md.splitlines() if x.startswith("| safebits@4.4 | 7.30x"))
+    assert line.endswith("| better |")
+    assert "| 2.9100 ± 0.0100 | - | 7.30x |" in md          # no fp32 run: no relative change
+
+
+def test_sweep_table_rows_and_cells() -> None:
+    runs = [run("safebits", s, 0.9, budget=b, thresholds=t, ratio=16.0) for s in range(3) for b in (1.0, 2.0)
+            for t in [(0.5, 0.8), (0.3, 0.9)]]
+    runs += [run("unscreened", s, 0.5, budget=1.0, ratio=32.0, collapsed=s == 0) for s in range(3)]
+    md = sweep.sweep_table(runs)
+    lines = md.splitlines()
+    assert lines[2] == "| screen | budget 1 | budget 2 |"
+    body = [x for x in lines if x.startswith("| d=") or x.startswith("| unscreened")]
+    assert [x.split(" | ")[0] for x in body] == ["| d=0.3, c=0.9", "| d=0.5, c=0.8 (default)", "| unscreened"]
+    assert "0.9000 ± 0.0000 / 2.00 b / 3 v / 0/3 c" in body[1]
+    assert body[2].endswith("| 0.5000 ± 0.0000 / 1.00 b / 3 v / 1/3 c | - |")
+
+
+def test_worker_plan_and_thresholds() -> None:
+    worker = _load("demo_worker")
+    assert worker.parse_thresholds("0.3:0.9") == (0.3, 0.9)
+    with pytest.raises(argparse.ArgumentTypeError):
+        worker.parse_thresholds("0.3")
+    plan = worker.make_plan([1.0, 2.0], [None, (0.3, 0.9)], ["fp32", "safebits", "unscreened"])
+    assert plan == [("fp32", None, None), ("safebits", 1.0, None), ("safebits", 1.0, (0.3, 0.9)),
+                    ("unscreened", 1.0, None), ("safebits", 2.0, None), ("safebits", 2.0, (0.3, 0.9)),
+                    ("unscreened", 2.0, None)]
+    assert len(worker.make_plan([2.0], [None])) == len(worker.FIXED) + 2
