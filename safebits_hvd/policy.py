@@ -28,7 +28,7 @@ import numpy as np
 
 from .actions import Menu
 from .allocator import Allocation, allocate
-from .screen import ACCEPT_MARGIN, admissible
+from .screen import ACCEPT_MARGIN, admissible, passes
 
 PLANNING_MARGIN = 0.05
 """Default relative margin of the planning screen (:meth:`BudgetPolicy.plannable`), in the form of
@@ -143,11 +143,9 @@ class BudgetPolicy:
 
     def plannable_one(self, action_index: int, distortion: float, cosine: float) -> bool:
         """:meth:`plannable` of one action's exact statistics, in Python floats (the send path: the same float64
-        arithmetic as :func:`~.screen.admissible` without NumPy's per-call cost)."""
-        margin = self.planning_margin
+        arithmetic as :func:`~.screen.admissible`, through :func:`~.screen.passes`)."""
         return bool(not self.screen_enabled or self.lossless[action_index]
-                    or (distortion <= self.max_distortion * (1.0 - margin)
-                        and cosine >= self.min_cosine + margin * (1.0 - self.min_cosine)))
+                    or passes(distortion, cosine, self.max_distortion, self.min_cosine, self.planning_margin))
 
     def send_order(self, index: int, allocated: int, ok: np.ndarray) -> list[int]:
         """Actions to try for tensor ``index``, in order: the allocated one if admissible, the other admissible
@@ -162,7 +160,7 @@ class BudgetPolicy:
     def accepts(self, action_index: int, distortion: float, cosine: float) -> bool:
         """Whether the exact statistics of what would be sent pass (lossless and unscreened always do)."""
         return bool(not self.screen_enabled or self.lossless[action_index]
-                    or admissible(distortion, cosine, False, self.max_distortion, self.min_cosine, ACCEPT_MARGIN))
+                    or passes(distortion, cosine, self.max_distortion, self.min_cosine, ACCEPT_MARGIN))
 
     # ------------------------------------------------------------------ accounting
     def modeled_bits(self, sent_position: np.ndarray) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,8 +51,13 @@ def distortion_cosine_of(stats: Sequence[float]) -> tuple[float, float]:
     return distortion, cosine if math.isfinite(cosine) else -math.inf
 
 
+def passes(distortion: Any, cosine: Any, max_distortion: float, min_cosine: float, margin: float = 0.0) -> Any:
+    """The screen's test, with ``margin`` to spare: on NumPy arrays (a mask) or on Python floats (a bool, without
+    NumPy's per-call cost on the send path)."""
+    return (distortion <= max_distortion * (1.0 - margin)) & (cosine >= min_cosine + margin * (1.0 - min_cosine))
+
+
 def admissible(distortion: np.ndarray, cosine: np.ndarray, lossless: np.ndarray,
                max_distortion: float, min_cosine: float, margin: float = 0.0) -> np.ndarray:
     """Boolean mask of admissible actions; ``lossless`` marks the always-admissible action(s)."""
-    ok = (distortion <= max_distortion * (1.0 - margin)) & (cosine >= min_cosine + margin * (1.0 - min_cosine))
-    return ok | np.asarray(lossless, dtype=bool)
+    return passes(distortion, cosine, max_distortion, min_cosine, margin) | np.asarray(lossless, dtype=bool)

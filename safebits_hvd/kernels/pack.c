@@ -34,8 +34,8 @@ static inline void sb_bitw_flush(sb_bitw *w) {
     w->nacc = 0;
 }
 
-/* m words of nbits each. On a byte boundary, words of at most 8 bits go 8 at a time: 8 words of nbits bits are
- * exactly nbits whole bytes (1/2/4/8-bit words, a byte at a time). */
+/* m words of nbits each. On a byte boundary: 1/2/4/8-bit words a byte at a time; 3/5/6/7-bit words 8 at a time
+ * (8 words of nbits bits are exactly nbits whole bytes). */
 SB_CLONES void sb_bitw_put_many(sb_bitw *w, const sb_u32 *restrict word, int m, int nbits) {
     int i = 0;
     if (w->nacc == 0 && (nbits == 1 || nbits == 2 || nbits == 4 || nbits == 8)) {
