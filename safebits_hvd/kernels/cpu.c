@@ -200,8 +200,9 @@ static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *r
     }
 }
 
-/* The cases are the keys of safebits_hvd.actions.LLOYD_MAX_LEVELS (the wire decoder refuses any other count). */
-static inline void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word,
+/* The cases are the keys of safebits_hvd.actions.LLOYD_MAX_LEVELS (the wire decoder refuses any other count).
+ * Cloned for AVX2 itself: a callee is compiled for the default target even when its caller is a clone. */
+SB_CLONES static void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word,
                                 float *restrict scratch, int len, int levels, float *scale_out) {
     switch (levels) {
     case 3:
@@ -345,40 +346,37 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
     }
 }
 
+/* One lane-ordered float64 sum over a bucket of TERM(qd, vd) (qd, vd: q[j], v[j] as doubles): element j goes to
+ * lane j % SB_SUM_LANES, then 0 + lane 0 + lane 1 + ... + lane 7. One sum per loop: eight lanes of one sum fit
+ * in two AVX2 registers, four sums at once spill to the stack. */
+#define SB_STATS_SUM(TERM, OUT)                                                                              \
+    do {                                                                                                     \
+        double s_[SB_SUM_LANES] = {0}, a_ = 0;                                                               \
+        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)                                              \
+            for (l = 0; l < SB_SUM_LANES; l++) {                                                             \
+                double qd = (double)q[i + l], vd = (double)v[i + l];                                         \
+                s_[l] += (TERM);                                                                             \
+            }                                                                                                \
+        for (l = 0; i + l < len; l++) {                                                                      \
+            double qd = (double)q[i + l], vd = (double)v[i + l];                                             \
+            s_[l] += (TERM);                                                                                 \
+        }                                                                                                    \
+        for (l = 0; l < SB_SUM_LANES; l++) a_ += s_[l];                                                      \
+        (OUT) = a_;                                                                                          \
+    } while (0)
+
 /* acc[0..4) = [sum (q-v)^2, sum q v, sum q^2, sum v^2] in float64, lane-ordered. If e != NULL also e = v - q. */
 SB_CLONES void sb_bucket_stats(const float *restrict q, const float *restrict v, float *restrict e, int len,
                                double *acc) {
-    double s0[SB_SUM_LANES] = {0}, s1[SB_SUM_LANES] = {0}, s2[SB_SUM_LANES] = {0}, s3[SB_SUM_LANES] = {0};
     int i, l;
     if (e)
         for (i = 0; i < len; i++) e[i] = v[i] - q[i];
-    for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
-        for (l = 0; l < SB_SUM_LANES; l++) {
-            double qd = (double)q[i + l], vd = (double)v[i + l], d = qd - vd;
-            s0[l] += d * d;
-            s1[l] += qd * vd;
-            s2[l] += qd * qd;
-            s3[l] += vd * vd;
-        }
-    for (l = 0; i + l < len; l++) {
-        double qd = (double)q[i + l], vd = (double)v[i + l], d = qd - vd;
-        s0[l] += d * d;
-        s1[l] += qd * vd;
-        s2[l] += qd * qd;
-        s3[l] += vd * vd;
-    }
-    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    for (l = 0; l < SB_SUM_LANES; l++) {
-        a0 += s0[l];
-        a1 += s1[l];
-        a2 += s2[l];
-        a3 += s3[l];
-    }
-    acc[0] = a0;
-    acc[1] = a1;
-    acc[2] = a2;
-    acc[3] = a3;
+    SB_STATS_SUM((qd - vd) * (qd - vd), acc[0]);
+    SB_STATS_SUM(qd * vd, acc[1]);
+    SB_STATS_SUM(qd * qd, acc[2]);
+    SB_STATS_SUM(vd * vd, acc[3]);
 }
+#undef SB_STATS_SUM
 
 /* vb = g + e (or e when g is NULL). */
 SB_CLONES void sb_load_v(const float *restrict g, const float *restrict e, float *restrict vb, int len) {

@@ -35,16 +35,24 @@ static inline void sb_bitw_flush(sb_bitw *w) {
 }
 
 /* m words of nbits each. On a byte boundary: 1/2/4/8-bit words a byte at a time; 3/5/6/7-bit words 8 at a time
- * (8 words of nbits bits are exactly nbits whole bytes). */
+ * (8 words of nbits bits are exactly nbits whole bytes). Each byte-at-a-time width has its own loop with a
+ * constant shift pattern, which the compiler vectorizes (a loop over a variable `per` it does not). */
+#define SB_PUT_BYTES(PER, NBITS)                                                                             \
+    for (int b = 0; b < nbytes; b++) {                                                                       \
+        sb_u32 byte = 0;                                                                                     \
+        for (int k = 0; k < (PER); k++) byte |= word[b * (PER) + k] << (k * (NBITS));                        \
+        p[b] = (unsigned char)byte;                                                                          \
+    }
 SB_CLONES void sb_bitw_put_many(sb_bitw *w, const sb_u32 *restrict word, int m, int nbits) {
     int i = 0;
     if (w->nacc == 0 && (nbits == 1 || nbits == 2 || nbits == 4 || nbits == 8)) {
         int per = 8 / nbits, nbytes = m / per;
         unsigned char *restrict p = w->p;
-        for (int b = 0; b < nbytes; b++) {
-            sb_u32 byte = 0;
-            for (int k = 0; k < per; k++) byte |= word[b * per + k] << (k * nbits);
-            p[b] = (unsigned char)byte;
+        switch (nbits) {
+        case 8: SB_PUT_BYTES(1, 8) break;
+        case 4: SB_PUT_BYTES(2, 4) break;
+        case 2: SB_PUT_BYTES(4, 2) break;
+        default: SB_PUT_BYTES(8, 1) break;
         }
         w->p += nbytes;
         i = nbytes * per;
@@ -59,6 +67,7 @@ SB_CLONES void sb_bitw_put_many(sb_bitw *w, const sb_u32 *restrict word, int m, 
     }
     for (; i < m; i++) sb_bitw_put(w, word[i], nbits);
 }
+#undef SB_PUT_BYTES
 
 /* Base-3 writer: 5 trit digits per byte, digit i of a byte weighs 3^i. */
 typedef struct {
@@ -217,26 +226,43 @@ int sb_quantize_pack_ef(const float *g, float *e, unsigned char *body, sb_i64 n,
     return fail ? -1 : 0;
 }
 
-/* wb[0..m) = the m words of nbits at bit position bit0. On a byte boundary: a byte at a time for 1/2/8-bit words,
- * 8 words (nbits whole bytes) at a time for 3 to 7 bits (for 4 bits faster than the byte loop). */
+/* wb[0..m) = the m words of nbits at bit position bit0. On a byte boundary: a byte at a time for 1/2/4/8-bit words,
+ * 8 words (nbits whole bytes) at a time for 3 to 7 bits. Each width has its own loop with constant shifts, which
+ * the compiler vectorizes (loops over a variable width it does not). */
+#define SB_GET_BYTES(PER, NBITS)                                                                             \
+    for (int b = 0; b < nbytes; b++)                                                                         \
+        for (int k = 0; k < (PER); k++) wb[b * (PER) + k] = ((sb_u32)q[b] >> (k * (NBITS))) & mask;
+#define SB_GET_OCTETS(NBITS)                                                                                 \
+    for (; i + 8 <= m; i += 8, q += (NBITS)) {                                                               \
+        unsigned long long acc = 0;                                                                          \
+        for (int k = 0; k < (NBITS); k++) acc |= (unsigned long long)q[k] << (8 * k);                        \
+        for (int k = 0; k < 8; k++) wb[i + k] = (sb_u32)(acc >> (k * (NBITS))) & mask;                       \
+    }
 SB_CLONES void sb_get_many(const unsigned char *restrict p, sb_i64 bit0, int m, int nbits, sb_u32 *restrict wb) {
     int i = 0;
     const unsigned char *restrict q = p + (bit0 >> 3);
     sb_u32 mask = (1u << nbits) - 1u;
-    if ((bit0 & 7) == 0 && (nbits == 1 || nbits == 2 || nbits == 8)) {
+    if ((bit0 & 7) == 0 && (nbits == 1 || nbits == 2 || nbits == 4 || nbits == 8)) {
         int per = 8 / nbits, nbytes = m / per;
-        for (int b = 0; b < nbytes; b++)
-            for (int k = 0; k < per; k++) wb[b * per + k] = ((sb_u32)q[b] >> (k * nbits)) & mask;
+        switch (nbits) {
+        case 8: SB_GET_BYTES(1, 8) break;
+        case 4: SB_GET_BYTES(2, 4) break;
+        case 2: SB_GET_BYTES(4, 2) break;
+        default: SB_GET_BYTES(8, 1) break;
+        }
         i = nbytes * per;
     } else if ((bit0 & 7) == 0 && nbits < 8) {
-        for (; i + 8 <= m; i += 8) {
-            unsigned long long acc = 0;
-            for (int k = 0; k < nbits; k++) acc |= (unsigned long long)*q++ << (8 * k);
-            for (int k = 0; k < 8; k++) wb[i + k] = (sb_u32)(acc >> (k * nbits)) & mask;
+        switch (nbits) {
+        case 3: SB_GET_OCTETS(3) break;
+        case 5: SB_GET_OCTETS(5) break;
+        case 6: SB_GET_OCTETS(6) break;
+        default: SB_GET_OCTETS(7) break;
         }
     }
     for (; i < m; i++) wb[i] = sb_get_bits(p, bit0 + (sb_i64)i * nbits, nbits);
 }
+#undef SB_GET_BYTES
+#undef SB_GET_OCTETS
 
 /* x[0..m) = val[wb[i]]: a code word's value from a table made once per bucket, not recomputed per element. */
 SB_CLONES void sb_lookup_many(const sb_u32 *restrict wb, int m, const float *restrict val, float *restrict x) {
