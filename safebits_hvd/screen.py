@@ -26,9 +26,17 @@ and the cosine >= min_cosine + margin * (1 - min_cosine). The screen computes in
 invariant true for anyone who recomputes it in float32."""
 
 
+_SCALAR_ROWS = 64   # up to this many actions, distortion_cosine goes through distortion_cosine_of
+
+
 def distortion_cosine(stats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Normalized distortion and cosine from ``(..., 4)`` sum statistics (zero-vector conventions above)."""
     stats = np.asarray(stats, dtype=np.float64)
+    if stats.ndim == 2 and stats.shape[0] <= _SCALAR_ROWS:
+        # One tensor's menu (the send path, once per tensor per step): Python floats beat NumPy's per-call cost.
+        pairs = [distortion_cosine_of(row) for row in stats.tolist()]
+        return (np.array([p[0] for p in pairs], dtype=np.float64).reshape(stats.shape[:-1]),
+                np.array([p[1] for p in pairs], dtype=np.float64).reshape(stats.shape[:-1]))
     err2, qv, q2, v2 = stats[..., 0], stats[..., 1], stats[..., 2], stats[..., 3]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         distortion = np.where(v2 > 0, err2 / v2, np.where(err2 == 0, 0.0, np.inf))

@@ -11,6 +11,7 @@ Functions: :func:`encode_ef` (= :func:`safebits_hvd.kernels.quantize_pack_ef`), 
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -43,12 +44,12 @@ class Header:
     trits: bool = False
     version: int = FORMAT_VERSION
 
-    @property
+    @functools.cached_property
     def body_nbytes(self) -> int:
         """Bytes of the body this header announces (the one size formula, :func:`actions.body_bits`)."""
         return body_bits(self.kind, self.n, self.bucket_size, self.levels, self.topk, self.trits) // 8
 
-    @property
+    @functools.cached_property
     def payload_nbytes(self) -> int:
         return HEADER_BYTES + self.body_nbytes
 
@@ -84,48 +85,63 @@ def parse_header(payload: torch.Tensor | bytes, name: str = "tensor", *, check_l
         size, head = len(payload), bytes(payload[:HEADER_BYTES])
     if size < HEADER_BYTES:
         raise WireFormatError(f"{name}: truncated payload: got {size} bytes, a header alone is {HEADER_BYTES}")
-    version, kind, levels, bucket_m1, param, n = _HEADER.unpack(head)
-    if version != FORMAT_VERSION:
-        raise WireFormatError(f"{name}: payload format version {version} unsupported (this build reads version "
-                              f"{FORMAT_VERSION})")
-    if kind not in ActionKind._value2member_map_:
-        raise WireFormatError(f"{name}: unknown action kind {kind} (known: "
-                              f"{', '.join(f'{k.value} {k.name}' for k in ActionKind)})")
-    kind = ActionKind(kind)
-    bucket = bucket_m1 + 1
-    if bucket < 2:
-        raise WireFormatError(f"{name}: bucket size {bucket} is below 2")
-    if n > _MAX_N:
-        raise WireFormatError(f"{name}: element count {n} is not plausible")
-    topk, trits = 0, False
-    if kind == ActionKind.QUANT:
-        if not 1 <= levels <= 2**15 - 1:
-            raise WireFormatError(f"{name}: QUANT levels {levels} outside [1, 32767]")
-        if param > 1 or (param == 1 and levels != 1):
-            raise WireFormatError(f"{name}: QUANT code packing {param} invalid (0: bitstream, 1: trits with "
-                                  f"levels 1; levels is {levels})")
-        trits = param == 1
-    elif kind == ActionKind.LLOYD_MAX:
-        if levels not in LLOYD_MAX_LEVELS:
-            raise WireFormatError(f"{name}: LLOYD_MAX levels {levels} not one of {sorted(LLOYD_MAX_LEVELS)}")
-        if param != int(levels == 3):
-            raise WireFormatError(f"{name}: LLOYD_MAX code packing {param} invalid (1: trits for 3 levels, else 0; "
-                                  f"levels is {levels})")
-        trits = param == 1
-    elif levels != 0:
-        raise WireFormatError(f"{name}: levels field is {levels}, must be 0 for {kind.name}")
-    if kind == ActionKind.TOPK:
-        topk = param + 1
-        if topk > bucket:
-            raise WireFormatError(f"{name}: top-k keeps {topk} per bucket of {bucket}")
-    elif kind not in (ActionKind.QUANT, ActionKind.LLOYD_MAX) and param != 0:
-        raise WireFormatError(f"{name}: parameter field is {param}, must be 0 for {kind.name}")
-    header = Header(kind, n, bucket, levels, topk, trits, version)
+    try:
+        header = _header_of_bytes(head)
+    except _HeaderFieldError as exc:
+        raise WireFormatError(f"{name}: {exc}") from None
     expected = header.payload_nbytes
     if check_length and size != expected:
         what = "truncated payload" if size < expected else f"{size - expected} extra bytes in payload"
-        raise WireFormatError(f"{name}: {what}: got {size} bytes, expected {expected} ({kind.name}, n={n})")
+        raise WireFormatError(f"{name}: {what}: got {size} bytes, expected {expected} ({header.kind.name}, "
+                              f"n={header.n})")
     return header
+
+
+class _HeaderFieldError(ValueError):
+    """A header field is invalid (:func:`parse_header` adds the tensor's name)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_of_bytes(head: bytes) -> Header:
+    """The validated header of 16 header bytes. Cached: every step decodes the same few hundred headers, and
+    validating each again costs more than decoding a small tensor (only valid headers are cached)."""
+    version, kind, levels, bucket_m1, param, n = _HEADER.unpack(head)
+    if version != FORMAT_VERSION:
+        raise _HeaderFieldError(f"payload format version {version} unsupported (this build reads version "
+                                f"{FORMAT_VERSION})")
+    if kind not in ActionKind._value2member_map_:
+        raise _HeaderFieldError(f"unknown action kind {kind} (known: "
+                                f"{', '.join(f'{k.value} {k.name}' for k in ActionKind)})")
+    kind = ActionKind(kind)
+    bucket = bucket_m1 + 1
+    if bucket < 2:
+        raise _HeaderFieldError(f"bucket size {bucket} is below 2")
+    if n > _MAX_N:
+        raise _HeaderFieldError(f"element count {n} is not plausible")
+    topk, trits = 0, False
+    if kind == ActionKind.QUANT:
+        if not 1 <= levels <= 2**15 - 1:
+            raise _HeaderFieldError(f"QUANT levels {levels} outside [1, 32767]")
+        if param > 1 or (param == 1 and levels != 1):
+            raise _HeaderFieldError(f"QUANT code packing {param} invalid (0: bitstream, 1: trits with levels 1; "
+                                    f"levels is {levels})")
+        trits = param == 1
+    elif kind == ActionKind.LLOYD_MAX:
+        if levels not in LLOYD_MAX_LEVELS:
+            raise _HeaderFieldError(f"LLOYD_MAX levels {levels} not one of {sorted(LLOYD_MAX_LEVELS)}")
+        if param != int(levels == 3):
+            raise _HeaderFieldError(f"LLOYD_MAX code packing {param} invalid (1: trits for 3 levels, else 0; "
+                                    f"levels is {levels})")
+        trits = param == 1
+    elif levels != 0:
+        raise _HeaderFieldError(f"levels field is {levels}, must be 0 for {kind.name}")
+    if kind == ActionKind.TOPK:
+        topk = param + 1
+        if topk > bucket:
+            raise _HeaderFieldError(f"top-k keeps {topk} per bucket of {bucket}")
+    elif kind not in (ActionKind.QUANT, ActionKind.LLOYD_MAX) and param != 0:
+        raise _HeaderFieldError(f"parameter field is {param}, must be 0 for {kind.name}")
+    return Header(kind, n, bucket, levels, topk, trits, version)
 
 
 def payload_length(buffer: torch.Tensor, offset: int = 0, name: str = "tensor") -> int:
