@@ -15,8 +15,8 @@ closest fixed baseline at equal bytes, paired by seed) and per task ``results/de
 Default: seeds 0, 1, 2; fp32, QSGD 4/2, scaled sign + EF, SafeBits and unscreened at 2 and 4.4 bits; 250 CNN
 steps, 160 LM steps (48 runs, to stay under 10 minutes on 2 cores: with top-k 10% + EF and the 1-bit budget too,
 66 runs took 742 s on 2 idle cores; docs/RESULTS.md section 6.7).
-``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8, seeds 0, 1, 2 and
-500 / 320 steps.
+``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8 (SafeBits and
+unscreened budgeting on the max-scaled menu at 1 and 2 only), seeds 0, 1, 2 and 500 / 320 steps.
 Worker options given here (``--seeds 0``, ``--compressors ...``, ``--budgets ...``) override the defaults.
 """
 

@@ -43,6 +43,10 @@ FIXED = ["fp32", "fp16", "qsgd8", "qsgd4", "qsgd2", "terngrad", "signsgd_ef", "t
 BUDGETS = [2.0, 4.4, 8.0]
 """Budgets (bits per parameter per step) of SafeBits and of unscreened global budgeting."""
 
+MAX_SCALED_BUDGET = 2.0
+"""Budgets up to this also run SafeBits and unscreened budgeting on ``baselines.MAX_SCALED_MENU``: the tight regime
+in which that menu's only cheap actions do not contract (docs/RESULTS.md 6.6)."""
+
 
 # ---------------------------------------------------------------------------------------------- tasks
 class DigitsCNN(torch.nn.Module):
@@ -249,11 +253,14 @@ def make_plan(budgets: list[float], thresholds: list[tuple[float, float] | None]
     """Runs per task and seed, in table order: ``(compressor, budget_bits, thresholds)``.
 
     The fixed baselines, then per budget one SafeBits run per screen in ``thresholds`` (None: the library's
-    defaults) and one unscreened run; ``compressors`` keeps only those registry names.
+    defaults) and one unscreened run, and at budgets up to :data:`MAX_SCALED_BUDGET` the same pair on the
+    max-scaled menu; ``compressors`` keeps only those registry names.
     """
     plan: Plan = [(c, None, None) for c in FIXED]
     for b in budgets:
         plan += [("safebits", b, t) for t in thresholds] + [("unscreened", b, None)]
+        if b <= MAX_SCALED_BUDGET:
+            plan += [("safebits_maxscaled", b, t) for t in thresholds] + [("unscreened_maxscaled", b, None)]
     return [p for p in plan if not compressors or p[0] in compressors]
 
 

@@ -17,6 +17,7 @@ topk10_ef      top 10% per bucket, bf16 values            yes         ``~0.1 n (
 topk1_ef       top 1% per bucket                          yes         ``~0.01 n (9 + 16)``
 unscreened     ``SafeBits(..., screen=False)``            yes         the global budget
 safebits       ``SafeBits(...)``                          yes         the global budget
+*_maxscaled    the two above on :data:`MAX_SCALED_MENU`   yes         the global budget
 =============  =========================================  ==========  =============================
 
 Like SafeBits, a compressor matches a gradient to its parameter by identity (``p.grad is tensor``), and a step
@@ -36,13 +37,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from .actions import FP16, FP32, Action, make_menu, qsgd, scaled_sign, ternary, topk
+from .actions import FP16, FP32, Action, Menu, make_menu, qsgd, scaled_sign, ternary, topk
 from .compressor import Compressor, Context, CoreCompressor, SafeBits, registered_parameters
 from .core import SafeBitsCore
 from .exchange import LocalExchange
 from .policy import FixedActionPolicy
 
-__all__ = ["BUDGETED", "REGISTRY", "FixedActionCompressor", "label", "make_compressor"]
+__all__ = ["BUDGETED", "MAX_SCALED_MENU", "REGISTRY", "FixedActionCompressor", "label", "make_compressor"]
+
+MAX_SCALED_MENU = make_menu(["fp32", "fp16", "int8", "int4", "int2", "ternary"])
+"""The QSGD / TernGrad-style menu: every quantizer scales by its bucket's max |v| with stochastic rounding. Its
+cheap actions do not contract (``int2`` and ``ternary``: normalized distortion about 1.6-1.8 on the demo's
+gradients, docs/RESULTS.md 6.2), so under error feedback an unscreened allocation that leans on them at a tight
+budget grows the residual instead of shrinking it: the regime in which the screen matters (docs/RESULTS.md 6.6)."""
 
 
 class FixedActionCompressor(CoreCompressor):
@@ -116,14 +123,19 @@ def _fixed(action: Action, error_feedback: bool, wire_dtype: torch.dtype | None 
     return factory
 
 
-def _safebits(screen: bool) -> Factory:
+def _safebits(screen: bool, menu: Menu | None = None) -> Factory:
     def factory(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], *, seed: int = 0,
                 budget_bits: float | None = None, **kwargs: Any) -> SafeBits:
         if budget_bits is None:
             raise ValueError("SafeBits needs budget_bits (bits per parameter per step)")
+        if menu is not None:
+            if "menu" in kwargs:
+                raise ValueError("this registry entry fixes the menu (MAX_SCALED_MENU); use 'safebits' or "
+                                 "'unscreened' with menu=... instead")
+            kwargs["menu"] = menu
         return SafeBits(named_parameters, budget_bits=budget_bits, seed=seed, screen=screen, **kwargs)
-    factory.__doc__ = ("SafeBits (screened)." if screen
-                       else "Unscreened global budgeting: SafeBits(screen=False).")
+    what = "SafeBits (screened)" if screen else "Unscreened global budgeting: SafeBits(screen=False)"
+    factory.__doc__ = what + (" on MAX_SCALED_MENU." if menu is not None else ".")
     return factory
 
 
@@ -139,10 +151,12 @@ REGISTRY: dict[str, Factory] = {
     "topk1_ef": _fixed(topk(0.01), error_feedback=True),
     "unscreened": _safebits(screen=False),
     "safebits": _safebits(screen=True),
+    "unscreened_maxscaled": _safebits(screen=False, menu=MAX_SCALED_MENU),
+    "safebits_maxscaled": _safebits(screen=True, menu=MAX_SCALED_MENU),
 }
 """Compressor name -> factory ``(named_parameters, *, seed=0, budget_bits=None, **kwargs)``."""
 
-BUDGETED = frozenset({"unscreened", "safebits"})
+BUDGETED = frozenset({"unscreened", "safebits", "unscreened_maxscaled", "safebits_maxscaled"})
 """Registry names that take ``budget_bits`` (bits per parameter per step); the others take none."""
 
 
