@@ -44,8 +44,9 @@ BUDGETS = [2.0, 4.4, 8.0]
 """Budgets (bits per parameter per step) of SafeBits and of unscreened global budgeting."""
 
 MAX_SCALED_BUDGET = 2.0
-"""Budgets up to this also run SafeBits and unscreened budgeting on ``baselines.MAX_SCALED_MENU``: the tight regime
-in which that menu's only cheap actions do not contract (docs/RESULTS.md 6.6)."""
+"""Budgets up to this also run SafeBits and unscreened budgeting on ``baselines.MAX_SCALED_MENU`` and
+``baselines.QUANTIZER_MENU``: the tight regime in which those menus' only cheap actions do not contract
+(docs/RESULTS.md 6.6)."""
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -254,13 +255,14 @@ def make_plan(budgets: list[float], thresholds: list[tuple[float, float] | None]
 
     The fixed baselines, then per budget one SafeBits run per screen in ``thresholds`` (None: the library's
     defaults) and one unscreened run, and at budgets up to :data:`MAX_SCALED_BUDGET` the same pair on the
-    max-scaled menu; ``compressors`` keeps only those registry names.
+    max-scaled and the quantizer menus; ``compressors`` keeps only those registry names.
     """
     plan: Plan = [(c, None, None) for c in FIXED]
     for b in budgets:
         plan += [("safebits", b, t) for t in thresholds] + [("unscreened", b, None)]
         if b <= MAX_SCALED_BUDGET:
-            plan += [("safebits_maxscaled", b, t) for t in thresholds] + [("unscreened_maxscaled", b, None)]
+            for menu in ("maxscaled", "quantizers"):
+                plan += [(f"safebits_{menu}", b, t) for t in thresholds] + [(f"unscreened_{menu}", b, None)]
     return [p for p in plan if not compressors or p[0] in compressors]
 
 

@@ -18,6 +18,7 @@ topk1_ef       top 1% per bucket                          yes         ``~0.01 n 
 unscreened     ``SafeBits(..., screen=False)``            yes         the global budget
 safebits       ``SafeBits(...)``                          yes         the global budget
 *_maxscaled    the two above on :data:`MAX_SCALED_MENU`   yes         the global budget
+*_quantizers   the two above on :data:`QUANTIZER_MENU`    yes         the global budget
 =============  =========================================  ==========  =============================
 
 Like SafeBits, a compressor matches a gradient to its parameter by identity (``p.grad is tensor``), and a step
@@ -43,13 +44,20 @@ from .core import SafeBitsCore
 from .exchange import LocalExchange
 from .policy import FixedActionPolicy
 
-__all__ = ["BUDGETED", "MAX_SCALED_MENU", "REGISTRY", "FixedActionCompressor", "label", "make_compressor"]
+__all__ = ["BUDGETED", "MAX_SCALED_MENU", "QUANTIZER_MENU", "REGISTRY", "FixedActionCompressor", "label",
+           "make_compressor"]
 
 MAX_SCALED_MENU = make_menu(["fp32", "fp16", "int8", "int4", "int2", "ternary"])
 """The QSGD / TernGrad-style menu: every quantizer scales by its bucket's max |v| with stochastic rounding. Its
 cheap actions do not contract (``int2`` and ``ternary``: normalized distortion about 1.6-1.8 on the demo's
 gradients, docs/RESULTS.md 6.2), so under error feedback an unscreened allocation that leans on them at a tight
 budget grows the residual instead of shrinking it: the regime in which the screen matters (docs/RESULTS.md 6.6)."""
+
+QUANTIZER_MENU = make_menu(["fp32", "fp16", "int8", "int4", "int2", "ternary", "sign"])
+"""The quantizers of the paper's menu without its sparsifier (top-k): :data:`MAX_SCALED_MENU` plus scaled sign. Its
+cheapest configuration is scaled sign on every tensor (about 1.07 bits per parameter), which an unscreened
+allocation picks at a 1-bit budget and which collapses the demo CNN; the screen refuses sign (cosine about 0.8 or
+less), ``int2`` and ``ternary`` (docs/RESULTS.md 6.6)."""
 
 
 class FixedActionCompressor(CoreCompressor):
@@ -123,19 +131,19 @@ def _fixed(action: Action, error_feedback: bool, wire_dtype: torch.dtype | None 
     return factory
 
 
-def _safebits(screen: bool, menu: Menu | None = None) -> Factory:
+def _safebits(screen: bool, menu: Menu | None = None, menu_name: str = "") -> Factory:
     def factory(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], *, seed: int = 0,
                 budget_bits: float | None = None, **kwargs: Any) -> SafeBits:
         if budget_bits is None:
             raise ValueError("SafeBits needs budget_bits (bits per parameter per step)")
         if menu is not None:
             if "menu" in kwargs:
-                raise ValueError("this registry entry fixes the menu (MAX_SCALED_MENU); use 'safebits' or "
-                                 "'unscreened' with menu=... instead")
+                raise ValueError(f"this registry entry fixes the menu ({menu_name}); use 'safebits' or "
+                                 f"'unscreened' with menu=... instead")
             kwargs["menu"] = menu
         return SafeBits(named_parameters, budget_bits=budget_bits, seed=seed, screen=screen, **kwargs)
     what = "SafeBits (screened)" if screen else "Unscreened global budgeting: SafeBits(screen=False)"
-    factory.__doc__ = what + (" on MAX_SCALED_MENU." if menu is not None else ".")
+    factory.__doc__ = what + (f" on {menu_name}." if menu is not None else ".")
     return factory
 
 
@@ -151,12 +159,15 @@ REGISTRY: dict[str, Factory] = {
     "topk1_ef": _fixed(topk(0.01), error_feedback=True),
     "unscreened": _safebits(screen=False),
     "safebits": _safebits(screen=True),
-    "unscreened_maxscaled": _safebits(screen=False, menu=MAX_SCALED_MENU),
-    "safebits_maxscaled": _safebits(screen=True, menu=MAX_SCALED_MENU),
+    "unscreened_maxscaled": _safebits(screen=False, menu=MAX_SCALED_MENU, menu_name="MAX_SCALED_MENU"),
+    "safebits_maxscaled": _safebits(screen=True, menu=MAX_SCALED_MENU, menu_name="MAX_SCALED_MENU"),
+    "unscreened_quantizers": _safebits(screen=False, menu=QUANTIZER_MENU, menu_name="QUANTIZER_MENU"),
+    "safebits_quantizers": _safebits(screen=True, menu=QUANTIZER_MENU, menu_name="QUANTIZER_MENU"),
 }
 """Compressor name -> factory ``(named_parameters, *, seed=0, budget_bits=None, **kwargs)``."""
 
-BUDGETED = frozenset({"unscreened", "safebits", "unscreened_maxscaled", "safebits_maxscaled"})
+BUDGETED = frozenset({"unscreened", "safebits", "unscreened_maxscaled", "safebits_maxscaled", "unscreened_quantizers",
+                      "safebits_quantizers"})
 """Registry names that take ``budget_bits`` (bits per parameter per step); the others take none."""
 
 

@@ -9,7 +9,14 @@ import torch
 
 import safebits_hvd as sb
 from safebits_hvd.actions import FP16, FP32, qsgd, scaled_sign, ternary, topk
-from safebits_hvd.baselines import BUDGETED, MAX_SCALED_MENU, REGISTRY, FixedActionCompressor, make_compressor
+from safebits_hvd.baselines import (
+    BUDGETED,
+    MAX_SCALED_MENU,
+    QUANTIZER_MENU,
+    REGISTRY,
+    FixedActionCompressor,
+    make_compressor,
+)
 
 
 def _model() -> torch.nn.Module:
@@ -118,12 +125,17 @@ def test_grad_matched_by_identity_not_order() -> None:
 
 def test_registry_budgeted_entries_are_safebits() -> None:
     model = _model()
-    assert {"safebits", "unscreened", "safebits_maxscaled", "unscreened_maxscaled"} == BUDGETED
+    assert {"safebits", "unscreened", "safebits_maxscaled", "unscreened_maxscaled", "safebits_quantizers",
+            "unscreened_quantizers"} == BUDGETED
     unscreened = make_compressor("unscreened", model.named_parameters(), budget_bits=2.0)
     assert isinstance(unscreened, sb.SafeBits) and unscreened.screen_enabled is False
-    for name, screened in (("safebits_maxscaled", True), ("unscreened_maxscaled", False)):
+    assert QUANTIZER_MENU.names == [*MAX_SCALED_MENU.names, "sign"]
+    for name, screened, menu in (("safebits_maxscaled", True, MAX_SCALED_MENU),
+                                 ("unscreened_maxscaled", False, MAX_SCALED_MENU),
+                                 ("safebits_quantizers", True, QUANTIZER_MENU),
+                                 ("unscreened_quantizers", False, QUANTIZER_MENU)):
         comp = make_compressor(name, model.named_parameters(), budget_bits=2.0)
-        assert comp.screen_enabled is screened and comp.menu == MAX_SCALED_MENU
+        assert comp.screen_enabled is screened and comp.menu == menu
         with pytest.raises(ValueError, match="fixes the menu"):
             make_compressor(name, model.named_parameters(), budget_bits=2.0, menu=["fp32", "int4"])
     assert make_compressor("safebits", model.named_parameters(), budget_bits=4.4).screen_enabled is True
