@@ -105,10 +105,38 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Derived figures of every case: ``runs`` maps a rate label to the worker's raw cases at that rate.
+def merge_rounds(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One case per (model, compressor), in order of first appearance: with ``--rounds R`` the workers run the whole
+    compressor list R times in turn (so slow drift of a shared machine falls on every compressor alike), and the
+    rounds of a compressor are pooled here: step times concatenated, bytes and steps added, ``round_step_s`` the
+    median step of each round (their spread is the launch's own noise)."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for case in cases:
+        key = (case.get("model", "resnet18"), case["compressor"])
+        if key not in merged:
+            merged[key] = {**case, "step_times_s": list(case["step_times_s"]),
+                           "round_step_s": [_median(case["step_times_s"])]}
+            continue
+        into = merged[key]
+        earlier, steps = int(into["steps"]), int(case["steps"])
+        into["step_times_s"] += case["step_times_s"]
+        into["round_step_s"].append(_median(case["step_times_s"]))
+        into["modeled_bytes_per_step"] = ((into["modeled_bytes_per_step"] * earlier
+                                           + case["modeled_bytes_per_step"] * steps) / max(1, earlier + steps))
+        for field in ("steps", "link_bytes", "elapsed_s", "violations"):
+            into[field] = into.get(field, 0) + case.get(field, 0)
+        wire = case.get("wire_bytes_total")
+        into["wire_bytes_total"] = None if wire is None or into.get("wire_bytes_total") is None \
+            else into["wire_bytes_total"] + wire
+    return list(merged.values())
 
-    Adds step_time_s (median), samples_per_s, link/wire/modeled bytes per step, ratio_to_none and ratio_to_fp16
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Derived figures of every case: ``runs`` maps a rate label to the worker's raw cases at that rate (the rounds
+    of a compressor pooled first, :func:`merge_rounds`).
+
+    Adds step_time_s (median over every timed step of every round), rounds and round_step_s, samples_per_s,
+    link/wire/modeled bytes per step, ratio_to_none and ratio_to_fp16
     (samples/s over that of ``none`` / ``fp16`` on the same model and rate) and vs_limit: step time over the
     physical limit, ``none`` step time on the unlimited link + modeled bytes / link rate (null without an
     unlimited measurement of ``none``; on the unlimited link itself the transfer term is zero).
@@ -116,13 +144,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for rate, cases in runs.items():
         bps = parse_rate(rate)
-        for case in cases:
+        for case in merge_rounds(cases):
             step = _median(case["step_times_s"])
             steps = max(1, int(case["steps"]))
             wire = case.get("wire_bytes_total")
             rows.append({
                 "rate": rate, "rate_bps": bps, "model": case["model"], "compressor": case["compressor"],
-                "parameters": case["parameters"], "step_time_s": step,
+                "parameters": case["parameters"], "step_time_s": step, "rounds": len(case["round_step_s"]),
+                "round_step_s": case["round_step_s"],
                 "samples_per_s": case["ranks"] * case["batch_per_rank"] / step if step > 0 else math.nan,
                 "link_bytes_per_step": case["link_bytes"] / steps,
                 "wire_bytes_per_step": None if wire is None else wire / steps,
@@ -288,14 +317,15 @@ def qdisc_stats(ns: str) -> str:
 # ---------------------------------------------------------------------------------------------- main
 def worker_args(args: argparse.Namespace, out: str) -> list[str]:
     return ["--out", out, "--models", *args.models, "--compressors", *args.compressors,
-            "--warmup", str(args.warmup), "--steps", str(args.steps), "--cnn-batch", str(args.cnn_batch),
-            "--lm-batch", str(args.lm_batch)]
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
+            "--cnn-batch", str(args.cnn_batch), "--lm-batch", str(args.lm_batch)]
 
 
 def ddp_worker_args(args: argparse.Namespace, out: str, quality: bool = False) -> list[str]:
     compressors = args.ddp_compressors + (args.quality_extra if quality else [])
     return ["--out", out, "--compressors", *compressors, "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--cnn-batch", str(args.cnn_batch), "--quality-steps", str(args.quality_steps if quality else 0)]
+            "--rounds", str(1 if quality else args.rounds), "--cnn-batch", str(args.cnn_batch),
+            "--quality-steps", str(args.quality_steps if quality else 0)]
 
 
 def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
@@ -308,6 +338,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the compressor list this many times in turn in each launch and pool each "
+                             "compressor's steps (interleaving spreads a shared machine's drift over all of them)")
     parser.add_argument("--cnn-batch", type=int, default=16, help="ResNet-18 images per rank per step")
     parser.add_argument("--lm-batch", type=int, default=16, help="LM sequences (64 bytes) per rank per step")
     parser.add_argument("--ddp-compressors", nargs="*", default=DDP_COMPRESSORS,
@@ -327,8 +360,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
         args.rates, args.warmup, args.steps = args.rates[:1], 1, 2
         args.models, args.compressors = ["resnet18"], QUICK_COMPRESSORS
         args.ddp_compressors, args.quality_steps = QUICK_DDP_COMPRESSORS, 0
-    if args.steps < 1 or args.warmup < 0 or args.quality_steps < 0:
-        parser.error("--steps must be >= 1, --warmup and --quality-steps >= 0")
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.quality_steps < 0:
+        parser.error("--steps and --rounds must be >= 1, --warmup and --quality-steps >= 0")
     if not all(c.startswith("ddp:") for c in args.ddp_compressors + args.quality_extra):
         parser.error("DDP compressors are named ddp:<name>")
     return args
@@ -421,13 +454,15 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
     total = time.perf_counter() - start
     with open(os.path.join(args.out_dir, "link.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "rates": list(runs), "models": models, "compressors": args.compressors,
-                   "warmup": args.warmup, "steps": args.steps, "launches": meta, "rows": rows, "raw": runs,
+                   "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "launches": meta,
+                   "rows": rows, "raw": runs,
                    "failed_rates": failed, "total_s": total, "quality_steps": args.quality_steps,
                    "quality": quality}, f, indent=1)
     with open(os.path.join(args.out_dir, "link.md"), "w", encoding="utf-8") as f:
         f.write(f"# Link benchmark\n\nCommand: `{command}`; 2 ranks (Gloo; Horovod rows under horovodrun, "
                 f"ddp: rows under torchrun) in a network namespace whose loopback is limited by tbf; "
-                f"{args.warmup} warm-up + {args.steps} timed steps per case; total "
+                f"{args.warmup} warm-up + {args.steps} timed steps per case, {args.rounds} round(s) of every "
+                f"compressor in turn per launch; total "
                 f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md
                 + (f"\n### DDP training run ({args.quality_steps} steps, unlimited link)\n\n" + quality_table(quality)
                    if quality else ""))

@@ -21,6 +21,7 @@ meant to be run by hand.
 
 import argparse
 import gc
+import itertools
 import json
 import logging
 import os
@@ -204,6 +205,7 @@ def main() -> None:
     parser.add_argument("--compressors", nargs="+", required=True)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=1, help="times the compressor list runs, in turn")
     parser.add_argument("--cnn-batch", type=int, default=16)
     parser.add_argument("--quality-steps", type=int, default=0, help="train instead of timing (0: time)")
     args = parser.parse_args()
@@ -213,7 +215,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank0 = dist.get_rank() == 0
     cases = []
-    for case_id, label in enumerate(args.compressors):
+    rounds = 1 if args.quality_steps else args.rounds
+    for case_id, (round_index, label) in enumerate(itertools.product(range(rounds), args.compressors)):
         if args.quality_steps:
             result = run_quality(label, case_id, args.cnn_batch, args.quality_steps)
             if rank0:
@@ -226,6 +229,7 @@ def main() -> None:
                 print(f"[link] resnet18  {label:17s} step {statistics.median(result['step_times_s']) * 1e3:8.1f} ms  "
                       f"link {result['link_bytes'] / result['steps'] / 1e6:8.2f} MB/step  "
                       f"modeled {result['modeled_bytes_per_step'] / 1e6:8.2f} MB/step", flush=True)
+        result["round"] = round_index
         cases.append(result)
         gc.collect()                      # the case's model, DDP wrapper and hook state
     if rank0:

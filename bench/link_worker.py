@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.metadata
+import itertools
 import json
 import logging
 import os
@@ -225,6 +226,7 @@ def main() -> None:
     parser.add_argument("--compressors", nargs="+", required=True)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=1, help="times the compressor list runs, in turn")
     parser.add_argument("--cnn-batch", type=int, default=16)
     parser.add_argument("--lm-batch", type=int, default=16)
     args = parser.parse_args()
@@ -242,8 +244,9 @@ def main() -> None:
     case_id = 0
     for name in args.models:
         work = Workload(name, args.cnn_batch if name == "resnet18" else args.lm_batch)
-        for label in args.compressors:
+        for round_index, label in itertools.product(range(args.rounds), args.compressors):
             result = run_case(work, label, case_id, args.warmup, args.steps)
+            result["round"] = round_index
             case_id += 1
             cases.append(result)
             if rank0:

@@ -98,6 +98,39 @@ def test_summarize() -> None:
     assert rows["unlimited", "fp16"]["vs_limit"] == pytest.approx(0.8)
 
 
+def test_rounds_are_pooled_per_compressor() -> None:
+    first = case("cnn", "safebits@4.4", [0.5, 0.7], 3_000, 1000.0, wire=2000.0)
+    second = case("cnn", "safebits@4.4", [0.6, 0.9, 0.8], 6_000, 1100.0, wire=3000.0)
+    other = case("cnn", "none", [1.0], 100, 8000.0)
+    merged = link.merge_rounds([first, other, second, case("cnn", "none", [3.0], 300, 8000.0)])
+    assert [c["compressor"] for c in merged] == ["safebits@4.4", "none"]      # order of first appearance
+    sb, none = merged
+    assert sb["step_times_s"] == [0.5, 0.7, 0.6, 0.9, 0.8] and sb["round_step_s"] == [0.6, 0.8]
+    assert sb["steps"] == 5 and sb["link_bytes"] == 9_000 and sb["wire_bytes_total"] == 5000.0
+    assert sb["modeled_bytes_per_step"] == pytest.approx((2 * 1000.0 + 3 * 1100.0) / 5)
+    assert none["round_step_s"] == [1.0, 3.0] and none["wire_bytes_total"] is None
+    assert first["step_times_s"] == [0.5, 0.7]                                # the raw cases are not modified
+    rows = {r["compressor"]: r for r in link.summarize({"1gbit": [first, other, second]})}
+    assert rows["safebits@4.4"]["step_time_s"] == 0.7 and rows["safebits@4.4"]["rounds"] == 2
+    assert rows["safebits@4.4"]["link_bytes_per_step"] == pytest.approx(9_000 / 5)
+    assert rows["safebits@4.4"]["ratio_to_none"] == pytest.approx(1.0 / 0.7)
+    # a compressor missing the wire figure in one round has none overall
+    assert link.merge_rounds([first, case("cnn", "safebits@4.4", [0.5], 10, 1.0)])[0]["wire_bytes_total"] is None
+
+
+def test_rounds_reach_both_workers() -> None:
+    args = link.parse_args(["--rounds", "3", "--quality-steps", "5"])
+    assert args.rounds == 3 and link.parse_args([]).rounds == 1
+    worker = link.worker_args(args, "out.json")
+    assert worker[worker.index("--rounds") + 1] == "3"
+    ddp = link.ddp_worker_args(args, "out.json")
+    assert ddp[ddp.index("--rounds") + 1] == "3"
+    quality = link.ddp_worker_args(args, "out.json", quality=True)
+    assert quality[quality.index("--rounds") + 1] == "1"                     # the training run is not repeated
+    with pytest.raises(SystemExit):
+        link.parse_args(["--rounds", "0"])
+
+
 def test_summarize_without_unlimited_or_baselines() -> None:
     runs = {"1gbit": [case("cnn", "safebits@2", [1.0], 10, 5.0)]}
     (row,) = link.summarize(runs)
