@@ -127,6 +127,16 @@ def test_sweep_table_rows_and_cells() -> None:
     assert body[2].endswith("| 0.5000 ± 0.0000 / 1.00 b / 3 v / 1/3 c | - |")
 
 
+def test_large_lm_task_has_a_million_parameters_and_a_larger_corpus() -> None:
+    worker = _load("demo_worker")
+    small = worker.Task("bytes_lm", "val_bits_per_byte", steps=1, lr=3e-3)
+    large = worker.Task("bytes_lm_large", "val_bits_per_byte", steps=1, lr=1e-3)
+    assert sum(p.numel() for p in small.model().parameters()) == 104_192
+    assert sum(p.numel() for p in large.model().parameters()) == 1_202_432
+    assert len(large.train_bytes) > 4 * len(small.train_bytes)
+    assert large.val_windows.shape == small.val_windows.shape == (256, 65)
+
+
 def test_worker_plan_and_thresholds() -> None:
     worker = _load("demo_worker")
     assert worker.parse_thresholds("0.3:0.9") == (0.3, 0.9)
