@@ -121,7 +121,8 @@ class Task:
             self.context = 64
             self.batch = 16
             self.width, corpus_bytes, _ = LM_SHAPES[self.name]
-            data = load_corpus(corpus_bytes)
+            self.corpus_files = corpus_files(corpus_bytes)
+            data = load_corpus(self.corpus_files)
             split = int(len(data) * 0.9)
             self.train_bytes, self.val_bytes = data[:split], data[split:]
             starts = torch.linspace(0, len(self.val_bytes) - self.context - 2, 256).long()
@@ -160,7 +161,7 @@ class Task:
             model.train()
 
 
-def corpus_files(target_bytes: int = 400_000) -> list[str]:
+def corpus_files(target_bytes: int = LM_SHAPES["bytes_lm"][1]) -> list[str]:
     """CPython standard-library ``.py`` files of this interpreter, in sorted name order, until ``target_bytes``."""
     stdlib = sysconfig.get_paths()["stdlib"]
     chosen, total = [], 0
@@ -175,9 +176,9 @@ def corpus_files(target_bytes: int = 400_000) -> list[str]:
     return chosen
 
 
-def load_corpus(target_bytes: int = 400_000) -> torch.Tensor:
-    """The corpus (:func:`corpus_files`) as a uint8 -> int64 tensor of bytes."""
-    raw = b"".join(open(p, "rb").read() for p in corpus_files(target_bytes))  # noqa: SIM115 - read-and-close
+def load_corpus(files: list[str]) -> torch.Tensor:
+    """The corpus (``files``, from :func:`corpus_files`) as a uint8 -> int64 tensor of bytes."""
+    raw = b"".join(open(p, "rb").read() for p in files)  # noqa: SIM115 - read-and-close
     return torch.tensor(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
 
 
@@ -301,8 +302,8 @@ def main() -> None:
                 for name, (_, _, lr) in LM_SHAPES.items() if name in args.tasks}}
     runs = []
     for name in LM_SHAPES:
-        if rank0 and name in args.tasks:
-            files = corpus_files(LM_SHAPES[name][1])
+        if rank0 and name in tasks:
+            files = tasks[name].corpus_files
             print(f"[demo] {name} corpus: {len(files)} stdlib files, {sum(map(os.path.getsize, files))} bytes, "
                   f"{os.path.basename(files[0])} .. {os.path.basename(files[-1])}", flush=True)
     run_id = 0
@@ -324,9 +325,8 @@ def main() -> None:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"runs": runs, "collapse_factor": COLLAPSE_FACTOR,
                        "corpus_files": [os.path.basename(p) for p in corpus_files()],
-                       **({"large_corpus_files": [os.path.basename(p)
-                                                  for p in corpus_files(LM_SHAPES["bytes_lm_large"][1])]}
-                          if "bytes_lm_large" in args.tasks else {})}, f)
+                       **({"large_corpus_files": [os.path.basename(p) for p in tasks["bytes_lm_large"].corpus_files]}
+                          if "bytes_lm_large" in tasks else {})}, f)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from link_worker import ResNet18, read_tx_bytes
 
 from safebits_hvd import ddp as sbddp
+from safebits_hvd.launch import exit_without_finalization
 
 SEED = 0
 PSGD_START = 2          # PowerSGD needs one uncompressed step first (start_powerSGD_iter > 1 with error feedback)
@@ -240,8 +241,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # No interpreter finalization: a Gloo worker thread releasing the last collective's tensors then would take the
-    # GIL and abort the process after the results are written (see ddp_tests/ddp_worker.py, exit_now).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalization(0)

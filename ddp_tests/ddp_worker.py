@@ -46,6 +46,7 @@ import safebits_hvd as sb
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.collectives import TorchDistributedTransport, decode_sequence, segment_bounds
 from safebits_hvd.exchange import TorchDistributedExchange
+from safebits_hvd.launch import exit_without_finalization
 
 BATCH = 64
 
@@ -475,18 +476,5 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def exit_now(code: int) -> None:
-    """Leave without interpreter finalization, once every result is printed and the process group destroyed.
-
-    A Gloo worker thread may still be releasing the last collective's work when Python finalizes; if that work
-    holds the only reference to a tensor Python created, the release takes the GIL, which a finalizing interpreter
-    refuses by ending the thread: "terminate called without an active exception" (SIGABRT) after every scenario
-    passed, in about 1 of 20 launches here (core dump: ``ProcessGroupGloo::runLoop`` destroying an
-    ``AsyncAllgatherWork``; a PyTorch issue, not SafeBits')."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_now(main())
+    exit_without_finalization(main())

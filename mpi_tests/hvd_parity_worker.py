@@ -46,6 +46,7 @@ from scenario_runner import ScenarioFailure, check, params_digest, run_scenarios
 from torch import nn
 
 import safebits_hvd as sb
+from safebits_hvd.launch import exit_without_finalization
 
 IN_FEATURES = 20
 CLASSES = 4
@@ -406,8 +407,7 @@ def main() -> int:
         closer.join(20.0)
         if closer.is_alive():
             print(f"rank {rank}: hvd.shutdown() did not return within 20 s", flush=True)
-        sys.stdout.flush()
-        os._exit(code)
+        exit_without_finalization(code)
     return code
 
 

@@ -29,6 +29,20 @@ class LaunchError(RuntimeError):
         self.output = output
 
 
+def exit_without_finalization(code: int) -> None:
+    """The end of a launched rank whose results are all printed: flush, then leave without interpreter finalization.
+
+    A collective library's worker thread may still be releasing the last collective's tensors when Python
+    finalizes; if it holds the only reference to a tensor Python created, the release takes the GIL, which a
+    finalizing interpreter refuses by ending the thread: "terminate called without an active exception" (SIGABRT)
+    after every result was printed, in about 1 of 20 DDP launches here (core dump: ``ProcessGroupGloo::runLoop``
+    destroying an ``AsyncAllgatherWork``; a PyTorch issue, not SafeBits'). Horovod ops left pending on purpose
+    make a normal exit unsafe for the same reason."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def horovodrun_path() -> str | None:
     """``horovodrun`` next to this Python (the virtual environment's), else on PATH, else None."""
     local = Path(sys.executable).parent / "horovodrun"
