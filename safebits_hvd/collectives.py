@@ -349,20 +349,27 @@ class FusedAllgather:
         self._payloads: dict[int, dict[int, torch.Tensor]] = {}     # group -> member index -> payload, until sent
         self._handles: dict[int, Any] = {}                          # group -> allgather in flight
         self._received: dict[int, list[torch.Tensor]] = {}          # group -> gathered payloads, rank-major
+        # Tensor index -> the tensor the send pass wrote this rank's own q into: the sum starts from it instead of
+        # decoding this rank's payload again (see reduced_sum).
+        self._own: dict[int, torch.Tensor] = {}
 
     def begin(self, step: int, transport: PayloadTransport) -> None:
         """A new step: collectives of the last one that nobody waited for are completed and dropped."""
         for handle in self._handles.values():
             transport.wait(handle)
         self.step = step
-        self._payloads, self._handles, self._received = {}, {}, {}
+        self._payloads, self._handles, self._received, self._own = {}, {}, {}, {}
 
     def abort(self) -> None:
         """Drop the step in flight without waiting (its collectives failed)."""
-        self._payloads, self._handles, self._received = {}, {}, {}
+        self._payloads, self._handles, self._received, self._own = {}, {}, {}, {}
 
-    def add(self, transport: PayloadTransport, index: int, payload: torch.Tensor) -> None:
-        """Tensor ``index``'s payload; starts its group's allgather if it completes the group."""
+    def add(self, transport: PayloadTransport, index: int, payload: torch.Tensor,
+            own: torch.Tensor | None = None) -> None:
+        """Tensor ``index``'s payload (``own``: a tensor already holding its decoded values, which
+        :meth:`reduced_sum` may start from); starts its group's allgather if it completes the group."""
+        if own is not None:
+            self._own[index] = own
         group = int(self.group_of[index])
         members = self._payloads.setdefault(group, {})
         members[index] = payload
@@ -387,9 +394,14 @@ class FusedAllgather:
         self._handles[group] = transport.start_allgather(f"{self.name}.payload.{first}", buffer)
 
     def reduced_sum(self, transport: PayloadTransport, index: int, step: int, out: torch.Tensor,
-                    zeros: Any) -> torch.Tensor:
-        """Write the sum of every rank's payload of tensor ``index`` at ``step``, in rank order, over ``out``
-        (rank 0's values, then each later rank's added); returns ``out``.
+                    zeros: Any, divisor: float = 1.0) -> torch.Tensor:
+        """Write the sum of every rank's payload of tensor ``index`` at ``step``, in rank order, divided by
+        ``divisor``, over ``out`` (rank 0's values, then each later rank's added); returns ``out``.
+
+        When ``out`` is the tensor :meth:`add` was given as ``own`` (it holds this rank's values), this rank's
+        payload is not decoded again on ranks 0 and 1: each adds the other ranks' values to its own in rank order
+        (float addition is commutative, so rank 1's ``(q1 + q0) + q2 ...`` is bitwise ``(q0 + q1) + q2 ...``); the
+        other ranks decode every payload.
         A group asked for before it completed (a step in which some registered tensors are never sent) is started
         first with ``zeros`` for the missing members (:meth:`flush`), as on every rank at the same call."""
         if step != self.step:
@@ -404,12 +416,17 @@ class FusedAllgather:
             self._received[group] = split_payloads(gathered, transport.size * len(self.groups[group]),
                                                    f"{self.name} group {group} step {step}")
         parts, members, member = self._received[group], len(self.groups[group]), int(self.member_of[index])
-        for rank in range(transport.size):
-            payload, name = parts[rank * members + member], f"{self.names[index]} (rank {rank})"
-            if rank == 0:
-                kernels.decode(payload, name=name, out=out)
-            else:
-                kernels.decode_add(payload, out, name=name)
+        me, ranks = transport.rank, transport.size
+        if self._own.pop(index, None) is out and me <= 1:
+            added = [rank for rank in range(ranks) if rank != me]
+        else:
+            kernels.decode(parts[member], name=f"{self.names[index]} (rank 0)", out=out)
+            added = list(range(1, ranks))
+        for rank in added:
+            kernels.decode_add(parts[rank * members + member], out, name=f"{self.names[index]} (rank {rank})",
+                               divisor=divisor if rank == added[-1] else 1.0)
+        if not added and divisor != 1.0:
+            out.div_(divisor)
         return out
 
 
@@ -430,12 +447,12 @@ def segment_key(key: int, segment: int) -> int:
 def encode(collective: str, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
            segments: list[tuple[int, int]], out: torch.Tensor) -> tuple[Any, np.ndarray]:
     """One send pass for ``collective``: ``v = g + e``, ``q = Q(v)``, ``e <- v - q``; returns what travels (dense:
-    ``out`` filled with ``q``; allgather: a payload; two-phase: one payload per segment) and the float64 statistics
-    of all of ``q`` (the segments' sums added in segment order)."""
+    ``out`` filled with ``q``; allgather: a payload, and ``q`` in ``out`` unless it is empty; two-phase: one payload
+    per segment) and the float64 statistics of all of ``q`` (the segments' sums added in segment order)."""
     if collective == "dense":
         return out, kernels.quantize_ef(g, e, out, action, key).cpu().numpy()
-    if collective == "allgather":
-        payload, stats = kernels.quantize_pack_ef(g, e, action, key)
+    if collective == "allgather":      # out, when it has the tensor's size, receives q (FusedAllgather's "own")
+        payload, stats = kernels.quantize_pack_ef(g, e, action, key, sent=out if out.numel() else None)
         return payload, stats.cpu().numpy()
     payloads, total = [], np.zeros(4)
     for segment, (start, stop) in enumerate(segments):

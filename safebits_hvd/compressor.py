@@ -2,7 +2,7 @@
 
 Horovod calls ``compress(p.grad)`` in each parameter's gradient hook and ``decompress(reduced, ctx)`` in
 ``synchronize()``. This adapter matches the gradient to its parameter (:mod:`.params`), hands it to the core, and
-finishes the step's statistics exchange at the first ``decompress`` of that step (docs/DESIGN.md, "The life of one
+finishes the step's statistics exchange at the last ``decompress`` of that step (docs/DESIGN.md, "The life of one
 step under Horovod"). Everything else (policy, kernels, error feedback, exchange, records, checkpoints) is the core's.
 """
 
@@ -44,8 +44,9 @@ class Context(NamedTuple):
     collective: str             # "dense", "allgather" or "two_phase"
     wire: torch.Tensor          # what this rank sent: the packed payload (uint8) or the dense float32 values
     # Packed paths: the gradient's own flat storage, which the reduced sum is decoded into (compress has consumed
-    # its values; Horovod's uncompressed allreduce overwrites it too), so a step allocates no new gradients; None
-    # when it is not contiguous float32 (a fresh tensor is decoded into then).
+    # its values; Horovod's uncompressed allreduce overwrites it too), so a step allocates no new gradients; on the
+    # allgather path compress leaves this rank's dequantized values there, where the sum starts. None when it is
+    # not contiguous float32 (a fresh tensor is decoded into then).
     gradient: torch.Tensor | None = None
 
 
@@ -225,25 +226,28 @@ class CoreCompressor(CoreRecords, Compressor):
         if not core.in_step:
             self._follow_world()
         index = self._index.find(tensor, core.unsent if core.in_step else None)
-        sent = core.send(index, tensor)
+        reusable = tensor.dtype == torch.float32 and tensor.is_contiguous() and not tensor.requires_grad
+        flat = tensor.detach().view(-1) if reusable else None
+        sent = core.send(index, tensor, into=flat)
         if sent.collective == "dense":
             return sent.wire, Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
-        reusable = tensor.dtype == torch.float32 and tensor.is_contiguous() and not tensor.requires_grad
-        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire,
-                      tensor.detach().view(-1) if reusable else None)
+        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire, flat)
         return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """The reduced gradient in its shape and dtype (finishes the step's statistics exchange)."""
+        """The reduced gradient in its shape and dtype (the step's last one also finishes its statistics
+        exchange)."""
         core = self.core
         if ctx.collective != "dense":
-            total = core.reduced_sum(ctx.index, ctx.step, ctx.collective, ctx.gradient)
             ranks = core.transport.size if core.transport is not None else 1
             factor = op_factor(tensor, ranks)
-            if factor != ranks:
-                total.mul_(factor / ranks) if factor != 1.0 else total.div_(ranks)
+            # Average (factor 1): the division by the rank count rides on the last payload's decode.
+            total = core.reduced_sum(ctx.index, ctx.step, ctx.collective, ctx.gradient,
+                                     divisor=ranks if factor == 1.0 else 1.0)
+            if factor not in (1.0, ranks):
+                total.mul_(factor / ranks)
             tensor = total
-        core.finish(ctx.step)
+        core.taken(ctx.step)
         if tensor.dtype != ctx.dtype:
             tensor = tensor.to(ctx.dtype)
         return tensor.view(ctx.shape)

@@ -160,8 +160,10 @@ class SafeBitsCore:
         self._vectors = (np.empty(self.layout.length), np.empty(self.layout.length))
         self._views = tuple(self.layout.views(v) for v in self._vectors)
         self._fields: StepStatistics = self._views[0]
-        # The exchange in flight: (step, handle, budget of that step), finished by finish() or the next begin.
+        # The exchange in flight: (step, handle, budget of that step), finished by finish() or the next begin, or
+        # by taken() once the front end has taken every tensor that step sent (how many, and how many so far).
         self._pending: tuple[int, Any, float, int, str] | None = None
+        self._pending_sent = self._taken = 0
         self._samples: dict[int, torch.Tensor | None] = {}
         self.allocation_seconds = 0.0                  # wall time of the last allocation (overhead telemetry)
 
@@ -170,8 +172,13 @@ class SafeBitsCore:
                            os.fspath(log_path) if log_path is not None else None)
 
     # ------------------------------------------------------------------ the three calls
-    def send(self, index: int, grad: torch.Tensor) -> Sent:
-        """Quantize tensor ``index``'s gradient for the wire (and start its payload collective, if any)."""
+    def send(self, index: int, grad: torch.Tensor, into: torch.Tensor | None = None) -> Sent:
+        """Quantize tensor ``index``'s gradient for the wire (and start its payload collective, if any).
+
+        ``into``: the flat float32 tensor the front end will pass :meth:`reduced_sum` as ``out`` (it may share
+        ``grad``'s storage, whose values are consumed here). On the allgather path the send pass writes this
+        rank's dequantized values into it, so that the sum over ranks starts from them instead of decoding this
+        rank's own payload again."""
         if self.in_step and not self.unsent[index]:
             # A tensor came twice: the previous step never sent some registered tensors.
             missing = [self.names[i] for i in np.flatnonzero(self.unsent)]
@@ -182,11 +189,16 @@ class SafeBitsCore:
         if not self.in_step:
             self._begin()
         step, collective = self.step, self.collective
-        sent = self._send(index, grad)
+        own = into if collective == "allgather" else None
+        if own is not None and (own.dtype != torch.float32 or own.dim() != 1 or not own.is_contiguous()
+                                or own.numel() != self.numels[index] or own.device != grad.device):
+            raise ValueError(f"into must be a flat contiguous float32 tensor of {self.numels[index]} elements on "
+                             f"{grad.device}")
+        sent = self._send(index, grad, own)
         assert self.transport is not None
         ranks = self.transport.size
         if collective == "allgather":
-            self.allgather.add(self.transport, index, sent)
+            self.allgather.add(self.transport, index, sent, own)
             self._wire_bytes += collectives.link_bytes(collective, sent.numel(), ranks)
         elif collective == "two_phase":
             self.two_phase.add(index, sent)
@@ -199,18 +211,21 @@ class SafeBitsCore:
             self._close()
         return Sent(sent, step, collective)
 
-    def reduced_sum(self, index: int, step: int, collective: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduced_sum(self, index: int, step: int, collective: str, out: torch.Tensor | None = None,
+                    divisor: float = 1.0) -> torch.Tensor:
         """The sum over ranks of what every rank sent of tensor ``index`` at ``step`` on a packed path, decoded in
-        rank order (bitwise the same on every rank), as a flat float32 tensor (``out`` if given: written over).
-        Waits for the collective."""
+        rank order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a mean), as a
+        flat float32 tensor (``out`` if given: written over). Waits for the collective."""
         assert self.transport is not None
         if collective == "allgather":
             if out is None:
                 out = torch.empty(int(self.numels[index]), dtype=torch.float32, device=self._device)
             return self.allgather.reduced_sum(self.transport, index, step, out,
-                                              lambda index, device: self._zeros(index, "allgather", device))
+                                              lambda index, device: self._zeros(index, "allgather", device),
+                                              divisor)
         total = self.two_phase.result(index, step)
-        return total if out is None else out.copy_(total)
+        total = total if out is None else out.copy_(total)
+        return total.div_(divisor) if divisor != 1.0 else total
 
     @property
     def allocation_digest(self) -> str:
@@ -227,6 +242,17 @@ class SafeBitsCore:
     def finish(self, step: int | None = None) -> None:
         """Finish the pending exchange (only if it is ``step``'s, when given)."""
         if self._pending is not None and (step is None or self._pending[0] == step):
+            self._finish()
+
+    def taken(self, step: int) -> None:
+        """The front end has taken one reduced tensor of ``step``; after the last tensor the step sent, finish the
+        step's exchange. Not at the first: the exchange is the step's last collective, and waiting for it there
+        would hold every tensor's decoding until all of the step's collectives are done, instead of letting each
+        decode while later ones are still in flight."""
+        if self._pending is None or self._pending[0] != step:
+            return
+        self._taken += 1
+        if self._taken >= self._pending_sent:
             self._finish()
 
     @property
@@ -298,7 +324,7 @@ class SafeBitsCore:
             return self.memory.residual(self.names[index], n, device)
         return torch.zeros(n, dtype=torch.float32, device=device)   # no memory: dropped after the call
 
-    def _send(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+    def _send(self, index: int, tensor: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
         name = self.names[index]
         if tensor.is_sparse:
             raise TypeError(f"SafeBits got a sparse gradient for {name!r}; use "
@@ -327,7 +353,10 @@ class SafeBitsCore:
             fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
             fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
             return g if action.lossless else g.to(torch.float16)
-        out = torch.empty(n if collective == "dense" else 0, dtype=torch.float32, device=g.device)
+        if own is not None:
+            out = own               # allgather: q goes here too (FusedAllgather.reduced_sum starts from it)
+        else:
+            out = torch.empty(n if collective == "dense" else 0, dtype=torch.float32, device=g.device)
         # Without error feedback there is no residual to protect: NaN/Inf go through the quantizer as they would
         # through Horovod's own compressors (the baselines), and the check's extra pass is saved.
         checked = self.error_feedback or self.nonfinite != "propagate"
@@ -340,8 +369,12 @@ class SafeBitsCore:
             fields.nonfinite[index] = 1.0
             fields.v2[index] = math.inf
             if self.nonfinite == "skip":
+                if own is not None:
+                    own.zero_()
                 return self._zeros(index, collective, g.device)
             fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
+            if own is not None and own.data_ptr() != g.data_ptr():
+                own.copy_(g)
             return self._unquantized(index, collective, g)
 
         key = stream_key(self.seed, self.step, index)
@@ -382,7 +415,7 @@ class SafeBitsCore:
         with an uncompressed allreduce; the residual is not touched (a scratch zero residual takes its place)."""
         scratch = torch.zeros_like(g)
         lossless = self.menu[self.policy.lossless_index]
-        out = torch.empty_like(g) if collective == "dense" else scratch
+        out = torch.empty_like(g) if collective == "dense" else torch.empty(0, device=g.device)
         return collectives.encode(collective, g, scratch, lossless, 0, self.two_phase.segments[index], out)[0]
 
     def _zeros(self, index: int, collective: str, device: torch.device) -> Any:
@@ -392,7 +425,8 @@ class SafeBitsCore:
         cheapest = self.menu[int(self.policy.cost_order[index, 0])]
         if collective == "dense":
             return zeros
-        return collectives.encode(collective, None, zeros, cheapest, 0, self.two_phase.segments[index], zeros)[0]
+        return collectives.encode(collective, None, zeros, cheapest, 0, self.two_phase.segments[index],
+                                  torch.empty(0, device=device))[0]
 
     # ------------------------------------------------------------------ 4. close
     def _close(self) -> None:
@@ -411,6 +445,7 @@ class SafeBitsCore:
         vector = self._vectors[self.step % 2]
         self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total, self._wire_bytes,
                          self.collective)
+        self._pending_sent, self._taken = int((~self.unsent).sum()), 0
         self.in_step = False
         self.step += 1
         if self.exchange.is_local:

@@ -38,6 +38,7 @@ class _Piece(NamedTuple):
     index: int
     start: int
     stop: int
+    target: torch.Tensor | None     # that range as a view when the buffer is float32: the mean is decoded into it
 
 
 class _PendingBucket(NamedTuple):
@@ -127,14 +128,16 @@ class SafeBitsState(CoreRecords):
         offset = 0
         step = core.step
         collective = ""
+        in_place = buffer.dtype == torch.float32      # decode straight into DDP's buffer
         for index, grad in zip(indices, grads, strict=True):
             n = grad.numel()
-            sent = core.send(index, grad)
+            target = buffer[offset:offset + n] if in_place else None
+            sent = core.send(index, grad, into=target)
             step, collective = sent.step, sent.collective
             if collective == "dense":
                 # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
                 buffer[offset:offset + n].copy_(sent.wire)
-            pieces.append(_Piece(index, offset, offset + n))
+            pieces.append(_Piece(index, offset, offset + n, target))
             offset += n
         work = None
         transport = core.transport
@@ -189,14 +192,10 @@ class SafeBitsState(CoreRecords):
                     bucket.work.wait()
                     bucket.buffer.div_(ranks)
                 continue
-            in_place = bucket.buffer.dtype == torch.float32      # decode straight into DDP's buffer
             for piece in bucket.pieces:
-                target = bucket.buffer[piece.start:piece.stop]
-                total = core.reduced_sum(piece.index, step, collective, target if in_place else None)
-                if in_place:
-                    target.div_(ranks)
-                else:
-                    target.copy_(total.div_(ranks))
+                total = core.reduced_sum(piece.index, step, collective, piece.target, divisor=ranks)
+                if piece.target is None:
+                    bucket.buffer[piece.start:piece.stop].copy_(total)
         core.finish(step)
         for bucket in pending:
             bucket.future.set_result(bucket.buffer)

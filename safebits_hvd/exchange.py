@@ -23,7 +23,7 @@ Transports, chosen when the first exchange starts (``hvd.init()`` may come after
 * the DDP front end (:mod:`.ddp`): :class:`TorchDistributedExchange`, ``torch.distributed.all_reduce`` (MAX).
 
 Why it cannot deadlock (docs/DESIGN.md, "Why the exchange cannot deadlock"): it is started once a rank has handed
-every gradient of the step to Horovod, and finished at the first ``decompress`` of that step.
+every gradient of the step to Horovod, and finished at the last ``decompress`` of that step.
 
 Length check: the very first exchange of a transport is preceded by one small blocking MAX allreduce of
 ``(length, -length)``. Ranks that registered different parameters or menus would otherwise hand vectors of

@@ -142,16 +142,42 @@ def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.int32), b.reshape(-1).view(torch.int32))
 
 
-def test_allgather_reduces_bitwise_identically_to_the_mean_of_what_was_sent() -> None:
-    results = train("allgather", ranks=2, steps=3)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_allgather_reduces_bitwise_identically_to_the_mean_of_what_was_sent(ranks: int) -> None:
+    """Ranks 0 and 1 start the sum from their own values, written by the send pass; rank 2 of 3 decodes every
+    payload: all get bitwise the mean of what was sent, summed in rank order."""
+    results = train("allgather", ranks=ranks, steps=3)
     for step in range(3):
         for name, a in results[0]["reduced"][step].items():
-            assert bitwise(a, results[1]["reduced"][step][name]), name
-            expected = (results[0]["sent"][step][name] + results[1]["sent"][step][name]) / 2
-            assert torch.equal(a.reshape(-1), expected), name
+            total = results[0]["sent"][step][name].clone()
+            for rank in range(1, ranks):
+                assert bitwise(a, results[rank]["reduced"][step][name]), name
+                total += results[rank]["sent"][step][name]
+            assert torch.equal(a.reshape(-1), total / ranks), name
     records = [r["compressor"].last_step for r in results]
-    assert records[0].collective == records[1].collective == "allgather"
-    assert records[0].allocation_digest == records[1].allocation_digest
+    assert {r.collective for r in records} == {"allgather"}
+    assert len({r.allocation_digest for r in records}) == 1
+
+
+@pytest.mark.parametrize("collective", ["allgather", "dense"])
+def test_a_step_is_recorded_at_its_last_decompress(collective: str) -> None:
+    """The statistics exchange is finished (and the step recorded) when the last tensor is taken, not the first:
+    earlier tensors decode while later collectives are still in flight."""
+
+    def body(rank: int, exchange: Any, transport: Any) -> list[Any]:
+        params = many_tensor_params()
+        c = sb.SafeBits(params, budget_bits=2.0, collective=collective, exchange=exchange, transport=transport)
+        random_grads(params, 0, seed=1 + rank)
+        pending = [c.compress(p.grad) for _, p in reversed(params)]
+        records = []
+        for out, ctx in pending:
+            c.decompress(torch.ones(1) if collective != "dense" else out, ctx)
+            records.append(c.last_step)
+        return records
+
+    for records in run_ranks(2, body):
+        assert all(r is None for r in records[:-1])
+        assert records[-1] is not None and records[-1].step == 0
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

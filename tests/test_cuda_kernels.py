@@ -137,8 +137,15 @@ def test_quantize_pack_ef_cuda_matches_cpu(n, action):
     assert torch.equal(bits(K.decode(p_gpu)), bits(out_ref))
     acc = torch.randn(n, device="cuda")
     expect = acc + out_ref
+    thirds = (acc.cpu() + out_ref.cpu()).div_(3)               # the CPU's division, bitwise
+    assert torch.equal(bits(K.decode_add(p_gpu, acc.clone(), divisor=3).cpu()), bits(thirds))
     assert torch.equal(bits(K.decode_add(p_gpu, acc)), bits(expect))
     assert torch.equal(bits(K.decode(p_cpu.cuda()).cpu()), bits(K.decode(p_cpu)))
+    g_over, e_over = g.cuda(), e.cuda()                       # q written over the gradient itself, as the front
+    p_over, _ = K.quantize_pack_ef(g_over, e_over, action, KEY, sent=g_over)   # ends do
+    torch.cuda.synchronize()
+    assert torch.equal(p_over.cpu(), p_cpu) and torch.equal(bits(e_over.cpu()), bits(e_cpu))
+    assert torch.equal(bits(g_over.cpu()), bits(out_ref.cpu()))
 
 
 @gpu

@@ -183,6 +183,61 @@ def test_decode_add_accumulates(action):
     assert torch.equal(bits(acc_ref), bits(expect))
 
 
+@needs_c
+@pytest.mark.parametrize("action", ALL_ACTIONS, ids=_ids)
+def test_sent_holds_the_decoded_payload(action):
+    """``quantize_pack_ef(..., sent=)`` writes q, bitwise what decoding the payload gives, also over ``g`` itself
+    (the front ends pass the gradient's storage), C and reference alike; payload, e and statistics unchanged."""
+    for n in (0, 1, 513, 5000, 70_001):
+        g, e = make(n, seed=5)
+        e_plain = e.clone()
+        payload, stats = K.quantize_pack_ef(g, e_plain, action, KEY)
+        decoded = K.decode(payload)
+        sent, e_sent = torch.full((n,), 7.0), e.clone()
+        payload_sent, stats_sent = K.quantize_pack_ef(g, e_sent, action, KEY, sent=sent)
+        g_over, e_over = g.clone(), e.clone()
+        payload_over, _ = K.quantize_pack_ef(g_over, e_over, action, KEY, sent=g_over)
+        for p, q, e_after in ((payload_sent, sent, e_sent), (payload_over, g_over, e_over)):
+            assert torch.equal(p, payload) and torch.equal(bits(e_after), bits(e_plain))
+            assert torch.equal(bits(q), bits(decoded)), (action.name, n)
+        assert torch.equal(stats_sent, stats)
+        if n <= 5000:
+            ref_sent = torch.full((n,), 7.0)
+            header_payload = torch.zeros(wire.payload_nbytes(action, n), dtype=torch.uint8)
+            header_payload[:wire.HEADER_BYTES] = payload[:wire.HEADER_BYTES]
+            R.quantize_pack_ef(g, e.clone(), header_payload, action, KEY, ref_sent)
+            assert torch.equal(bits(ref_sent), bits(decoded))
+
+
+def test_sent_must_not_be_the_residual():
+    g, e = make(100)
+    with pytest.raises(ValueError, match="sent must not be e"):
+        K.quantize_pack_ef(g, e, A.ACTIONS["int4"], KEY, sent=e)
+    with pytest.raises(ValueError, match="sent has 99 elements"):
+        K.quantize_pack_ef(g, e, A.ACTIONS["int4"], KEY, sent=torch.zeros(99))
+
+
+@pytest.mark.parametrize("divisor", [2, 3, 7.5])
+@pytest.mark.parametrize("action", [A.ACTIONS[a] for a in ("fp32", "int4", "ternary_mse", "topk10")], ids=_ids)
+def test_decode_add_divides_in_the_same_pass(action, divisor):
+    """``decode_add(..., divisor=d)`` is bitwise the add followed by ``div_(d)`` (the mean over ranks), C and
+    reference; a divisor that is not a finite number > 0 is refused before anything is written."""
+    g, e = make(5000, seed=3)
+    payload, _ = K.quantize_pack_ef(g, e, action, KEY)
+    acc = torch.randn(5000)
+    acc[:3] = -0.0
+    expect = (acc + K.decode(payload)).div_(divisor)
+    acc_ref = acc.clone()
+    assert torch.equal(bits(K.decode_add(payload, acc, divisor=divisor)), bits(expect))
+    R.decode(payload, wire.parse_header(payload), acc_ref, True, "x", float(divisor))
+    assert torch.equal(bits(acc_ref), bits(expect))
+    before = acc.clone()
+    for bad in (0, -2.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="divisor must be a finite number > 0"):
+            K.decode_add(payload, acc, divisor=bad)
+    assert torch.equal(acc, before)
+
+
 def test_unaligned_payload_slice_decodes():
     g, e = make(1000)
     payload, _ = K.quantize_pack_ef(g, e, A.ACTIONS["int4"], KEY)

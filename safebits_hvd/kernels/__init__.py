@@ -17,6 +17,7 @@ values into a float32 tensor, :func:`decode` returns them.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -128,11 +129,14 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
 
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-                     payload: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused packing pass: ``v = g + e``; the packed payload of ``q = Q_action(v)``; ``e = v - q`` (in place).
+                     payload: torch.Tensor | None = None,
+                     sent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused packing pass: ``v = g + e``; the packed payload of ``q = Q_action(v)``; ``e = v - q`` (in place);
+    and ``q`` itself into ``sent`` when given.
 
     ``e`` and the statistics are bitwise those of :func:`quantize_ef` on the same inputs, and decoding the payload
-    gives bitwise its ``out``.
+    gives bitwise its ``out`` (and ``sent``): a rank that needs its own ``q`` (to start the sum over ranks) gets it
+    here instead of decoding its own payload again.
 
     Args:
         g: gradient (1-D contiguous float32) or None (then ``v = e``).
@@ -141,6 +145,8 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, ke
         key: ``safebits_hvd.rng.stream_key(seed, step, tensor_index)``.
         payload: optional 1-D uint8 tensor of exactly ``wire.payload_nbytes(action, n)`` bytes on ``e``'s device,
             16-byte aligned, to write into; a new one when None.
+        sent: optional 1-D contiguous float32 tensor of ``e``'s size and device that receives ``q``; it may be
+            ``g`` itself (each bucket is read before it is written), never ``e``.
 
     Returns:
         ``(payload, stats)``: the uint8 payload (header + body) and float64 ``(4,)`` statistics
@@ -149,6 +155,10 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, ke
     _check("e", e)
     if g is not None:
         _check("g", g, e)
+    if sent is not None:
+        _check("sent", sent, e)
+        if sent.numel() and sent.data_ptr() == e.data_ptr():
+            raise ValueError("sent must not be e (the residual is written in the same pass)")
     if not isinstance(action, Action):
         raise TypeError(f"action must be a safebits_hvd.actions.Action, got {type(action).__name__}")
     header = wire.header_of(action, e.numel())
@@ -164,11 +174,11 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, ke
         raise ValueError(f"payload must be {PAYLOAD_ALIGN}-byte aligned")
     head = torch.frombuffer(bytearray(wire.pack_header(header)), dtype=torch.uint8)
     payload[:wire.HEADER_BYTES].copy_(head)
-    stats = _backend(e.device).quantize_pack_ef(g, e, payload, action, int(key))
+    stats = _backend(e.device).quantize_pack_ef(g, e, payload, action, int(key), sent)
     return payload, stats
 
 
-def _decode(payload: torch.Tensor, out: torch.Tensor, accumulate: bool, name: str) -> None:
+def _decode(payload: torch.Tensor, out: torch.Tensor, accumulate: bool, name: str, divisor: float = 1.0) -> None:
     if not isinstance(payload, torch.Tensor):
         raise wire.WireFormatError(f"{name}: a payload is a uint8 tensor, got {type(payload).__name__}")
     header = wire.parse_header(payload, name)
@@ -178,18 +188,21 @@ def _decode(payload: torch.Tensor, out: torch.Tensor, accumulate: bool, name: st
         raise ValueError(f"{name}: payload is on {payload.device}, out on {out.device}")
     if not payload.is_contiguous() or payload.data_ptr() % PAYLOAD_ALIGN:
         payload = payload.clone()            # e.g. a slice of a gathered buffer: realign once
-    _backend(out.device).decode(payload, header, out, accumulate, name)
+    _backend(out.device).decode(payload, header, out, accumulate, name, divisor)
 
 
-def decode_add(payload: torch.Tensor, out: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
-    """``out += decode(payload)`` in place (elementwise float32 add); returns ``out``.
+def decode_add(payload: torch.Tensor, out: torch.Tensor, *, name: str = "tensor", divisor: float = 1.0) -> torch.Tensor:
+    """``out += decode(payload)`` in place (elementwise float32 add), then ``out /= divisor`` in the same pass
+    unless ``divisor`` is 1 (bitwise the add followed by ``out.div_(divisor)`` on the CPU); returns ``out``.
 
     ``out``: 1-D contiguous float32 with the payload's element count. An invalid payload (truncated or extra
     bytes, unknown version or kind, wrong element count, insane fields, top-k indices out of range) raises
     :class:`safebits_hvd.wire.WireFormatError` naming ``name``; nothing is added then.
     """
     _check("out", out)
-    _decode(payload, out, True, name)
+    if isinstance(divisor, bool) or not isinstance(divisor, int | float) or not 0 < divisor < math.inf:
+        raise ValueError(f"divisor must be a finite number > 0, got {divisor!r}")
+    _decode(payload, out, True, name, float(divisor))
     return out
 
 

@@ -90,9 +90,9 @@ def load() -> ctypes.CDLL:
             p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
             lib.sb_quantize_ef.argtypes = [p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
             lib.sb_quantize_ef.restype = i32
-            lib.sb_quantize_pack_ef.argtypes = [p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
+            lib.sb_quantize_pack_ef.argtypes = [p, p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
             lib.sb_quantize_pack_ef.restype = i32
-            lib.sb_decode.argtypes = [p, p, i64, i64, i32, i32, i32, i32, i32, i32]
+            lib.sb_decode.argtypes = [p, p, i64, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
             lib.sb_decode.restype = i32
             lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, p, u32, p, i32]
             lib.sb_screen.restype = i32
@@ -167,7 +167,7 @@ def _menu_args(menu: Menu) -> tuple[torch.Tensor, ...]:
 def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
                 key: int) -> torch.Tensor:
     lib = load()
-    stats = torch.zeros(4, dtype=torch.float64)
+    stats = torch.empty(4, dtype=torch.float64)           # the C code zeroes it
     rc = lib.sb_quantize_ef(_ptr(g), e.data_ptr(), out.data_ptr(), e.numel(), action.bucket_size,
                             *_action_args(action), key & 0xFFFFFFFF, stats.data_ptr(),
                             torch.get_num_threads())
@@ -177,11 +177,12 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
 
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
-                     key: int) -> torch.Tensor:
-    """``pack.c``'s fused packing pass into ``payload`` (header already written); returns the statistics."""
+                     key: int, sent: torch.Tensor | None) -> torch.Tensor:
+    """``pack.c``'s fused packing pass into ``payload`` (header already written), and ``q`` into ``sent`` unless
+    None; returns the statistics."""
     lib = load()
-    stats = torch.zeros(4, dtype=torch.float64)
-    rc = lib.sb_quantize_pack_ef(_ptr(g), e.data_ptr(), payload.data_ptr() + HEADER_BYTES, e.numel(),
+    stats = torch.empty(4, dtype=torch.float64)           # the C code zeroes it
+    rc = lib.sb_quantize_pack_ef(_ptr(g), e.data_ptr(), payload.data_ptr() + HEADER_BYTES, _ptr(sent), e.numel(),
                                  action.bucket_size, *_action_args(action), key & 0xFFFFFFFF, stats.data_ptr(),
                                  torch.get_num_threads())
     if rc != 0:
@@ -189,11 +190,13 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
     return stats
 
 
-def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str) -> None:
-    """``pack.c``'s decoder: ``out = decode`` or ``out += decode`` of a payload whose header was validated."""
+def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str,
+           divisor: float = 1.0) -> None:
+    """``pack.c``'s decoder: ``out = decode``, or ``out = (out + decode) / divisor``, of a payload whose header was
+    validated."""
     lib = load()
     rc = lib.sb_decode(payload.data_ptr() + HEADER_BYTES, out.data_ptr(), header.n, header.bucket_size,
-                       int(header.kind), header.levels, header.topk, int(header.trits), int(accumulate),
+                       int(header.kind), header.levels, header.topk, int(header.trits), int(accumulate), divisor,
                        torch.get_num_threads())
     if rc == -1:
         raise MemoryError("sb_decode: out of memory")
@@ -205,7 +208,7 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
            buckets: torch.Tensor | None = None) -> torch.Tensor:
     lib = load()
     arrays = _menu_args(menu)
-    stats = torch.zeros((len(menu), 4), dtype=torch.float64)
+    stats = torch.empty((len(menu), 4), dtype=torch.float64)    # the C code zeroes it
     nsel = 0 if buckets is None else buckets.numel()
     rc = lib.sb_screen(_ptr(g), e.data_ptr(), e.numel(), menu.bucket_size, _ptr(buckets), nsel, len(menu),
                        *(a.data_ptr() for a in arrays), key & 0xFFFFFFFF, stats.data_ptr(),

@@ -99,8 +99,9 @@ def _action_args(action: Action) -> tuple:
 
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
-                     key: int) -> torch.Tensor:
-    """The fused packing pass into ``payload`` (header written, 16-byte aligned); returns the statistics."""
+                     key: int, sent: torch.Tensor | None) -> torch.Tensor:
+    """The fused packing pass into ``payload`` (header written, 16-byte aligned), and ``q`` into ``sent`` unless
+    None; returns the statistics."""
     import numpy as np
 
     n = e.numel()
@@ -109,14 +110,17 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
     payload[HEADER_BYTES:].zero_()              # the kernel ORs / adds the packed codes into zeroed words
     nb = -(-n // action.bucket_size)
     part = torch.empty((nb, 4), dtype=torch.float64, device=e.device)
-    args = (_cp(g if g is not None else e), _cp(e), _cp(payload), np.int32(g is not None), np.int64(n),
+    args = (_cp(g if g is not None else e), _cp(e), _cp(payload), _cp(sent if sent is not None else e),
+            np.int32(g is not None), np.int32(sent is not None), np.int64(n),
             np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _cp(part))
     _launch("sb_quantize_pack_ef_kernel", nb, args, e.device)
     return part.sum(dim=0)
 
 
-def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str) -> None:
-    """``out = decode`` or ``out += decode`` of a payload whose header was validated (16-byte aligned)."""
+def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str,
+           divisor: float = 1.0) -> None:
+    """``out = decode``, or ``out = (out + decode) / divisor``, of a payload whose header was validated (16-byte
+    aligned)."""
     import numpy as np
 
     n = header.n
@@ -133,7 +137,8 @@ def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate:
             raise WireFormatError(f"{name}: top-k bucket {first_bad} has local indices out of range or not "
                                   "ascending")
     args = (_cp(payload), _cp(out), np.int64(n), np.int32(header.bucket_size), np.int32(header.kind),
-            np.int32(header.levels), np.int32(header.topk), np.int32(header.trits), np.int32(accumulate))
+            np.int32(header.levels), np.int32(header.topk), np.int32(header.trits), np.int32(accumulate),
+            np.float32(divisor))
     _launch("sb_decode_kernel", nb, args, out.device)
 
 

@@ -295,9 +295,9 @@ __device__ int sb_block_exclusive_scan(int flag, int *sh, int *total) {
 }
 
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
-sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int has_g, long long n, int bucket,
-                           int kind, int levels, int stochastic, int topk, int trits, unsigned int key,
-                           double *part) {
+sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, float *sent, int has_g,
+                           int has_sent, long long n, int bucket, int kind, int levels, int stochastic, int topk,
+                           int trits, unsigned int key, double *part) {
     __shared__ sb_block_params P;
     __shared__ unsigned sh_u;
     __shared__ double sh_lane[SB_SUM_LANES];
@@ -387,6 +387,7 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, int
         }
         if (live) {
             e[j] = v - q;
+            if (has_sent) sent[j] = q; /* may be g: this thread read g[j] above */
             double qd = (double)q, vd = (double)v, d = qd - vd;
             a0 += d * d;
             a1 += qd * vd;
@@ -418,10 +419,10 @@ extern "C" __global__ void sb_check_topk_kernel(const unsigned char *payload, lo
     }
 }
 
-/* out = decode(payload) (accumulate == 0) or out += decode(payload), one block per bucket. */
+/* out = decode(payload) (accumulate == 0) or out = (out + decode(payload)) / divisor, one block per bucket. */
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
 sb_decode_kernel(const unsigned char *payload, float *out, long long n, int bucket, int kind, int levels, int topk,
-                 int trits, int accumulate) {
+                 int trits, int accumulate, float divisor) {
     long long b = blockIdx.x;
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
@@ -476,6 +477,6 @@ sb_decode_kernel(const unsigned char *payload, float *out, long long n, int buck
         default:
             break;
         }
-        out[j] = accumulate ? out[j] + x : x;
+        out[j] = !accumulate ? x : divisor != 1.0f ? __fdiv_rn(out[j] + x, divisor) : out[j] + x;
     }
 }

@@ -147,10 +147,12 @@ static sb_layout sb_body_layout(const sb_action *act, sb_i64 n, sb_i64 bucket) {
 }
 
 /* The fused packing pass: v = g + e (e when g is NULL); q = Q(v); the wire codes of q go to `body`; e = v - q;
- * stats = [sum (q-v)^2, sum q v, sum q^2, sum v^2] summed exactly as sb_quantize_ef does (bitwise equal).
- * Returns 0, or -1 when out of memory. */
-int sb_quantize_pack_ef(const float *g, float *e, unsigned char *body, sb_i64 n, sb_i64 bucket, int kind,
-                        int levels, int stochastic, int topk, int trits, sb_u32 key, double *stats, int nthreads) {
+ * q itself to `sent` unless it is NULL (what decoding the body gives, bitwise; `sent` may be `g`: each bucket is
+ * read before it is written); stats = [sum (q-v)^2, sum q v, sum q^2, sum v^2] summed exactly as sb_quantize_ef
+ * does (bitwise equal). Returns 0, or -1 when out of memory. */
+int sb_quantize_pack_ef(const float *g, float *e, unsigned char *body, float *sent, sb_i64 n, sb_i64 bucket,
+                        int kind, int levels, int stochastic, int topk, int trits, sb_u32 key, double *stats,
+                        int nthreads) {
     sb_action act = {kind, levels, stochastic, topk, trits};
     sb_layout L = sb_body_layout(&act, n, bucket);
     sb_i64 ngroups = (L.nb + L.group - 1) / L.group;
@@ -212,6 +214,7 @@ int sb_quantize_pack_ef(const float *g, float *e, unsigned char *body, sb_i64 n,
                     break;
                 }
                 sb_bucket_stats(qb, vb, e + j0, len, part + 4 * b);
+                if (sent) memcpy(sent + j0, qb, (size_t)len * sizeof(float));
             }
             sb_bitw_flush(&bw);
             sb_tritw_flush(&tw);
@@ -326,11 +329,12 @@ static sb_i64 sb_check_topk(const unsigned char *codes, const sb_layout *L, sb_i
     return -1;
 }
 
-/* out = decode(body) (accumulate == 0) or out += decode(body) (elementwise float32 add). The header fields were
+/* out = decode(body) (accumulate == 0) or out = (out + decode(body)) / divisor (float32 add, then the division
+ * unless divisor is 1: the average over ranks in the same pass as the last rank's payload). The header fields were
  * validated in Python. Returns 0, -1 when out of memory, or -2 - b when bucket b of a TOPK payload has indices
  * that are out of range or not ascending (nothing is written then). */
 int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, int kind, int levels, int topk,
-              int trits, int accumulate, int nthreads) {
+              int trits, int accumulate, float divisor, int nthreads) {
     sb_action act = {kind, levels, 0, topk, trits};
     sb_layout L = sb_body_layout(&act, n, bucket);
     int fail = 0;
@@ -425,7 +429,9 @@ int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, in
                 break;
             }
             float *o = out + j0;
-            if (accumulate)
+            if (accumulate && divisor != 1.0f)
+                for (i = 0; i < len; i++) o[i] = (o[i] + x[i]) / divisor;
+            else if (accumulate)
                 for (i = 0; i < len; i++) o[i] += x[i];
             else
                 memcpy(o, x, (size_t)len * sizeof(float));

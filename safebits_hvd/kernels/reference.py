@@ -263,7 +263,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
-                     key: int) -> torch.Tensor:
+                     key: int, sent: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of :func:`safebits_hvd.kernels.quantize_pack_ef` (the header is already in ``payload``)."""
     n = e.numel()
     if n == 0:
@@ -318,11 +318,15 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
     payload[HEADER_BYTES:].copy_(body)
     qf = q.reshape(-1)[:n]
     e.copy_(v - qf)
+    if sent is not None:
+        sent.copy_(qf)
     return _stats(torch.where(valid, q, torch.zeros((), device=q.device)), vp)
 
 
-def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str) -> None:
-    """Reference of the decoder: ``out = decode`` or ``out += decode`` of a payload whose header was validated."""
+def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str,
+           divisor: float = 1.0) -> None:
+    """Reference of the decoder: ``out = decode``, or ``out = (out + decode) / divisor``, of a payload whose header
+    was validated."""
     n, bsize = header.n, header.bucket_size
     if n == 0:
         return
@@ -380,5 +384,7 @@ def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate:
         raise WireFormatError(f"{name}: unknown action kind {header.kind}")
     if accumulate:
         out.add_(x)
+        if divisor != 1.0:
+            out.div_(divisor)
     else:
         out.copy_(x)
