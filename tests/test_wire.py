@@ -34,13 +34,13 @@ def _ids(a: A.Action) -> str:
     return f"{a.name}-B{a.bucket_size}"
 
 
-def _reference_pack(g, e, action):
-    """The reference payload (same header) and its statistics; ``e`` is updated."""
+def _reference_pack(g, e, action, sent=None):
+    """The reference payload (same header) and its statistics; ``e`` (and ``sent``, when given) are updated."""
     n = e.numel()
     payload = torch.zeros(wire.payload_nbytes(action, n), dtype=torch.uint8)
     payload[:wire.HEADER_BYTES] = torch.frombuffer(bytearray(wire.pack_header(wire.header_of(action, n))),
                                                    dtype=torch.uint8)
-    return payload, R.quantize_pack_ef(g, e, payload, action, KEY)
+    return payload, R.quantize_pack_ef(g, e, payload, action, KEY, sent)
 
 
 def _reference_decode(payload: torch.Tensor) -> torch.Tensor:
@@ -203,9 +203,7 @@ def test_sent_holds_the_decoded_payload(action):
         assert torch.equal(stats_sent, stats)
         if n <= 5000:
             ref_sent = torch.full((n,), 7.0)
-            header_payload = torch.zeros(wire.payload_nbytes(action, n), dtype=torch.uint8)
-            header_payload[:wire.HEADER_BYTES] = payload[:wire.HEADER_BYTES]
-            R.quantize_pack_ef(g, e.clone(), header_payload, action, KEY, ref_sent)
+            _reference_pack(g, e.clone(), action, sent=ref_sent)
             assert torch.equal(bits(ref_sent), bits(decoded))
 
 
