@@ -324,7 +324,8 @@ def main() -> None:
     if rank0:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"runs": runs, "collapse_factor": COLLAPSE_FACTOR,
-                       "corpus_files": [os.path.basename(p) for p in corpus_files()],
+                       "corpus_files": [os.path.basename(p) for p in (tasks["bytes_lm"].corpus_files
+                                                                       if "bytes_lm" in tasks else corpus_files())],
                        **({"large_corpus_files": [os.path.basename(p) for p in tasks["bytes_lm_large"].corpus_files]}
                           if "bytes_lm_large" in tasks else {})}, f)
 
