@@ -149,10 +149,10 @@ static inline __attribute__((always_inline)) float sb_lm_candidate(const float *
     if (out) {
         for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
             for (l = 0; l < SB_SUM_LANES; l++) {
-                float x = v[i + l], c = sb_lm_code(x, scale, levels);
-                float d = sb_lm_value(c, 0u, scale, levels) - sb_u2f(sb_f2u(x) & 0x7fffffffu);
+                float x = v[i + l], c = sb_lm_code(x, scale, levels), mag = sb_lm_magnitude(x, scale, levels);
+                float d = mag * scale - sb_u2f(sb_f2u(x) & 0x7fffffffu);
                 lane[l] += d * d; /* sb_lm_err2(x, scale, levels) */
-                out[i + l] = sb_lm_value(c, sb_quant_sign(x, c, trits), scale, levels);
+                out[i + l] = sb_lm_signed(mag, sb_quant_sign(x, c, trits), scale); /* sb_lm(x, ...) */
             }
         for (l = 0; i + l < len; l++) {
             lane[l] += sb_lm_err2(v[i + l], scale, levels);
@@ -194,7 +194,7 @@ static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *r
         for (i = 0; i < len; i++) {
             float c = sb_lm_code(v[i], scale, levels);
             sb_u32 neg = sb_quant_sign(v[i], c, trits);
-            q[i] = sb_lm_value(c, neg, scale, levels);
+            q[i] = sb_lm_signed(sb_lm_magnitude(v[i], scale, levels), neg, scale); /* sb_lm_value(c, neg, ...) */
             word[i] = sb_quant_word(c, neg, cb, trits);
         }
     }

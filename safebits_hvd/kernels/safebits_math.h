@@ -205,24 +205,41 @@ SB_HD float sb_lm_code(float v, float scale, int levels) {
     return c;
 }
 
-/* LLOYD_MAX value of (c, sign): level[c] * scale carrying the sign bit (a select chain, not an indexed read). */
+/* level[sb_lm_code(v, scale, levels)] without the code: one compare-and-select per threshold. The thresholds
+ * ascend, so the last one r reaches picks the same level as the count of those reached (a NaN r reaches none:
+ * level[0], as code 0). Its compares are sb_lm_code's, which the compiler shares when both are inlined together:
+ * the encoder needs no select chain over the code. */
+SB_HD float sb_lm_magnitude(float v, float scale, int levels) {
+    float r = sb_u2f(sb_f2u(v) & 0x7fffffffu) * (1.0f / scale);
+    int first = SB_LM_FIRST(levels), m = sb_lm_magnitudes(levels);
+    float x = sb_lm_level[first];
+    for (int k = 1; k < m; k++) x = r >= sb_lm_threshold[first + k] ? sb_lm_level[first + k] : x;
+    return x;
+}
+
+/* A magnitude level (sb_lm_level[]) times scale, carrying the sign bit `neg`. */
+SB_HD float sb_lm_signed(float level, sb_u32 neg, float scale) { return sb_u2f(sb_f2u(level * scale) | neg); }
+
+/* LLOYD_MAX value of (c, sign), the decoder's side: level[c] * scale carrying the sign bit (a select chain, not an
+ * indexed read). */
 SB_HD float sb_lm_value(float c, sb_u32 neg, float scale, int levels) {
     int first = SB_LM_FIRST(levels), m = sb_lm_magnitudes(levels);
     float x = sb_lm_level[first];
     for (int k = 1; k < m; k++) x = c >= (float)k ? sb_lm_level[first + k] : x;
-    return sb_u2f(sb_f2u(x * scale) | neg);
+    return sb_lm_signed(x, neg, scale);
 }
 
-/* q = Q(v) for a LLOYD_MAX element (sb_lm_value of sb_lm_code). */
+/* q = Q(v) for a LLOYD_MAX element: sb_lm_value(c, sign) with c = sb_lm_code(v), the level taken from the same
+ * compares (sb_lm_magnitude). */
 SB_HD float sb_lm(float v, float scale, int levels, int trits) {
     float c = sb_lm_code(v, scale, levels);
-    return sb_lm_value(c, sb_quant_sign(v, c, trits), scale, levels);
+    return sb_lm_signed(sb_lm_magnitude(v, scale, levels), sb_quant_sign(v, c, trits), scale);
 }
 
 /* (level[c] * scale - |v|)^2 in float32, = (q - v)^2 up to rounding: what the scale choice sums (in float32 lanes:
  * the choice only has to be the same everywhere, and float32 halves its cost). */
 SB_HD float sb_lm_err2(float v, float scale, int levels) {
-    float d = sb_lm_value(sb_lm_code(v, scale, levels), 0u, scale, levels) - sb_u2f(sb_f2u(v) & 0x7fffffffu);
+    float d = sb_lm_magnitude(v, scale, levels) * scale - sb_u2f(sb_f2u(v) & 0x7fffffffu);
     return d * d;
 }
 
