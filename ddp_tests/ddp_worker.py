@@ -80,6 +80,11 @@ class RecordingTransport(TorchDistributedTransport):
         super().__init__()
         self.payloads: dict[str, torch.Tensor] = {}
         self.alltoall_buffers: list[torch.Tensor] = []
+        self.launches = 0                   # flushes that launched allgathers of payloads
+
+    def flush(self, expected_bytes: int | None = None) -> None:
+        self.launches += expected_bytes is not None
+        super().flush(expected_bytes)
 
     def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
         self.payloads[name] = payload.clone()
@@ -133,6 +138,7 @@ class Scenario:
     max_distortion: float = 0.5
     min_cosine: float = 0.8
     expect_escalation: bool = False      # escalated payloads outgrow the bucket's allocated size (a second hop)
+    chunk_bytes: int | None = None       # SafeBitsState(chunk_bytes=): several allgathers per bucket
 
 
 Hook = Callable[[sbddp.SafeBitsState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -153,7 +159,7 @@ def build(sc: Scenario, hook: Hook = sbddp.safebits_hook, tag: str = "", **state
     named = ddp_model.named_parameters() if sc.wrapped_names else model.named_parameters()
     kwargs = {"budget_bits": sc.budget_bits, "collective": sc.collective, "name": f"safebits.{sc.name}{tag}",
               "transport": transport, "max_distortion": sc.max_distortion, "min_cosine": sc.min_cosine,
-              **state_kwargs}
+              **({} if sc.chunk_bytes is None else {"chunk_bytes": sc.chunk_bytes}), **state_kwargs}
     state = sbddp.SafeBitsState(named, **kwargs)
     ddp_model.register_comm_hook(state, hook)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=sc.lr, momentum=0.5)
@@ -192,6 +198,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
 
     def recording_hook(hook_state: sbddp.SafeBitsState,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        current["buckets"] += 1
         for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
             name = by_id[id(p)]
             if current["step"] == sc.nonfinite_step and name.endswith("fc2.weight") and rank == nan_rank:
@@ -230,6 +237,8 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         reduced.clear()
         transport.payloads.clear()
         transport.alltoall_buffers.clear()
+        transport.launches = 0
+        current["buckets"] = 0
         opt.zero_grad()
         use_aux = not sc.unused_param or step % 2 == 0
         for micro in range(sc.accumulate):
@@ -248,6 +257,11 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         escalations += len(record.escalations)
         check(record.wire_bytes > 0 if ranks > 1 else record.wire_bytes == 0,
               f"step {step}: wire_bytes {record.wire_bytes}")
+        if record.collective == "allgather":
+            # One launch per bucket at least; with a small chunk_bytes, a bucket's payloads in several.
+            buckets = current["buckets"]
+            check(transport.launches > buckets if sc.chunk_bytes is not None else transport.launches >= buckets,
+                  f"step {step}: {transport.launches} allgather launches for {buckets} buckets")
 
         # The reduced gradient: the mean, in rank order, of every rank's decoded payload.
         sent = decoded_sends(state, transport, record.collective, numels) if record.collective != "dense" else {}
@@ -442,6 +456,9 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
         Scenario("find_unused", find_unused_parameters=True, unused_param=True),
         Scenario("static_graph", static_graph=True),
         Scenario("one_bucket", bucket_cap_mb=25),
+        Scenario("chunks", bucket_cap_mb=25, chunk_bytes=64, collective="allgather"),
+        Scenario("chunk_escalations", chunk_bytes=200, collective="allgather", budget_bits=1.0, max_distortion=0.05,
+                 min_cosine=0.97, expect_escalation=True),
         Scenario("bucket_view", gradient_as_bucket_view=True, wrapped_names=True),
         Scenario("frozen", frozen=True),
         Scenario("nonfinite", nonfinite_step=2),
@@ -454,7 +471,8 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
         Scenario("unregistered"), "does not know", named=lambda m: [(n, p) for n, p in m.named_parameters()
                                                                     if n.startswith("fc1")])
     table["inconsistent"] = lambda: expect_error(Scenario("inconsistent"), "disagree", budget_bits=2.0)
-    table["inconsistent_menu"] = lambda: expect_error(Scenario("inconsistent_menu"), "different lengths",
+    table["inconsistent_chunks"] = lambda: expect_error(Scenario("inconsistent_chunks"), "disagree", chunk_bytes=64)
+    table["inconsistent_menu"] = lambda: expect_error(Scenario("inconsistent_menu"), "disagree",
                                                       menu=["fp32", "fp16", "int8"])
     return table
 

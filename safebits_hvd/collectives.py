@@ -234,9 +234,10 @@ class TorchDistributedTransport:
     front end (:mod:`.ddp`); Gloo on CPU, NCCL on GPU.
 
     ``start_allgather`` and ``start_alltoall`` only queue (they never block); :meth:`flush` launches everything
-    queued, in order, and consecutive allgathers as ONE collective: the DDP hook flushes once per bucket, so a
-    bucket's payloads travel together. torch's collectives need every rank's sizes up front: the DDP hook passes
-    the bytes the bucket's allocated actions take (identical on every rank), so nothing waits at launch and only
+    queued, in order, and consecutive allgathers as ONE collective: the DDP hook flushes after every
+    ``chunk_bytes`` of a bucket's payloads and at the bucket's end, so they travel in a few collectives. torch's
+    collectives need every rank's sizes up front: the DDP hook passes the bytes the queued payloads' allocated
+    actions take (identical on every rank), so nothing waits at launch and only
     an escalated rest moves in a second collective when the step closes (:class:`_QueuedAllgather`); otherwise
     each launch is preceded by one small blocking all_gather of the sizes. Every rank flushes and waits at the
     same points (the same bucket sequence), so none can deadlock. ``wait`` flushes first if its collective is

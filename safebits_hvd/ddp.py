@@ -9,8 +9,9 @@ one step under DDP").
 
 DDP calls the hook once per gradient bucket, in bucket order, identically on every rank. Each tensor of the bucket
 goes through the core on its own (its own action, screen and residual); the packed payloads of the bucket travel
-in one ``torch.distributed`` collective (:class:`~.collectives.TorchDistributedTransport`), started before the
-hook returns, so it overlaps the rest of backward. The hook of the last bucket (``bucket.is_last()``) closes the
+in ``torch.distributed`` collectives (:class:`~.collectives.TorchDistributedTransport`), one per
+:data:`CHUNK_BYTES` of payload, each started as soon as its tensors are packed, so they overlap the packing of the
+rest of the bucket and the rest of backward. The hook of the last bucket (``bucket.is_last()``) closes the
 step: the core has then started the statistics exchange (one asynchronous ``all_reduce(MAX)``,
 :class:`~.exchange.TorchDistributedExchange`); it waits for every bucket's collective, decodes the payloads in rank
 order into each bucket's buffer (the mean over ranks, bitwise the same on every rank), finishes the step (record,
@@ -30,6 +31,11 @@ from .collectives import LocalTransport, PayloadTransport, TorchDistributedTrans
 from .compressor import CoreRecords, build_core, check_transports
 from .errors import SafeBitsConsistencyError
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
+
+CHUNK_BYTES = 1 << 18
+"""Payload bytes (at the allocated actions) after which a bucket's payloads start their allgather, before the rest
+of the bucket is packed: the last bucket's bytes, which nothing else overlaps, then travel while its later tensors
+are still being packed (docs/RESULTS.md 3.7)."""
 
 
 class _Piece(NamedTuple):
@@ -63,6 +69,8 @@ class SafeBitsState(CoreRecords):
         nonfinite, screen, name, max_history, collective, timeout: as :class:`~safebits_hvd.SafeBits`. With
         ``collective="auto"`` two ranks use ``"allgather"`` and more use ``"two_phase"`` (an ``all_to_all``, which
         Gloo and NCCL both have); ``"dense"`` all-reduces the dequantized float32 values.
+        chunk_bytes: on the allgather path, the payload bytes (at the allocated actions) after which a bucket's
+            payloads start their collective while the rest of the bucket is still being packed (:data:`CHUNK_BYTES`).
         exchange, transport: the statistics and payload transports; default None: ``torch.distributed`` on
             ``process_group`` when it has several ranks, else local.
     """
@@ -73,14 +81,17 @@ class SafeBitsState(CoreRecords):
                  log_path: str | os.PathLike[str] | None = None, *, process_group: Any = None,
                  sample_buckets: int = 16, consistency_check_every: int = 1, nonfinite: str = "propagate",
                  screen: bool = True, name: str = "safebits", max_history: int = 1000, collective: str = "auto",
-                 timeout: float | None = DEFAULT_TIMEOUT, exchange: StatisticsExchange | None = None,
-                 transport: PayloadTransport | None = None) -> None:
+                 timeout: float | None = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
+                 exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("SafeBitsState needs torch.distributed initialized (dist.init_process_group) first")
         if dist.get_rank(process_group) < 0:
             raise ValueError(f"rank {dist.get_rank()} is not in the process group SafeBitsState was given; build "
                              f"it only on the ranks of its DDP model's group")
         check_transports(exchange, transport)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        self.chunk_bytes = chunk_bytes
         self.process_group = process_group
         several = dist.get_world_size(process_group) > 1
         params, core = build_core(
@@ -91,7 +102,7 @@ class SafeBitsState(CoreRecords):
                 lambda t: TorchDistributedExchange(process_group, t) if several else LocalExchange()),
             transport=transport if transport is not None else (
                 lambda t: TorchDistributedTransport(process_group, t) if several else LocalTransport()),
-            fusion_elements=0)       # a bucket's payloads already travel as one collective (the transport's flush)
+            fusion_elements=0)       # the hook batches a bucket's payloads itself (CHUNK_BYTES, the transport's flush)
         self.core = core
         self.names = core.names
         self.timeout = timeout
@@ -129,51 +140,66 @@ class SafeBitsState(CoreRecords):
         step = core.step
         collective = ""
         in_place = buffer.dtype == torch.float32      # decode straight into DDP's buffer
-        for index, grad in zip(indices, grads, strict=True):
+        queued = 0          # allgather: bytes queued since the last launch, at their allocated actions
+        for position, (index, grad) in enumerate(zip(indices, grads, strict=True)):
             n = grad.numel()
             target = buffer[offset:offset + n] if in_place else None
             sent = core.send(index, grad, into=target)
             step, collective = sent.step, sent.collective
+            if began and position == 0 and collective == "allgather":
+                self._check_allocation(step)        # the step's first collective, on every rank alike
             if collective == "dense":
                 # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
                 buffer[offset:offset + n].copy_(sent.wire)
             pieces.append(_Piece(index, offset, offset + n, target))
             offset += n
+            if collective == "allgather":
+                queued += core.allocated_payload_bytes(index)
+                if queued >= self.chunk_bytes:
+                    self._launch(queued)
+                    queued = 0
         work = None
-        transport = core.transport
         if collective == "dense" and self.world_size > 1:
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-        elif isinstance(transport, TorchDistributedTransport):
-            expected = None
-            if collective == "allgather":
-                # The bucket's payloads at their allocated actions: the same size on every rank, so the collective
-                # starts without a size exchange (only an escalated rest waits for the step's close).
-                expected = sum(core.allocated_payload_bytes(p.index) for p in pieces)
-                if began:
-                    self._check_allocation(transport, step)
-            transport.flush(expected)
+        elif collective == "allgather":
+            if queued:
+                self._launch(queued)
+        elif isinstance(core.transport, TorchDistributedTransport):
+            core.transport.flush()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._pending.append(_PendingBucket(future, buffer, pieces, work))
         if bucket.is_last():
             self._close_step(step, collective)
         return future
 
-    def _check_allocation(self, transport: TorchDistributedTransport, step: int) -> None:
-        """The first bucket of a step: every rank must have allocated alike (else the buckets' sizes differ and the
-        collective would fail inside Gloo or NCCL): one small blocking all_gather of the allocation digest, the
-        tensor count and the step's payload bytes at the allocated actions, so a mismatch raises
-        :class:`~.errors.SafeBitsConsistencyError` on every rank before any payload moves."""
+    def _launch(self, expected: int) -> None:
+        """Start the allgather of the payloads queued since the last launch, which total ``expected`` bytes at
+        their allocated actions on every rank, so nothing waits for a size exchange (only an escalated rest waits
+        for the step's close)."""
+        transport = self.core.transport
+        if isinstance(transport, TorchDistributedTransport):      # else one rank: nothing moves
+            transport.flush(expected)
+
+    def _check_allocation(self, step: int) -> None:
+        """After the step's first send, before any of its payloads moves: every rank must have allocated alike and
+        cut its buckets into the same chunks (else the collectives' sizes or counts differ and would fail inside
+        Gloo or NCCL, or hang): one small blocking all_gather of the allocation digest, the tensor count, the
+        step's payload bytes at the allocated actions and ``chunk_bytes``, so a mismatch raises
+        :class:`~.errors.SafeBitsConsistencyError` on every rank."""
         core = self.core
+        transport = core.transport
+        if not isinstance(transport, TorchDistributedTransport):
+            return              # one rank, or a custom transport: nothing to compare
         digest = int(core.allocation_digest, 16)
         total = sum(core.allocated_payload_bytes(i) for i in range(len(core.names)))
-        words = torch.tensor([*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total],
-                             dtype=torch.int64, device=transport.device)
+        words = torch.tensor([*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total,
+                              self.chunk_bytes], dtype=torch.int64, device=transport.device)
         everyone = transport.gather_now(words, f"the allocation digest of step {step}")
         if not bool((everyone == everyone[0]).all()):
             raise SafeBitsConsistencyError(
                 f"ranks disagree on the allocation of step {step} (this rank's digest "
-                f"{self.core.allocation_digest}); every rank must build SafeBitsState with the same parameters, "
-                f"menu, budget and thresholds")
+                f"{self.core.allocation_digest}, chunk_bytes {self.chunk_bytes}); every rank must build "
+                f"SafeBitsState with the same parameters, menu, budget, thresholds and chunk_bytes")
 
     def _close_step(self, step: int, collective: str) -> None:
         """The last bucket: every bucket's mean into its buffer, the step finished, every future completed."""
