@@ -1,0 +1,102 @@
+"""Which tensors keep a tight budget infeasible: the cost of what each tensor sent on the steps where no admitted
+configuration fitted the budget (issue 13; docs/RESULTS.md section 6.10).
+
+Trains one demo task (``bench/demo_worker.py``'s model, data, optimizer and learning rate) with SafeBits at
+``--budget`` bits per parameter and the default thresholds, through ``hvd.DistributedOptimizer``: in one process,
+or under ``horovodrun -np P`` as the demo runs it (there the screen's statistics are the MAX over ranks, so an
+action is admitted only where every rank admits it). On an infeasible step the allocator falls back to each
+tensor's cheapest admitted action, so the bits a tensor sent there are its floor under the screen. Rank 0 prints,
+per tensor: its size, the mean bits per element it sent on infeasible steps, its share of the budget there, and
+the actions it sent over the run.
+
+``--extra-topk F ...`` adds top-k actions keeping fraction ``F`` of each bucket to the default menu (for instance
+``0.05``: a cost between ``ternary_mse`` and ``topk10``), to see whether the gap in the menu is what sets the floor.
+
+Usage::
+
+    .venv/bin/python bench/budget_floor.py --task digits_cnn --budget 2 --steps 250
+    horovodrun -np 2 --gloo .venv/bin/python bench/budget_floor.py --task bytes_lm --budget 2 --extra-topk 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import sys
+
+import horovod.torch as hvd
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from demo_worker import LM_SHAPES, Task
+
+from safebits_hvd import DEFAULT_MENU, SafeBits, make_menu
+from safebits_hvd.actions import topk
+
+LEARNING_RATES = {"digits_cnn": 0.1, **{name: shape[2] for name, shape in LM_SHAPES.items()}}   # as the demo's
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=sorted(LEARNING_RATES), default="digits_cnn")
+    parser.add_argument("--budget", type=float, default=2.0, help="bits per parameter")
+    parser.add_argument("--steps", type=int, default=None, help="default: the demo's (250 CNN, 160 LM)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--extra-topk", type=float, nargs="*", default=[], help="top-k fractions added to the menu")
+    args = parser.parse_args()
+    steps = args.steps if args.steps is not None else (250 if args.task == "digits_cnn" else 160)
+    if steps < 1 or not args.budget > 0 or not all(0.0 < f <= 1.0 for f in args.extra_topk):
+        parser.error("--steps must be >= 1, --budget > 0 and every --extra-topk fraction in (0, 1]")
+
+    torch.set_num_threads(1)
+    logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # the violations are counted here
+    hvd.init()
+    metric = "val_accuracy" if args.task == "digits_cnn" else "val_bits_per_byte"
+    task = Task(args.task, metric, steps=steps, lr=LEARNING_RATES[args.task])
+    torch.manual_seed(args.seed)
+    model = task.model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    menu = make_menu([*DEFAULT_MENU, *(topk(fraction) for fraction in args.extra_topk)])
+    compression = SafeBits(model.named_parameters(), budget_bits=args.budget, menu=menu, seed=args.seed,
+                           nonfinite="skip", name="safebits.budget_floor")
+    optimizer = hvd.DistributedOptimizer(task.optimizer(model), named_parameters=model.named_parameters(),
+                                         compression=compression)
+    numels = {name: p.numel() for name, p in model.named_parameters()}
+    total = sum(numels.values())
+    cost = {action.name: action for action in compression.menu}
+    floor_bits: collections.Counter[str] = collections.Counter()
+    sent: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    violations = infeasible = 0
+    gen = torch.Generator().manual_seed(args.seed * 7919 + hvd.rank())
+    for _ in range(steps):
+        optimizer.zero_grad()
+        task.batch_loss(model, gen).backward()
+        optimizer.step()
+        record = compression.last_step
+        assert record is not None
+        violations += record.violation
+        for name, action in record.actions.items():
+            sent[name][action] += 1
+            if record.infeasible:
+                floor_bits[name] += cost[action].cost(numels[name])
+        infeasible += record.infeasible
+    loss, value = task.evaluate(model)
+    if hvd.rank() != 0:
+        return
+    print(f"{args.task}, {total:,} parameters, budget {args.budget:g} bits, {hvd.size()} rank(s), {steps} steps, "
+          f"seed {args.seed}, menu {', '.join(a.name for a in compression.menu)}: {violations} steps over budget, "
+          f"{infeasible} infeasible; final validation loss {loss:.4f}, {metric} {value:.4f}\n")
+    print("| tensor | elements | bits per element on infeasible steps | share of the budget there | actions sent |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, n in numels.items():
+        bits = floor_bits[name] / max(infeasible, 1) / n
+        share = bits * n / (args.budget * total)
+        actions = ", ".join(f"{a} {k}" for a, k in sent[name].most_common(3))
+        print(f"| {name} | {n:,} | {bits:.2f} | {share:.3f} | {actions} |")
+
+
+if __name__ == "__main__":
+    main()
