@@ -9,13 +9,15 @@ tensor's cheapest admitted action, so the bits a tensor sent there are its floor
 per tensor: its size, the mean bits per element it sent on infeasible steps, its share of the budget there, and
 the actions it sent over the run.
 
-``--extra-topk F ...`` adds top-k actions keeping fraction ``F`` of each bucket to the default menu (for instance
-``0.05``: a cost between ``ternary_mse`` and ``topk10``), to see whether the gap in the menu is what sets the floor.
+``--extra NAME ...`` adds actions to the default menu, to see whether a gap in the menu is what sets the floor: any
+name of ``safebits_hvd.actions.ACTIONS`` (``int2_mse``: 2.06 bits, between ``ternary_mse`` and ``int3_mse``), or
+``topkP`` for a top-k keeping P percent of each bucket (``topk5``: 1.27 bits, between ``ternary_mse`` and
+``topk10``).
 
 Usage::
 
     .venv/bin/python bench/budget_floor.py --task digits_cnn --budget 2 --steps 250
-    horovodrun -np 2 --gloo .venv/bin/python bench/budget_floor.py --task bytes_lm --budget 2 --extra-topk 0.05
+    horovodrun -np 2 --gloo .venv/bin/python bench/budget_floor.py --task bytes_lm --budget 2 --extra int2_mse topk5
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import collections
 import logging
 import os
+import re
 import sys
 
 import horovod.torch as hvd
@@ -34,9 +37,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from demo_worker import LM_SHAPES, Task
 
 from safebits_hvd import DEFAULT_MENU, SafeBits, make_menu
-from safebits_hvd.actions import topk
+from safebits_hvd.actions import ACTIONS, Action, topk
 
 LEARNING_RATES = {"digits_cnn": 0.1, **{name: shape[2] for name, shape in LM_SHAPES.items()}}   # as the demo's
+
+
+def extra_action(name: str) -> Action:
+    """A built-in action by name, or ``topkP``: top-k keeping P percent of each bucket."""
+    if name in ACTIONS:
+        return ACTIONS[name]
+    match = re.fullmatch(r"topk(\d+(?:\.\d+)?)", name)
+    if match and 0.0 < float(match.group(1)) <= 100.0:
+        return topk(float(match.group(1)) / 100.0)
+    raise argparse.ArgumentTypeError(f"unknown action {name!r}: a name of {sorted(ACTIONS)} or topkP, 0 < P <= 100")
 
 
 def main() -> None:
@@ -45,11 +58,15 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=2.0, help="bits per parameter")
     parser.add_argument("--steps", type=int, default=None, help="default: the demo's (250 CNN, 160 LM)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--extra-topk", type=float, nargs="*", default=[], help="top-k fractions added to the menu")
+    parser.add_argument("--extra", type=extra_action, nargs="*", default=[], metavar="NAME",
+                        help="actions added to the default menu (ACTIONS names, or topkP)")
     args = parser.parse_args()
     steps = args.steps if args.steps is not None else (250 if args.task == "digits_cnn" else 160)
-    if steps < 1 or not args.budget > 0 or not all(0.0 < f <= 1.0 for f in args.extra_topk):
-        parser.error("--steps must be >= 1, --budget > 0 and every --extra-topk fraction in (0, 1]")
+    if steps < 1 or not args.budget > 0:
+        parser.error("--steps must be >= 1 and --budget > 0")
+    already = [a.name for a in args.extra if a.name in DEFAULT_MENU.names]
+    if already:
+        parser.error(f"--extra: {already} already in the default menu {DEFAULT_MENU.names}")
 
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # the violations are counted here
@@ -59,7 +76,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = task.model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    menu = make_menu([*DEFAULT_MENU, *(topk(fraction) for fraction in args.extra_topk)])
+    menu = make_menu([*DEFAULT_MENU, *args.extra])
     compression = SafeBits(model.named_parameters(), budget_bits=args.budget, menu=menu, seed=args.seed,
                            nonfinite="skip", name="safebits.budget_floor")
     optimizer = hvd.DistributedOptimizer(task.optimizer(model), named_parameters=model.named_parameters(),
