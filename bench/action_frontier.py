@@ -76,8 +76,8 @@ def recorded_gradients(steps: int, snapshots: int) -> dict[str, list[tuple[str, 
 
     at = {round(i * (steps - 1) / max(1, snapshots - 1)) for i in range(snapshots)}
     out = {}
-    for name, lr in (("digits_cnn", 0.1), ("bytes_lm", 3e-3)):
-        task = W.Task(name, "", steps, lr=lr)
+    for name in ("digits_cnn", "bytes_lm"):
+        task = W.make_task(name, steps)
         torch.manual_seed(0)
         model = task.model()
         opt = task.optimizer(model)

@@ -34,12 +34,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from demo_worker import LM_SHAPES, Task
+from demo_worker import TASK_NAMES, make_task
 
 from safebits_hvd import DEFAULT_MENU, SafeBits, make_menu
 from safebits_hvd.actions import ACTIONS, Action, topk
-
-LEARNING_RATES = {"digits_cnn": 0.1, **{name: shape[2] for name, shape in LM_SHAPES.items()}}   # as the demo's
 
 
 def extra_action(name: str) -> Action:
@@ -54,7 +52,7 @@ def extra_action(name: str) -> Action:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=sorted(LEARNING_RATES), default="digits_cnn")
+    parser.add_argument("--task", choices=TASK_NAMES, default="digits_cnn")
     parser.add_argument("--budget", type=float, default=2.0, help="bits per parameter")
     parser.add_argument("--steps", type=int, default=None, help="default: the demo's (250 CNN, 160 LM)")
     parser.add_argument("--seed", type=int, default=0)
@@ -71,8 +69,7 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # the violations are counted here
     hvd.init()
-    metric = "val_accuracy" if args.task == "digits_cnn" else "val_bits_per_byte"
-    task = Task(args.task, metric, steps=steps, lr=LEARNING_RATES[args.task])
+    task = make_task(args.task, steps)
     torch.manual_seed(args.seed)
     model = task.model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -105,7 +102,7 @@ def main() -> None:
         return
     print(f"{args.task}, {total:,} parameters, budget {args.budget:g} bits, {hvd.size()} rank(s), {steps} steps, "
           f"seed {args.seed}, menu {', '.join(a.name for a in compression.menu)}: {violations} steps over budget, "
-          f"{infeasible} infeasible; final validation loss {loss:.4f}, {metric} {value:.4f}\n")
+          f"{infeasible} infeasible; final validation loss {loss:.4f}, {task.metric_name} {value:.4f}\n")
     print("| tensor | elements | bits per element on infeasible steps | share of the budget there | actions sent |")
     print("| --- | --- | --- | --- | --- |")
     for name, n in numels.items():

@@ -161,6 +161,19 @@ class Task:
             model.train()
 
 
+TASK_NAMES = ("digits_cnn", *LM_SHAPES)
+CNN_LEARNING_RATE = 0.1     # SGD with momentum 0.9 (the LMs' Adam rates are in LM_SHAPES)
+
+
+def make_task(name: str, steps: int) -> Task:
+    """Task ``name`` (one of :data:`TASK_NAMES`) with the demo's metric and learning rate."""
+    if name == "digits_cnn":
+        return Task(name, "val_accuracy", steps, lr=CNN_LEARNING_RATE)
+    if name in LM_SHAPES:
+        return Task(name, "val_bits_per_byte", steps, lr=LM_SHAPES[name][2])
+    raise ValueError(f"unknown task {name!r}; known: {TASK_NAMES}")
+
+
 def corpus_files(target_bytes: int = LM_SHAPES["bytes_lm"][1]) -> list[str]:
     """CPython standard-library ``.py`` files of this interpreter, in sorted name order, until ``target_bytes``."""
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -297,9 +310,8 @@ def main() -> None:
     hvd.init()
     rank0 = hvd.rank() == 0
     plan = make_plan(args.budgets, args.thresholds, args.compressors)
-    tasks = {"digits_cnn": Task("digits_cnn", "val_accuracy", args.cnn_steps, lr=0.1),
-             **{name: Task(name, "val_bits_per_byte", args.lm_steps, lr=lr)
-                for name, (_, _, lr) in LM_SHAPES.items() if name in args.tasks}}
+    tasks = {name: make_task(name, args.cnn_steps if name == "digits_cnn" else args.lm_steps)
+             for name in TASK_NAMES if name == "digits_cnn" or name in args.tasks}
     runs = []
     for name in LM_SHAPES:
         if rank0 and name in tasks:

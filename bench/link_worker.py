@@ -95,9 +95,9 @@ class Workload:
         self.batch = batch
         self.lm: Any = None
         if name == "bytes_lm":
-            from demo_worker import Task  # the demo's LM, corpus and optimizer
+            from demo_worker import make_task  # the demo's LM, corpus and optimizer
 
-            self.lm = Task("bytes_lm", "val_bits_per_byte", steps=0, lr=3e-3)
+            self.lm = make_task("bytes_lm", steps=0)
             self.lm.batch = batch
         elif name != "resnet18":
             raise ValueError(f"unknown model {name!r}")

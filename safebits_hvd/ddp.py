@@ -35,7 +35,7 @@ from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchD
 CHUNK_BYTES = 1 << 18
 """Payload bytes (at the allocated actions) after which a bucket's payloads start their allgather, before the rest
 of the bucket is packed: the last bucket's bytes, which nothing else overlaps, then travel while its later tensors
-are still being packed (docs/RESULTS.md 3.7)."""
+are still being packed (docs/RESULTS.md 3.6)."""
 
 
 class _Piece(NamedTuple):
