@@ -10,14 +10,14 @@ per tensor: its size, the mean bits per element it sent on infeasible steps, its
 the actions it sent over the run.
 
 ``--extra NAME ...`` adds actions to the default menu, to see whether a gap in the menu is what sets the floor: any
-name of ``safebits_hvd.actions.ACTIONS`` (``int2_mse``: 2.06 bits, between ``ternary_mse`` and ``int3_mse``), or
-``topkP`` for a top-k keeping P percent of each bucket (``topk5``: 1.27 bits, between ``ternary_mse`` and
-``topk10``).
+name of ``safebits_hvd.actions.ACTIONS`` not already in it (``int4_mse``, ``int2_nearest``, ...), or ``topkP`` for a
+top-k keeping P percent of each bucket (``topk2``). ``int2_mse`` and ``topk5`` joined the default menu after this
+script found the gaps they fill (docs/RESULTS.md, sections 6.10 and 6.11).
 
 Usage::
 
     .venv/bin/python bench/budget_floor.py --task digits_cnn --budget 2 --steps 250
-    horovodrun -np 2 --gloo .venv/bin/python bench/budget_floor.py --task bytes_lm --budget 2 --extra int2_mse topk5
+    horovodrun -np 2 --gloo .venv/bin/python bench/budget_floor.py --task bytes_lm --budget 2 --extra topk2
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
     cost = {action.name: action for action in compression.menu}
     floor_bits: collections.Counter[str] = collections.Counter()
     sent: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    violations = infeasible = 0
+    violations = infeasible = modeled_bits = 0
     gen = torch.Generator().manual_seed(args.seed * 7919 + hvd.rank())
     for _ in range(steps):
         optimizer.zero_grad()
@@ -92,6 +92,7 @@ def main() -> None:
         record = compression.last_step
         assert record is not None
         violations += record.violation
+        modeled_bits += record.modeled_bits_total
         for name, action in record.actions.items():
             sent[name][action] += 1
             if record.infeasible:
@@ -102,7 +103,8 @@ def main() -> None:
         return
     print(f"{args.task}, {total:,} parameters, budget {args.budget:g} bits, {hvd.size()} rank(s), {steps} steps, "
           f"seed {args.seed}, menu {', '.join(a.name for a in compression.menu)}: {violations} steps over budget, "
-          f"{infeasible} infeasible; final validation loss {loss:.4f}, {task.metric_name} {value:.4f}\n")
+          f"{infeasible} infeasible; modeled ratio {32 * total * steps / modeled_bits:.2f}x; final validation loss "
+          f"{loss:.4f}, {task.metric_name} {value:.4f}\n")
     print("| tensor | elements | bits per element on infeasible steps | share of the budget there | actions sent |")
     print("| --- | --- | --- | --- | --- |")
     for name, n in numels.items():

@@ -12,8 +12,9 @@ reduced statistics after the exchange, so every rank makes the same decisions.
   configuration is the **fallback** (``Allocation.feasible`` is False and the step records a violation).
 * **Screen**: admissible iff ``distortion <= max_distortion`` and ``cosine >= min_cosine``; lossless always is.
   **Plannable**: admitted with :data:`PLANNING_MARGIN` to spare (what the exchanged ``screened`` statistics carry).
-* **Escalation reserve**: the largest overshoot (bits sent beyond the allocation, a fraction of the budget) of the
-  last :data:`RESERVE_WINDOW` steps, learned from the reduced records by :meth:`BudgetPolicy.observe`.
+* **Escalation reserve**: :data:`RESERVE_FACTOR` times the largest overshoot (bits sent beyond the allocation, a
+  fraction of the budget) of the last :data:`RESERVE_WINDOW` steps, learned from the reduced records by
+  :meth:`BudgetPolicy.observe`, and never less than :data:`MIN_RESERVE`.
 * **Escalation**: the allocated action if the current screen admits it, then the other admissible actions by
   ascending cost, then the lossless action; the first whose *exact* statistics pass (with
   :data:`~.screen.ACCEPT_MARGIN`) is sent.
@@ -35,8 +36,17 @@ PLANNING_MARGIN = 0.05
 :data:`~.screen.ACCEPT_MARGIN`: the allocation plans only with actions whose screen passed by this much."""
 
 RESERVE_WINDOW = 100
-"""Default number of past steps whose largest escalation overshoot is the escalation reserve
-(:meth:`BudgetPolicy.observe`)."""
+"""Default number of past steps whose largest escalation overshoot sets the escalation reserve
+(:meth:`BudgetPolicy.observe`); 0 turns the reserve off."""
+
+RESERVE_FACTOR = 2.0
+"""The reserve is this multiple of the window's largest overshoot. With the largest overshoot alone, every new
+record of a heavy-tailed sequence of overshoots is a step over budget, and records keep coming (about ln n in n
+steps); twice the record is rarely beaten (docs/RESULTS.md, section 6.11)."""
+
+MIN_RESERVE = 0.05
+"""The least reserve, as a fraction of the budget: before the first escalation has been seen the window is all
+zeros, and that first escalation (a few steps in, as error feedback fills the residuals) would go over budget."""
 
 
 class BudgetPolicy:
@@ -100,9 +110,13 @@ class BudgetPolicy:
 
     @property
     def reserve_fraction(self) -> float:
-        """The escalation reserve: the largest overshoot of the last ``reserve_window`` steps, a fraction of the
-        budget that the allocation leaves unplanned (at most 1)."""
-        return min(1.0, max(self.overshoot_history, default=0.0))
+        """The escalation reserve: the fraction of the budget that the allocation leaves unplanned,
+        :data:`RESERVE_FACTOR` times the largest overshoot of the last ``reserve_window`` steps, at least
+        :data:`MIN_RESERVE` and at most 1 (0 when ``reserve_window`` is 0, or with the screen off: nothing
+        escalates then)."""
+        if self.reserve_window <= 0 or not self.screen_enabled:
+            return 0.0
+        return min(1.0, max(MIN_RESERVE, RESERVE_FACTOR * max(self.overshoot_history, default=0.0)))
 
     def observe(self, budget_bits_total: float, allocated_bits: int, modeled_bits: int) -> None:
         """Learn from a finished step (the same reduced figures on every rank): its overshoot is the bits its

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd.policy import BudgetPolicy
+from safebits_hvd.policy import MIN_RESERVE, RESERVE_FACTOR, BudgetPolicy
 
 from .helpers import many_tensor_params, random_grads, run_steps
 from .test_compressor import PairExchange
@@ -43,21 +43,26 @@ def test_reserve_holds_a_budget_that_escalations_overran() -> None:
     over_without = sum(modeled > budget for _, modeled, budget in without)
     over_with = sum(modeled > budget for _, modeled, budget in with_reserve)
     assert over_without == 15                     # every escalation overran the fully planned budget
-    assert over_with <= 2                         # the reserve covers it after it has seen one or two
-    # The reserve is only as large as the overshoots seen: the plan still uses most of the budget.
+    assert over_with == 0                         # the floor covers the first escalation, the reserve the rest
+    # The reserve is only as large as the overshoots seen allow: the plan still uses most of the budget.
     assert all(allocated >= 0.8 * budget for allocated, _, budget in with_reserve)
 
 
-def test_reserve_returns_to_zero_after_a_quiet_window() -> None:
+def test_reserve_is_twice_the_record_and_returns_to_its_floor_after_a_quiet_window() -> None:
     numels = np.full(32, 1024)
     policy = BudgetPolicy(sb.make_menu(MENU), numels, 0.5, 0.8, reserve_window=5)
+    assert policy.reserve_fraction == MIN_RESERVE > 0     # before any escalation: the floor
     policy.observe(1000.0, 900, 1100)
-    assert policy.reserve_fraction == 0.2
+    assert policy.reserve_fraction == RESERVE_FACTOR * 0.2 > 0.2
     policy.observe(1000.0, 1000, 1000)
-    assert policy.reserve_fraction == 0.2
+    assert policy.reserve_fraction == RESERVE_FACTOR * 0.2
     for _ in range(4):
         policy.observe(1000.0, 1000, 990)         # a cheaper send (a skipped tensor) is no overshoot
-    assert policy.reserve_fraction == 0.0
+    assert policy.reserve_fraction == MIN_RESERVE
+    assert BudgetPolicy(sb.make_menu(MENU), numels, 0.5, 0.8, reserve_window=0).reserve_fraction == 0.0   # off
+    unscreened = BudgetPolicy(sb.make_menu(MENU), numels, 0.5, 0.8, screen=False)   # nothing escalates: no reserve
+    unscreened.observe(1000.0, 900, 1100)
+    assert unscreened.reserve_fraction == 0.0
     # The reserve shapes the plan only: feasibility is judged against the whole budget.
     policy.observe(1000.0, 0, 900)                  # a reserve of 90%: the plan can only be the cheapest one
     distortion = np.zeros((32, 4))
@@ -103,7 +108,7 @@ def test_a_state_of_format_4_loads_with_an_empty_reserve() -> None:
     other = tight(many_tensor_params())
     other.load_state_dict(state)
     assert other.step == 6 and other.core.policy.overshoot_history == []
-    assert other.core.policy.reserve_fraction == 0.0
+    assert other.core.policy.reserve_fraction == MIN_RESERVE
 
 
 def test_every_rank_learns_the_same_reserve_from_the_reduced_records() -> None:

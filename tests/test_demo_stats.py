@@ -42,7 +42,7 @@ def run(compressor: str, seed: int, metric: float, *, task: str = "t", budget: f
 
 
 def test_default_thresholds_are_the_library_defaults() -> None:
-    assert stats.DEFAULT_THRESHOLDS == (0.5, 0.8)
+    assert stats.DEFAULT_THRESHOLDS == (0.5, 0.7)
 
 
 @pytest.mark.parametrize("initial,final,nonfinite,expected", [
@@ -116,13 +116,13 @@ def test_table_lower_is_better() -> None:
 
 def test_sweep_table_rows_and_cells() -> None:
     runs = [run("safebits", s, 0.9, budget=b, thresholds=t, ratio=16.0) for s in range(3) for b in (1.0, 2.0)
-            for t in [(0.5, 0.8), (0.3, 0.9)]]
+            for t in [(0.5, 0.7), (0.3, 0.9)]]
     runs += [run("unscreened", s, 0.5, budget=1.0, ratio=32.0, collapsed=s == 0) for s in range(3)]
     md = sweep.sweep_table(runs)
     lines = md.splitlines()
     assert lines[2] == "| screen | budget 1 | budget 2 |"
     body = [x for x in lines if x.startswith("| d=") or x.startswith("| unscreened")]
-    assert [x.split(" | ")[0] for x in body] == ["| d=0.3, c=0.9", "| d=0.5, c=0.8 (default)", "| unscreened"]
+    assert [x.split(" | ")[0] for x in body] == ["| d=0.3, c=0.9", "| d=0.5, c=0.7 (default)", "| unscreened"]
     assert "0.9000 ± 0.0000 / 2.00 b / 3 v / 0/3 c" in body[1]
     assert body[2].endswith("| 0.5000 ± 0.0000 / 1.00 b / 3 v / 1/3 c | - |")
 
