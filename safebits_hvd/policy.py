@@ -14,7 +14,8 @@ reduced statistics after the exchange, so every rank makes the same decisions.
   **Plannable**: admitted with :data:`PLANNING_MARGIN` to spare (what the exchanged ``screened`` statistics carry).
 * **Escalation reserve**: :data:`RESERVE_FACTOR` times the largest overshoot (bits sent beyond the allocation, a
   fraction of the budget) of the last :data:`RESERVE_WINDOW` steps, learned from the reduced records by
-  :meth:`BudgetPolicy.observe`, and never less than :data:`MIN_RESERVE`.
+  :meth:`BudgetPolicy.observe`, and never less than :data:`MIN_RESERVE` (none when the budget fits every tensor
+  lossless).
 * **Escalation**: the allocated action if the current screen admits it, then the other admissible actions by
   ascending cost, then the lossless action; the first whose *exact* statistics pass (with
   :data:`~.screen.ACCEPT_MARGIN`) is sent.
@@ -87,6 +88,7 @@ class BudgetPolicy:
                                                   np.zeros((tensors, 1), dtype=np.int64)], axis=1)
         self._rows = np.arange(tensors)
         self._lossless_columns = np.flatnonzero(self.lossless)
+        self._lossless_bits = int(self.costs[:, self.lossless_index].sum())
         self._errors = np.empty((tensors, actions))   # reused every step: a fresh array faults its pages in
 
     # ------------------------------------------------------------------ allocation
@@ -102,7 +104,9 @@ class BudgetPolicy:
         weight = np.where(v2 > 0, v2, 1.0)
         errors = np.multiply(screened, weight[:, None], out=self._errors)
         errors[:, self._lossless_columns] = 0.0
-        planned = allocate(self.costs, errors, None, budget_bits_total * (1.0 - self.reserve_fraction))
+        # No reserve when the budget fits every tensor lossless: then nothing can escalate past it.
+        reserve = self.reserve_fraction if budget_bits_total < self._lossless_bits else 0.0
+        planned = allocate(self.costs, errors, None, budget_bits_total * (1.0 - reserve))
         # Feasibility is judged against the step's whole budget: the reserve only shapes the plan. When the reserve
         # leaves too little, the plan is the cheapest admissible configuration, which still fits the budget.
         return Allocation(planned.choice, planned.cost_bits, planned.squared_error, budget_bits_total,
