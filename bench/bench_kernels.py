@@ -156,7 +156,7 @@ def test_screen_64_buckets(benchmark, n):
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("name", ["int4", "sign", "topk10"])
 def test_compress_screen_plus_send(benchmark, n, name):
-    """The per-tensor kernel work of one compress: screen 64 buckets x 10 actions + one quantize_ef (SafeBits
+    """The per-tensor kernel work of one compress: screen 64 buckets x the default menu + one quantize_ef (SafeBits
     samples 16 buckets by default; 64 is the conservative case)."""
     g, e, out = _tensors(n)
     nb = -(-n // A.DEFAULT_MENU.bucket_size)

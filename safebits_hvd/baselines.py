@@ -56,8 +56,8 @@ budget grows the residual instead of shrinking it: the regime in which the scree
 QUANTIZER_MENU = make_menu(["fp32", "fp16", "int8", "int4", "int2", "ternary", "sign"])
 """The quantizers of the paper's menu without its sparsifier (top-k): :data:`MAX_SCALED_MENU` plus scaled sign. Its
 cheapest configuration is scaled sign on every tensor (about 1.07 bits per parameter), which an unscreened
-allocation picks at a 1-bit budget and which collapses the demo CNN; the screen refuses sign (cosine about 0.8 or
-less), ``int2`` and ``ternary`` (docs/RESULTS.md 6.6)."""
+allocation picks at a 1-bit budget and which collapses the demo CNN; the screen refuses ``int2`` and ``ternary``,
+and sign wherever its distortion exceeds 0.5 (docs/RESULTS.md 6.6, 6.11)."""
 
 
 class FixedActionCompressor(CoreCompressor):
