@@ -2,9 +2,8 @@
 
 Launches ONE ``horovodrun -np 2 --gloo`` of ``bench/demo_worker.py``, which trains, one run after another in the
 same two processes, fixed baselines of :mod:`safebits_hvd.baselines` and SafeBits / unscreened global budgeting
-at 1.0 (tight), 2.0 and 4.4 (about 7.2x) bits per parameter, on a small CNN (scikit-learn digits) and a
-byte-level transformer LM (CPython standard-library sources), with the same initialization and data order for
-every compressor of a seed.
+on a small CNN (scikit-learn digits), a byte-level transformer LM (CPython standard-library sources) and the same
+LM at 1.2M parameters, with the same initialization and data order for every compressor of a seed.
 
 Writes ``results/demo.json`` (one record per run: task, compressor, budget_bits, seed, final_loss, final_metric,
 metric_name, compression_ratio, violations, escalations, infeasible, collapsed, wall_s, and max_distortion, min_cosine,
@@ -12,12 +11,14 @@ bits_per_param), ``results/demo.md`` (per task: mean ± std over seeds, and ever
 closest fixed baseline at equal bytes, paired by seed) and per task ``results/demo_<task>_loss_vs_step.png`` and
 ``results/demo_<task>_loss_vs_bytes.png`` (seed 0).
 
-Default: seeds 0, 1, 2; fp32, QSGD 4/2, scaled sign + EF, SafeBits and unscreened at 2 and 4.4 bits; 250 CNN
-steps, 160 LM steps (48 runs, to stay under 10 minutes on 2 cores: with top-k 10% + EF and the 1-bit budget too,
-66 runs took 742 s on 2 idle cores; docs/RESULTS.md section 6.7).
+Default (:data:`DEFAULT_PLAN`, :data:`LARGE_PLAN`): seeds 0, 1, 2; fp32, QSGD 4/2, SafeBits at 2 and 4.4 bits and
+unscreened budgeting at 2 bits, 250 CNN and 160 LM steps; then fp32, QSGD 2 and SafeBits at 2 bits on the larger
+LM (160 steps, 8 windows per rank). 45 runs, to stay under 10 minutes on 2 cores (docs/RESULTS.md section 6.12).
 ``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8 (SafeBits and
-unscreened budgeting on the max-scaled menu at 1 and 2 only), seeds 0, 1, 2 and 500 / 320 steps.
-Worker options given here (``--seeds 0``, ``--compressors ...``, ``--budgets ...``) override the defaults.
+unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, and the larger LM.
+Worker options given here override the defaults (``--seeds 0``); one that chooses the runs (``--plan``,
+``--compressors``, ``--budgets``, ``--thresholds``, ``--tasks``, ``--large-plan``) replaces the default plan and
+the larger LM.
 """
 
 from __future__ import annotations
@@ -38,10 +39,15 @@ FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metr
           "compression_ratio", "violations", "escalations", "infeasible", "collapsed", "wall_s", "max_distortion",
           "min_cosine", "bits_per_param"]
 
-DEFAULT_COMPRESSORS = ["fp32", "qsgd4", "qsgd2", "signsgd_ef", "safebits", "unscreened"]
-"""``make demo``'s compressors: fp32 and the fixed baselines nearest in bytes to the budgeted runs."""
-DEFAULT_BUDGETS = [2.0, 4.4]
-"""``make demo``'s budgets: 2 and 4.4 bits per parameter (about 7.2x); the tight 1-bit regime is in ``--full``."""
+DEFAULT_PLAN = ["fp32", "qsgd4", "qsgd2", "safebits@2", "unscreened@2", "safebits@4.4"]
+"""``make demo``'s runs on the digits CNN and the small LM: fp32, the fixed baselines nearest in bytes to SafeBits
+at 2 and 4.4 bits per parameter (about 7.2x), and the unscreened ablation at 2 bits. The rest (scaled sign,
+unscreened budgeting at 4.4, the tight 1-bit regime) is in ``--full``: the larger LM below needs the time."""
+LARGE_PLAN = ["fp32", "qsgd2", "safebits@2"]
+"""``make demo``'s runs on the larger LM (``bytes_lm_large``, 1.2M parameters), 160 steps of 8 windows per rank."""
+LARGE_ARGS = ["--large-plan", *LARGE_PLAN, "--large-steps", "160", "--large-batch", "8"]
+PLAN_OPTIONS = ("--plan", "--compressors", "--budgets", "--thresholds", "--tasks", "--large-plan")
+"""Worker options that choose the runs: given to ``demo.py``, they replace its default plan and the larger LM."""
 FULL_BUDGETS = [1.0, 2.0, 4.4, 8.0]
 
 
@@ -116,10 +122,12 @@ def main() -> int:
     args, extra = parser.parse_known_args()
     os.makedirs(args.out_dir, exist_ok=True)
     raw_path = os.path.join(args.out_dir, "demo_raw.json")
+    chosen = any(arg.split("=")[0] in PLAN_OPTIONS for arg in extra)
     worker_args = (["--seeds", "0", "1", "2", "--cnn-steps", "500", "--lm-steps", "320", "--budgets",
                     *map(str, FULL_BUDGETS)] if args.full
-                   else ["--seeds", "0", "1", "2", "--cnn-steps", "250", "--lm-steps", "160", "--budgets",
-                         *map(str, DEFAULT_BUDGETS), "--compressors", *DEFAULT_COMPRESSORS])
+                   else ["--seeds", "0", "1", "2", "--cnn-steps", "250", "--lm-steps", "160",
+                         *([] if chosen else ["--plan", *DEFAULT_PLAN])])
+    worker_args += [] if chosen else LARGE_ARGS
     worker = os.path.join(ROOT, "bench", "demo_worker.py")
     command = ["horovodrun", "-np", "2", "--mpi" if args.mpi else "--gloo", "python", worker, "--out", raw_path,
                *worker_args, *extra]

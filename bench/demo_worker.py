@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from demo_stats import COLLAPSE_FACTOR, collapsed, run_label
 
-from safebits_hvd.baselines import BUDGETED, make_compressor
+from safebits_hvd.baselines import BUDGETED, REGISTRY, make_compressor
 
 FIXED = ["fp32", "fp16", "qsgd8", "qsgd4", "qsgd2", "terngrad", "signsgd_ef", "topk10_ef", "topk1_ef"]
 """Fixed-action baselines, in table order."""
@@ -104,6 +104,7 @@ class Task:
     metric_name: str
     steps: int
     lr: float
+    batch: int = 0          # examples (CNN) or 64-byte windows (LM) per rank and step; 0: the task's default
 
     def __post_init__(self) -> None:
         if self.name == "digits_cnn":
@@ -116,10 +117,10 @@ class Task:
             x, y = x[order], y[order]
             self.train_x, self.train_y = x[300:], y[300:]
             self.val_x, self.val_y = x[:300], y[:300]
-            self.batch = 32
+            self.batch = self.batch or 32
         else:
             self.context = 64
-            self.batch = 16
+            self.batch = self.batch or 16
             self.width, corpus_bytes, _ = LM_SHAPES[self.name]
             self.corpus_files = corpus_files(corpus_bytes)
             data = load_corpus(self.corpus_files)
@@ -165,12 +166,13 @@ TASK_NAMES = ("digits_cnn", *LM_SHAPES)
 CNN_LEARNING_RATE = 0.1     # SGD with momentum 0.9 (the LMs' Adam rates are in LM_SHAPES)
 
 
-def make_task(name: str, steps: int) -> Task:
-    """Task ``name`` (one of :data:`TASK_NAMES`) with the demo's metric and learning rate."""
+def make_task(name: str, steps: int, batch: int = 0) -> Task:
+    """Task ``name`` (one of :data:`TASK_NAMES`) with the demo's metric and learning rate (``batch`` 0: the task's
+    default, 32 digits or 16 windows per rank)."""
     if name == "digits_cnn":
-        return Task(name, "val_accuracy", steps, lr=CNN_LEARNING_RATE)
+        return Task(name, "val_accuracy", steps, lr=CNN_LEARNING_RATE, batch=batch)
     if name in LM_SHAPES:
-        return Task(name, "val_bits_per_byte", steps, lr=LM_SHAPES[name][2])
+        return Task(name, "val_bits_per_byte", steps, lr=LM_SHAPES[name][2], batch=batch)
     raise ValueError(f"unknown task {name!r}; known: {TASK_NAMES}")
 
 
@@ -289,17 +291,40 @@ def make_plan(budgets: list[float], thresholds: list[tuple[float, float] | None]
     return [p for p in plan if not compressors or p[0] in compressors]
 
 
+def parse_run(text: str) -> tuple[str, float | None, None]:
+    """``"safebits@2"`` -> ``("safebits", 2.0, None)``, ``"fp32"`` -> ``("fp32", None, None)``: one run of a plan."""
+    name, _, budget = text.partition("@")
+    try:
+        bits = float(budget) if budget else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME or NAME@BITS, got {text!r}") from None
+    if name not in REGISTRY:
+        raise argparse.ArgumentTypeError(f"unknown compressor {name!r}; known: {sorted(REGISTRY)}")
+    if (bits is None) == (name in BUDGETED) or (bits is not None and not bits > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: budgeted compressors ({', '.join(sorted(BUDGETED))}) take "
+                                         f"@BITS > 0, the fixed ones none")
+    return name, bits, None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--cnn-steps", type=int, default=150)
     parser.add_argument("--lm-steps", type=int, default=150)
-    parser.add_argument("--tasks", nargs="+", default=["digits_cnn", "bytes_lm"],
+    parser.add_argument("--tasks", nargs="*", default=["digits_cnn", "bytes_lm"],
                         choices=["digits_cnn", *LM_SHAPES])
     parser.add_argument("--compressors", nargs="+", default=None, help="subset of registry names")
     parser.add_argument("--budgets", type=float, nargs="+", default=BUDGETS,
                         help="bits per parameter per step of SafeBits and unscreened budgeting")
+    parser.add_argument("--plan", type=parse_run, nargs="+", default=None, metavar="NAME[@BITS]",
+                        help="the runs of every task, in order (fp32 qsgd2 safebits@2 ...); instead of "
+                             "--compressors, --budgets and --thresholds")
+    parser.add_argument("--large-plan", type=parse_run, nargs="*", default=[], metavar="NAME[@BITS]",
+                        help="also train bytes_lm_large, after the other tasks, with these runs only (fp32 "
+                             "safebits@2 ...), --large-steps steps of --large-batch windows per rank")
+    parser.add_argument("--large-steps", type=int, default=160)
+    parser.add_argument("--large-batch", type=int, default=16)
     parser.add_argument("--thresholds", type=parse_thresholds, nargs="+", default=[None],
                         help="SafeBits screens as MAX_DISTORTION:MIN_COSINE (one SafeBits run per budget and "
                              "pair); default: the library's")
@@ -309,9 +334,13 @@ def main() -> None:
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations/escalations are counted per run
     hvd.init()
     rank0 = hvd.rank() == 0
-    plan = make_plan(args.budgets, args.thresholds, args.compressors)
+    plan = args.plan or make_plan(args.budgets, args.thresholds, args.compressors)
     tasks = {name: make_task(name, args.cnn_steps if name == "digits_cnn" else args.lm_steps)
              for name in TASK_NAMES if name == "digits_cnn" or name in args.tasks}
+    plans = {name: plan for name in args.tasks}
+    if args.large_plan and "bytes_lm_large" not in tasks:
+        tasks["bytes_lm_large"] = make_task("bytes_lm_large", args.large_steps, args.large_batch)
+        plans["bytes_lm_large"] = args.large_plan
     runs = []
     for name in LM_SHAPES:
         if rank0 and name in tasks:
@@ -319,10 +348,10 @@ def main() -> None:
             print(f"[demo] {name} corpus: {len(files)} stdlib files, {sum(map(os.path.getsize, files))} bytes, "
                   f"{os.path.basename(files[0])} .. {os.path.basename(files[-1])}", flush=True)
     run_id = 0
-    for name in args.tasks:
+    for name, task_plan in plans.items():
         task = tasks[name]
         for seed in args.seeds:
-            for compressor, budget, thresholds in plan:
+            for compressor, budget, thresholds in task_plan:
                 result = run_one(task, compressor, budget, seed, run_id, thresholds)
                 run_id += 1
                 runs.append(result)

@@ -400,6 +400,8 @@ class SafeBitsCore:
             d, c = distortion_cosine_of(stats.tolist())
             if policy.accepts(action_index, d, c):
                 break
+            # It failed on the values it would have sent: the next allocation must not plan it from the estimate.
+            fields.screened[index, action_index] = math.inf
         fields.sent_position[index] = policy.position_in_cost_order[index, action_index]
         fields.escalated[index] = action_index != allocated
         fields.sent_distortion[index] = d

@@ -16,6 +16,10 @@ reduced statistics after the exchange, so every rank makes the same decisions.
   fraction of the budget) of the last :data:`RESERVE_WINDOW` steps, learned from the reduced records by
   :meth:`BudgetPolicy.observe`, and never less than :data:`MIN_RESERVE` (none when the budget fits every tensor
   lossless).
+* **Escalation guard**: the budget the plan leaves unspent must also cover one escalation of any tensor whose
+  plan is at risk (:meth:`BudgetPolicy.escalation_guard`); if not, the plan is made again on a smaller budget. The
+  reserve learns from escalations already seen; the guard covers the first one of a large tensor, which can move a
+  step by more than the reserve's floor.
 * **Escalation**: the allocated action if the current screen admits it, then the other admissible actions by
   ascending cost, then the lossless action; the first whose *exact* statistics pass (with
   :data:`~.screen.ACCEPT_MARGIN`) is sent.
@@ -48,6 +52,15 @@ steps); twice the record is rarely beaten (docs/RESULTS.md, section 6.11)."""
 MIN_RESERVE = 0.05
 """The least reserve, as a fraction of the budget: before the first escalation has been seen the window is all
 zeros, and that first escalation (a few steps in, as error feedback fills the residuals) would go over budget."""
+
+GUARD_RISK_MARGIN = 0.5
+"""The escalation guard (:meth:`BudgetPolicy.escalation_guard`) counts a tensor whose planned action's last
+reduced distortion is above ``(1 - GUARD_RISK_MARGIN) * max_distortion``. A top-k plan's distortion can nearly
+double in one step (0.29 to over 0.5 on the digits CNN's ``fc1.weight``), so 0.25 missed plans that failed; 1
+(every tensor) left a 4.4-bit budget a quarter unspent (docs/RESULTS.md, section 6.12)."""
+
+GUARD_ROUNDS = 4
+"""Re-plans at most this many times to leave room for the escalation guard (each on a smaller budget)."""
 
 
 class BudgetPolicy:
@@ -105,12 +118,46 @@ class BudgetPolicy:
         errors = np.multiply(screened, weight[:, None], out=self._errors)
         errors[:, self._lossless_columns] = 0.0
         # No reserve when the budget fits every tensor lossless: then nothing can escalate past it.
-        reserve = self.reserve_fraction if budget_bits_total < self._lossless_bits else 0.0
-        planned = allocate(self.costs, errors, None, budget_bits_total * (1.0 - reserve))
+        if budget_bits_total >= self._lossless_bits:
+            planned = allocate(self.costs, errors, None, budget_bits_total)
+        else:
+            planned = self._plan_with_reserve(errors, screened, budget_bits_total)
         # Feasibility is judged against the step's whole budget: the reserve only shapes the plan. When the reserve
         # leaves too little, the plan is the cheapest admissible configuration, which still fits the budget.
         return Allocation(planned.choice, planned.cost_bits, planned.squared_error, budget_bits_total,
                           planned.min_cost_bits, planned.min_cost_bits <= budget_bits_total)
+
+    def _plan_with_reserve(self, errors: np.ndarray, screened: np.ndarray, budget_bits_total: float) -> Allocation:
+        """The plan within the budget less the escalation reserve, re-planned (at most :data:`GUARD_ROUNDS` times,
+        on a smaller budget each time) until the budget left over also covers the plan's escalation guard."""
+        plan_budget = budget_bits_total * (1.0 - self.reserve_fraction)
+        planned = allocate(self.costs, errors, None, plan_budget)
+        for _ in range(GUARD_ROUNDS):
+            guard = self.escalation_guard(planned.choice, screened)
+            if budget_bits_total - planned.cost_bits >= guard or planned.cost_bits <= planned.min_cost_bits:
+                break
+            plan_budget = min(plan_budget, budget_bits_total - guard) - 1   # strictly smaller: each round changes
+            planned = allocate(self.costs, errors, None, plan_budget)
+        return planned
+
+    def escalation_guard(self, choice: np.ndarray, screened: np.ndarray) -> int:
+        """Bits one escalation of the plan ``choice`` can add: over the tensors whose planned action is *at risk*
+        (its last reduced distortion above ``(1 - GUARD_RISK_MARGIN) * max_distortion``), the largest step from
+        the planned action to the cheapest plannable action that costs more (the lossless one if none does): where
+        such a tensor escalates when its plan fails at send time. 0 with the screen off."""
+        if not self.screen_enabled:
+            return 0
+        rows = self._rows
+        planned_cost = self.costs[rows, choice]
+        planned_distortion = screened[rows, choice]
+        at_risk = ~self.lossless[choice] & (planned_distortion > (1.0 - GUARD_RISK_MARGIN) * self.max_distortion)
+        if not at_risk.any():
+            return 0
+        costs, plannable = self.costs[at_risk], np.isfinite(screened[at_risk]) | self.lossless
+        above = plannable & (costs > planned_cost[at_risk, None])
+        next_cost = np.where(above, costs, np.iinfo(np.int64).max).min(axis=1)
+        next_cost = np.minimum(next_cost, costs[:, self.lossless_index])
+        return int(np.maximum(next_cost - planned_cost[at_risk], 0).max())
 
     @property
     def reserve_fraction(self) -> float:

@@ -146,3 +146,35 @@ def test_the_plan_avoids_actions_that_pass_the_screen_narrowly() -> None:
     assert policy.plannable_one(3, 0.49, 0.9) is False and policy.accepts(3, 0.49, 0.9)
     cosine[2] = 0.805                                        # int4's cosine passes by 2.5% of the way to 1
     assert not policy.plannable(distortion, cosine)[2] and policy.screen(distortion, cosine)[2]
+
+
+def guarded_case() -> tuple[BudgetPolicy, np.ndarray, np.ndarray, float]:
+    """One large tensor (60% of the elements) whose int2 plan is at risk (distortion 0.45 of 0.5) and 31 small ones
+    that are not: the CNN's ``fc1.weight`` in miniature. Returns the policy, distortions, ``v2`` and the budget."""
+    numels = np.array([31 * 1024 * 3 // 2] + [1024] * 31)
+    policy = BudgetPolicy(sb.make_menu(MENU), numels, 0.5, 0.8)
+    distortion = np.array([0.0, 1e-4, 0.02, 0.1])[None, :].repeat(len(numels), axis=0)
+    distortion[0] = [0.0, 1e-4, 0.05, 0.45]
+    return policy, distortion, np.ones(len(numels)), policy.budget_bits_total(3.4, int(numels.sum()))
+
+
+def test_guard_leaves_room_for_one_escalation_of_a_tensor_at_risk() -> None:
+    policy, distortion, v2, budget = guarded_case()
+    allocation = policy.allocate(3.4, budget, distortion, v2)
+    int2, int4 = policy.menu.names.index("int2"), policy.menu.names.index("int4")
+    assert allocation.choice[0] == int2
+    escalation = int(policy.costs[0, int4] - policy.costs[0, int2])
+    assert escalation > MIN_RESERVE * budget            # the reserve's floor alone would not cover it
+    assert policy.escalation_guard(allocation.choice, distortion) == escalation
+    assert allocation.cost_bits + escalation <= budget  # the escalation of tensor 0 fits the budget
+    assert allocation.feasible
+
+
+def test_guard_ignores_plans_that_are_not_at_risk_and_is_off_without_the_screen() -> None:
+    policy, distortion, v2, budget = guarded_case()
+    distortion[0, 3] = 0.2                              # now well inside the screen
+    allocation = policy.allocate(3.4, budget, distortion, v2)
+    assert policy.escalation_guard(allocation.choice, distortion) == 0
+    assert allocation.cost_bits >= 0.9 * budget       # only the reserve's floor is held back
+    unscreened = BudgetPolicy(policy.menu, policy.numels, 0.5, 0.8, screen=False)
+    assert unscreened.escalation_guard(allocation.choice, distortion) == 0
