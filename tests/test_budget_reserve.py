@@ -178,3 +178,26 @@ def test_guard_ignores_plans_that_are_not_at_risk_and_is_off_without_the_screen(
     assert allocation.cost_bits >= 0.9 * budget       # only the reserve's floor is held back
     unscreened = BudgetPolicy(policy.menu, policy.numels, 0.5, 0.8, screen=False)
     assert unscreened.escalation_guard(allocation.choice, distortion) == 0
+
+
+def test_an_action_that_failed_at_send_time_is_not_planned_again_from_the_estimate() -> None:
+    """The screen estimates on 16 evenly spaced buckets of 64, here one spike each (top-k keeps it all); the other
+    48 buckets are flat, so the exact top-10% distortion is about 0.7: the plan from the estimate fails at send
+    time. The next allocation must take the exact verdict, not plan top-k from the sample again."""
+    buckets, size, sample = 64, 512, 16
+    flat = torch.ones(buckets, size)
+    sampled = ((torch.arange(sample, dtype=torch.float64) + 0.5) * (buckets / sample)).floor().long()
+    flat[sampled] = 0.0
+    flat[sampled, 0] = size ** 0.5                      # the same energy as a flat bucket, in one element
+    w = torch.nn.Parameter(torch.zeros(buckets * size))
+    compressor = sb.SafeBits([("w", w)], budget_bits=8.0, menu=["fp32", "fp16", "topk10"], seed=3)
+    allocated, escalated = [], []
+    for _ in range(2):
+        w.grad = flat.reshape(-1).clone()
+        sent, ctx = compressor.compress(w.grad)
+        compressor.decompress(sent, ctx)
+        record = compressor.last_step
+        allocated.append(record.allocated["w"])
+        escalated.append(record.escalations)
+    assert allocated[0] == "topk10" and escalated[0] == ["w"]      # the estimate admitted it; the send did not
+    assert allocated[1] != "topk10" and escalated[1] == []
