@@ -17,9 +17,9 @@ reduced statistics after the exchange, so every rank makes the same decisions.
   :meth:`BudgetPolicy.observe`, and never less than :data:`MIN_RESERVE` (none when the budget fits every tensor
   lossless).
 * **Escalation guard**: the budget the plan leaves unspent must also cover one escalation of any tensor whose
-  plan is at risk (:meth:`BudgetPolicy.escalation_guard`); if not, the plan is made again on a smaller budget. The
-  reserve learns from escalations already seen; the guard covers the first one of a large tensor, which can move a
-  step by more than the reserve's floor.
+  plan is at risk, and the escalations of all those likely to fail (:meth:`BudgetPolicy.escalation_guard`); if
+  not, the plan is made again on a smaller budget. The reserve learns from escalations already seen; the guard
+  covers the first one of a large tensor, which can move a step by more than the reserve's floor.
 * **Escalation**: the allocated action if the current screen admits it, then the other admissible actions by
   ascending cost, then the lossless action; the first whose *exact* statistics pass (with
   :data:`~.screen.ACCEPT_MARGIN`) is sent.
@@ -58,6 +58,11 @@ GUARD_RISK_MARGIN = 0.5
 reduced distortion is above ``(1 - GUARD_RISK_MARGIN) * max_distortion``. A top-k plan's distortion can nearly
 double in one step (0.29 to over 0.5 on the digits CNN's ``fc1.weight``), so 0.25 missed plans that failed; 1
 (every tensor) left a 4.4-bit budget a quarter unspent (docs/RESULTS.md, section 6.12)."""
+
+GUARD_LIKELY_MARGIN = 0.1
+"""Plans whose last reduced distortion is above ``(1 - GUARD_LIKELY_MARGIN) * max_distortion`` are *likely* to
+fail, and together: in the first steps, as error feedback fills the residuals, several ``sign`` plans at
+0.43-0.46 failed in one step on the larger LM. The guard covers all of them escalating at once."""
 
 GUARD_ROUNDS = 4
 """Re-plans at most this many times to leave room for the escalation guard (each on a smaller budget)."""
@@ -141,10 +146,12 @@ class BudgetPolicy:
         return planned
 
     def escalation_guard(self, choice: np.ndarray, screened: np.ndarray) -> int:
-        """Bits one escalation of the plan ``choice`` can add: over the tensors whose planned action is *at risk*
-        (its last reduced distortion above ``(1 - GUARD_RISK_MARGIN) * max_distortion``), the largest step from
-        the planned action to the cheapest plannable action that costs more (the lossless one if none does): where
-        such a tensor escalates when its plan fails at send time. 0 with the screen off."""
+        """Bits the escalations of the plan ``choice`` can add: the larger of one escalation of any tensor whose
+        planned action is *at risk* (its last reduced distortion above ``(1 - GUARD_RISK_MARGIN) *
+        max_distortion``) and all the escalations of those *likely* to fail (above ``(1 - GUARD_LIKELY_MARGIN) *
+        max_distortion``). A tensor's escalation is the step from its planned action to the cheapest plannable
+        action that costs more (the lossless one if none does): where it goes when its plan fails at send time.
+        0 with the screen off."""
         if not self.screen_enabled:
             return 0
         rows = self._rows
@@ -157,7 +164,9 @@ class BudgetPolicy:
         above = plannable & (costs > planned_cost[at_risk, None])
         next_cost = np.where(above, costs, np.iinfo(np.int64).max).min(axis=1)
         next_cost = np.minimum(next_cost, costs[:, self.lossless_index])
-        return int(np.maximum(next_cost - planned_cost[at_risk], 0).max())
+        steps = np.maximum(next_cost - planned_cost[at_risk], 0)
+        likely = planned_distortion[at_risk] > (1.0 - GUARD_LIKELY_MARGIN) * self.max_distortion
+        return int(max(steps.max(), steps[likely].sum()))
 
     @property
     def reserve_fraction(self) -> float:

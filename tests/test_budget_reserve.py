@@ -201,3 +201,19 @@ def test_an_action_that_failed_at_send_time_is_not_planned_again_from_the_estima
         escalated.append(record.escalations)
     assert allocated[0] == "topk10" and escalated[0] == ["w"]      # the estimate admitted it; the send did not
     assert allocated[1] != "topk10" and escalated[1] == []
+
+
+def test_guard_covers_every_plan_likely_to_fail_escalating_together() -> None:
+    """Four equal tensors planned at int2 at distortion 0.47 (likely to fail) and 0.3 (at risk only): the guard is
+    the sum of the likely ones' escalations, and the largest single one when none is likely."""
+    numels = np.full(4, 8192)
+    policy = BudgetPolicy(sb.make_menu(MENU), numels, 0.5, 0.8)
+    int2, int4 = policy.menu.names.index("int2"), policy.menu.names.index("int4")
+    distortion = np.array([[0.0, 1e-4, 0.05, 0.47]] * 4)
+    choice = np.full(4, int2)
+    step = int(policy.costs[0, int4] - policy.costs[0, int2])
+    assert policy.escalation_guard(choice, distortion) == 4 * step
+    distortion[:, 3] = 0.3
+    assert policy.escalation_guard(choice, distortion) == step
+    distortion[:2, 3] = 0.47
+    assert policy.escalation_guard(choice, distortion) == 2 * step
