@@ -13,7 +13,7 @@ closest fixed baseline at equal bytes, paired by seed) and per task ``results/de
 
 Default (:data:`DEFAULT_PLAN`, :data:`LARGE_PLAN`): seeds 0, 1, 2; fp32, QSGD 4/2, SafeBits at 2 and 4.4 bits and
 unscreened budgeting at 2 bits, 250 CNN and 160 LM steps; then fp32, QSGD 2 and SafeBits at 2 bits on the larger
-LM (160 steps, 8 windows per rank). 45 runs, to stay under 10 minutes on 2 cores (docs/RESULTS.md section 6.12).
+LM (120 steps, 8 windows per rank). 45 runs, to stay under 10 minutes on 2 cores (docs/RESULTS.md section 6.12).
 ``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8 (SafeBits and
 unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, and the larger LM.
 Worker options given here override the defaults (``--seeds 0``); one that chooses the runs (``--plan``,
@@ -44,8 +44,8 @@ DEFAULT_PLAN = ["fp32", "qsgd4", "qsgd2", "safebits@2", "unscreened@2", "safebit
 at 2 and 4.4 bits per parameter (about 7.2x), and the unscreened ablation at 2 bits. The rest (scaled sign,
 unscreened budgeting at 4.4, the tight 1-bit regime) is in ``--full``: the larger LM below needs the time."""
 LARGE_PLAN = ["fp32", "qsgd2", "safebits@2"]
-"""``make demo``'s runs on the larger LM (``bytes_lm_large``, 1.2M parameters), 160 steps of 8 windows per rank."""
-LARGE_ARGS = ["--large-plan", *LARGE_PLAN, "--large-steps", "160", "--large-batch", "8"]
+"""``make demo``'s runs on the larger LM (``bytes_lm_large``, 1.2M parameters), 120 steps of 8 windows per rank."""
+LARGE_ARGS = ["--large-plan", *LARGE_PLAN, "--large-steps", "120", "--large-batch", "8"]
 PLAN_OPTIONS = ("--plan", "--compressors", "--budgets", "--thresholds", "--tasks", "--large-plan")
 """Worker options that choose the runs: given to ``demo.py``, they replace its default plan and the larger LM."""
 FULL_BUDGETS = [1.0, 2.0, 4.4, 8.0]
