@@ -120,6 +120,7 @@ def main() -> int:
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--mpi", action="store_true", help="horovodrun --mpi instead of --gloo")
     args, extra = parser.parse_known_args()
+    args.out_dir = os.path.abspath(args.out_dir)     # the workers run in the repository root
     os.makedirs(args.out_dir, exist_ok=True)
     raw_path = os.path.join(args.out_dir, "demo_raw.json")
     chosen = any(arg.split("=")[0] in PLAN_OPTIONS for arg in extra)
@@ -165,7 +166,9 @@ def main() -> int:
         f.write(header + md)
     paths = plot(runs, args.out_dir)
     print(md)
-    print(f"[demo] wrote results/demo.json, results/demo.md, {len(paths)} plots; total {total_s:.0f} s", flush=True)
+    out = os.path.relpath(args.out_dir)
+    out = args.out_dir if out.startswith("..") else out
+    print(f"[demo] wrote {out}/demo.json, {out}/demo.md, {len(paths)} plots; total {total_s:.0f} s", flush=True)
     return 0
 
 

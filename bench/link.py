@@ -356,6 +356,7 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per horovodrun launch")
     args = parser.parse_args(None if argv is None else list(argv))
+    args.out_dir = os.path.abspath(args.out_dir)     # the workers run in the repository root
     if args.quick:
         args.rates, args.warmup, args.steps = args.rates[:1], 1, 2
         args.models, args.compressors = ["resnet18"], QUICK_COMPRESSORS

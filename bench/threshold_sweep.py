@@ -85,6 +85,7 @@ def main() -> int:
     parser.add_argument("--no-unscreened", action="store_true", help="SafeBits runs only")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     args = parser.parse_args()
+    args.out_dir = os.path.abspath(args.out_dir)     # the workers run in the repository root
     os.makedirs(args.out_dir, exist_ok=True)
     raw_path = os.path.join(args.out_dir, "threshold_sweep_raw.json")
     if os.path.exists(raw_path):

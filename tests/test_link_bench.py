@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,11 @@ def test_quick_flag() -> None:
         link.parse_args(["--ddp-compressors", "safebits@4.4"])      # DDP rows are named ddp:...
     with pytest.raises(SystemExit):
         link.parse_args(["--rates", "5gbit"])
+
+
+def test_a_relative_out_dir_is_made_absolute() -> None:
+    """The workers run in the repository root, so a directory relative to the caller's must not reach them."""
+    assert link.parse_args(["--out-dir", "some/dir"]).out_dir == os.path.abspath("some/dir")
 
 
 def case(model: str, compressor: str, step_times: list[float], link_bytes: int, modeled: float,
