@@ -166,9 +166,8 @@ def main() -> int:
         f.write(header + md)
     paths = plot(runs, args.out_dir)
     print(md)
-    out = os.path.relpath(args.out_dir)
-    out = args.out_dir if out.startswith("..") else out
-    print(f"[demo] wrote {out}/demo.json, {out}/demo.md, {len(paths)} plots; total {total_s:.0f} s", flush=True)
+    print(f"[demo] wrote demo.json, demo.md and {len(paths)} plots in {args.out_dir}; total {total_s:.0f} s",
+          flush=True)
     return 0
 
 

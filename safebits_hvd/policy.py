@@ -160,10 +160,10 @@ class BudgetPolicy:
         at_risk = ~self.lossless[choice] & (planned_distortion > (1.0 - GUARD_RISK_MARGIN) * self.max_distortion)
         if not at_risk.any():
             return 0
-        costs, plannable = self.costs[at_risk], np.isfinite(screened[at_risk]) | self.lossless
-        above = plannable & (costs > planned_cost[at_risk, None])
+        costs = self.costs[at_risk]
+        above = np.isfinite(screened[at_risk]) & (costs > planned_cost[at_risk, None])
         next_cost = np.where(above, costs, np.iinfo(np.int64).max).min(axis=1)
-        next_cost = np.minimum(next_cost, costs[:, self.lossless_index])
+        next_cost = np.minimum(next_cost, costs[:, self.lossless_index])     # the lossless action always passes
         steps = np.maximum(next_cost - planned_cost[at_risk], 0)
         likely = planned_distortion[at_risk] > (1.0 - GUARD_LIKELY_MARGIN) * self.max_distortion
         return int(max(steps.max(), steps[likely].sum()))
