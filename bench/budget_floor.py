@@ -1,7 +1,7 @@
 """Which tensors keep a tight budget infeasible: the cost of what each tensor sent on the steps where no admitted
 configuration fitted the budget (issue 13; docs/RESULTS.md section 6.10).
 
-Trains one demo task (``bench/demo_worker.py``'s model, data, optimizer and learning rate) with SafeBits at
+Trains one demo task (``bench/demo_worker.py``'s model, data, optimizer and learning-rate schedule) with SafeBits at
 ``--budget`` bits per parameter and the default thresholds, through ``hvd.DistributedOptimizer``: in one process,
 or under ``horovodrun -np P`` as the demo runs it (there the screen's statistics are the MAX over ranks, so an
 action is admitted only where every rank admits it). On an infeasible step the allocator falls back to each
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from demo_worker import TASK_NAMES, make_task
+from demo_worker import SCHEDULES, TASK_NAMES, make_task
 
 from safebits_hvd import DEFAULT_MENU, SafeBits, make_menu
 from safebits_hvd.actions import ACTIONS, Action, topk
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=2.0, help="bits per parameter")
     parser.add_argument("--steps", type=int, default=None, help="default: the demo's (250 CNN, 160 LM)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr-schedule", choices=SCHEDULES, default=SCHEDULES[0], help="default: the demo's")
     parser.add_argument("--extra", type=extra_action, nargs="*", default=[], metavar="NAME",
                         help="actions added to the default menu (ACTIONS names, or topkP)")
     args = parser.parse_args()
@@ -69,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # the violations are counted here
     hvd.init()
-    task = make_task(args.task, steps)
+    task = make_task(args.task, steps, schedule=args.lr_schedule)
     torch.manual_seed(args.seed)
     model = task.model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -85,7 +86,8 @@ def main() -> None:
     sent: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     violations = infeasible = modeled_bits = 0
     gen = torch.Generator().manual_seed(args.seed * 7919 + hvd.rank())
-    for _ in range(steps):
+    for step in range(steps):
+        task.set_lr(optimizer, step)
         optimizer.zero_grad()
         task.batch_loss(model, gen).backward()
         optimizer.step()

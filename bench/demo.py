@@ -7,12 +7,13 @@ LM at 1.2M parameters, with the same initialization and data order for every com
 
 Writes ``results/demo.json`` (one record per run: task, compressor, budget_bits, seed, final_loss, final_metric,
 metric_name, compression_ratio, violations, escalations, infeasible, collapsed, wall_s, and max_distortion, min_cosine,
-bits_per_param), ``results/demo.md`` (per task: mean ± std over seeds, and every budgeted run against the
+bits_per_param, lr_schedule), ``results/demo.md`` (per task: mean ± std over seeds, and every budgeted run against the
 closest fixed baseline at equal bytes, paired by seed) and per task ``results/demo_<task>_loss_vs_step.png`` and
 ``results/demo_<task>_loss_vs_bytes.png`` (seed 0).
 
 Default (:data:`DEFAULT_PLAN`, :data:`LARGE_PLAN`): seeds 0, 1, 2; fp32, QSGD 4/2, SafeBits at 2 and 4.4 bits and
-unscreened budgeting at 2 bits, 250 CNN and 160 LM steps; then fp32, QSGD 2 and SafeBits at 2 bits on the larger
+unscreened budgeting at 2 bits, 250 CNN and 160 LM steps, the learning rate decaying to 0 on a cosine (``--lr-schedule
+constant`` for the protocol before docs/RESULTS.md section 6.13); then fp32, QSGD 2 and SafeBits at 2 bits on the larger
 LM (120 steps, 8 windows per rank). 45 runs, to stay under 10 minutes on 2 cores (docs/RESULTS.md section 6.12).
 ``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8 (SafeBits and
 unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, and the larger LM.
@@ -37,7 +38,7 @@ from safebits_hvd import launch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metric", "metric_name",
           "compression_ratio", "violations", "escalations", "infeasible", "collapsed", "wall_s", "max_distortion",
-          "min_cosine", "bits_per_param"]
+          "min_cosine", "bits_per_param", "lr_schedule"]
 
 DEFAULT_PLAN = ["fp32", "qsgd4", "qsgd2", "safebits@2", "unscreened@2", "safebits@4.4"]
 """``make demo``'s runs on the digits CNN and the small LM: fp32, the fixed baselines nearest in bytes to SafeBits
@@ -159,7 +160,9 @@ def main() -> int:
     total_s = time.perf_counter() - start
     md = table(runs, raw["collapse_factor"])
     header = (f"# SafeBits demo results\n\nCommand: `{' '.join(['python', 'bench/demo.py', *sys.argv[1:]])}`; "
-              f"{len(runs)} runs on 2 Horovod ranks; LM corpus: {len(raw['corpus_files'])} CPython stdlib files "
+              f"{len(runs)} runs on 2 Horovod ranks; learning rate: "
+              f"{'/'.join(sorted({r['lr_schedule'] for r in runs}))}; "
+              f"LM corpus: {len(raw['corpus_files'])} CPython stdlib files "
               f"({raw['corpus_files'][0]} .. {raw['corpus_files'][-1]}); total wall time {total_s:.0f} s "
               f"(horovodrun startup included).\n\n")
     with open(os.path.join(args.out_dir, "demo.md"), "w", encoding="utf-8") as f:

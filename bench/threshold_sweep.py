@@ -83,6 +83,9 @@ def main() -> int:
     parser.add_argument("--lm-steps", type=int, default=80)
     parser.add_argument("--tasks", nargs="+", default=["digits_cnn", "bytes_lm"])
     parser.add_argument("--no-unscreened", action="store_true", help="SafeBits runs only")
+    parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                        help="the worker's learning-rate schedule: the grid of docs/RESULTS.md section 6.5 ran at a "
+                             "constant rate (the demo's cosine came later, section 6.13)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     args = parser.parse_args()
     args.out_dir = os.path.abspath(args.out_dir)     # the workers run in the repository root
@@ -93,7 +96,7 @@ def main() -> int:
     thresholds = [f"{d:g}:{c:g}" for d in args.distortions for c in args.cosines]
     worker_args = ["--out", raw_path, "--seeds", *map(str, args.seeds), "--cnn-steps", str(args.cnn_steps),
                    "--lm-steps", str(args.lm_steps), "--tasks", *args.tasks, "--budgets", *map(str, args.budgets),
-                   "--thresholds", *thresholds, "--compressors", "safebits",
+                   "--thresholds", *thresholds, "--lr-schedule", args.lr_schedule, "--compressors", "safebits",
                    *([] if args.no_unscreened else ["unscreened"])]
     worker = os.path.join(ROOT, "bench", "demo_worker.py")
     print("[sweep] demo_worker.py " + " ".join(worker_args), flush=True)

@@ -152,3 +152,20 @@ def test_worker_plan_and_thresholds() -> None:
         ("safebits", 2.0, None), ("unscreened", 2.0, None), ("safebits_maxscaled", 2.0, None),
         ("unscreened_maxscaled", 2.0, None), ("safebits_quantizers", 2.0, None),
         ("unscreened_quantizers", 2.0, None), ("safebits", 4.4, None), ("unscreened", 4.4, None)]
+
+
+def test_the_demo_tasks_decay_the_learning_rate_on_a_cosine_unless_asked_for_a_constant_one() -> None:
+    worker = _load("demo_worker")
+    task = worker.make_task("digits_cnn", steps=100)
+    assert task.schedule == "cosine"
+    assert task.lr_at(0) == task.lr == worker.CNN_LEARNING_RATE
+    assert math.isclose(task.lr_at(50), task.lr / 2)
+    assert 0 < task.lr_at(99) < 0.001 * task.lr             # nearly 0 at the last step, never negative
+    model = task.model()
+    optimizer = task.optimizer(model)
+    task.set_lr(optimizer, 50)
+    assert all(math.isclose(group["lr"], task.lr / 2) for group in optimizer.param_groups)
+    constant = worker.make_task("digits_cnn", steps=100, schedule="constant")
+    assert {constant.lr_at(s) for s in range(100)} == {constant.lr}
+    with pytest.raises(ValueError, match="schedule"):
+        worker.make_task("digits_cnn", steps=100, schedule="linear")
