@@ -14,7 +14,7 @@ closest fixed baseline at equal bytes, paired by seed) and per task ``results/de
 Default (:data:`DEFAULT_PLAN`, :data:`LARGE_PLAN`): seeds 0, 1, 2; fp32, QSGD 4/2, SafeBits at 2 and 4.4 bits and
 unscreened budgeting at 2 bits, 250 CNN and 160 LM steps, the learning rate decaying to 0 on a cosine (``--lr-schedule
 constant`` for the protocol before docs/RESULTS.md section 6.13); then fp32, QSGD 2 and SafeBits at 2 bits on the larger
-LM (120 steps, 8 windows per rank). 45 runs, to stay under 10 minutes on 2 cores (docs/RESULTS.md section 6.12).
+LM (120 steps, 8 windows per rank). 45 runs, to stay under 10 minutes on 2 cores (docs/RESULTS.md section 6.13).
 ``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8 (SafeBits and
 unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, and the larger LM.
 Worker options given here override the defaults (``--seeds 0``); one that chooses the runs (``--plan``,
