@@ -7,7 +7,7 @@ per-run fields plus ``max_distortion``, ``min_cosine``, ``bits_per_param``) and 
 per task, one row per screen, and per budget the metric's mean ± std over seeds, the bits per parameter actually
 sent, the steps over budget (violations) and the collapses.
 
-    .venv/bin/python bench/threshold_sweep.py                       # the grid of docs/RESULTS.md section 6.5
+    .venv/bin/python bench/threshold_sweep.py --lr-schedule constant  # the grid of docs/RESULTS.md section 6.5
     .venv/bin/python bench/threshold_sweep.py --distortions 0.5 --cosines 0.7 0.8 --budgets 2 --seeds 0
 """
 
@@ -83,9 +83,9 @@ def main() -> int:
     parser.add_argument("--lm-steps", type=int, default=80)
     parser.add_argument("--tasks", nargs="+", default=["digits_cnn", "bytes_lm"])
     parser.add_argument("--no-unscreened", action="store_true", help="SafeBits runs only")
-    parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
-                        help="the worker's learning-rate schedule: the grid of docs/RESULTS.md section 6.5 ran at a "
-                             "constant rate (the demo's cosine came later, section 6.13)")
+    parser.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+                        help="the worker's learning-rate schedule (default: the demo's); the grid of "
+                             "docs/RESULTS.md section 6.5 ran at a constant rate, section 6.13's with the decay")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     args = parser.parse_args()
     args.out_dir = os.path.abspath(args.out_dir)     # the workers run in the repository root
