@@ -18,6 +18,10 @@ _DEFAULTS = inspect.signature(SafeBits.__init__).parameters
 DEFAULT_THRESHOLDS = (float(_DEFAULTS["max_distortion"].default), float(_DEFAULTS["min_cosine"].default))
 """The library's ``(max_distortion, min_cosine)``."""
 
+SCHEDULES = ("cosine", "constant")
+"""Learning-rate schedules of the demo's tasks (``demo_worker.Task``); the first is the demo's, and the threshold
+sweep's."""
+
 COLLAPSE_FACTOR = 0.9
 """A run has collapsed when its loss is non-finite or its final validation loss exceeds this multiple of the
 validation loss of the initial weights: a run that did not end at least 10% below where it started has failed,

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from demo_stats import COLLAPSE_FACTOR, collapsed, run_label
+from demo_stats import COLLAPSE_FACTOR, SCHEDULES, collapsed, run_label
 
 from safebits_hvd.baselines import BUDGETED, REGISTRY, make_compressor
 
@@ -95,10 +95,6 @@ LM_SHAPES = {"bytes_lm": (64, 400_000, 3e-3), "bytes_lm_large": (256, 2_000_000,
 """LM task -> (width, corpus bytes, Adam learning rate): the demo's LM (104,192 parameters) and a larger one
 (1,202,432 parameters; 2 layers and 4 heads both). At width 256, 1e-3 ended 160 steps of fp32 training slightly
 lower than 3e-3 (3.221 against 3.230 validation bits per byte, one process, batch 32)."""
-
-
-SCHEDULES = ("cosine", "constant")
-"""Learning-rate schedules of a :class:`Task`; the first is the demo's."""
 
 
 @dataclass
@@ -355,6 +351,8 @@ def main() -> None:
                         help="SafeBits screens as MAX_DISTORTION:MIN_COSINE (one SafeBits run per budget and "
                              "pair); default: the library's")
     args = parser.parse_args()
+    if args.large_plan and "bytes_lm_large" in args.tasks:     # else one of the two would be silently ignored
+        parser.error("--large-plan trains bytes_lm_large itself: leave it out of --tasks")
 
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations/escalations are counted per run
@@ -365,7 +363,7 @@ def main() -> None:
                              schedule=args.lr_schedule)
              for name in TASK_NAMES if name == "digits_cnn" or name in args.tasks}
     plans = {name: plan for name in args.tasks}
-    if args.large_plan and "bytes_lm_large" not in tasks:
+    if args.large_plan:
         tasks["bytes_lm_large"] = make_task("bytes_lm_large", args.large_steps, args.large_batch,
                                             args.lr_schedule)
         plans["bytes_lm_large"] = args.large_plan

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from demo_stats import DEFAULT_THRESHOLDS, higher_is_better, mean_std
+from demo_stats import DEFAULT_THRESHOLDS, SCHEDULES, higher_is_better, mean_std
 
 from safebits_hvd import launch
 
@@ -83,7 +83,7 @@ def main() -> int:
     parser.add_argument("--lm-steps", type=int, default=80)
     parser.add_argument("--tasks", nargs="+", default=["digits_cnn", "bytes_lm"])
     parser.add_argument("--no-unscreened", action="store_true", help="SafeBits runs only")
-    parser.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+    parser.add_argument("--lr-schedule", choices=SCHEDULES, default=SCHEDULES[0],
                         help="the worker's learning-rate schedule (default: the demo's); the grid of "
                              "docs/RESULTS.md section 6.5 ran at a constant rate, section 6.13's with the decay")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))

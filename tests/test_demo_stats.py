@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -169,3 +170,9 @@ def test_the_demo_tasks_decay_the_learning_rate_on_a_cosine_unless_asked_for_a_c
     assert {constant.lr_at(s) for s in range(100)} == {constant.lr}
     with pytest.raises(ValueError, match="schedule"):
         worker.make_task("digits_cnn", steps=100, schedule="linear")
+
+
+def test_the_worker_refuses_a_large_plan_for_a_task_it_already_trains() -> None:
+    result = subprocess.run([sys.executable, str(_BENCH / "demo_worker.py"), "--out", "unused.json", "--tasks",
+                             "bytes_lm_large", "--large-plan", "fp32"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "leave it out of --tasks" in result.stderr
