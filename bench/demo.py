@@ -16,10 +16,11 @@ unscreened budgeting at 2 bits, 250 CNN and 160 LM steps, the learning rate deca
 constant`` for the protocol before docs/RESULTS.md section 6.13); then fp32, QSGD 2 and SafeBits at 2 bits on the larger
 LM (120 steps, 8 windows per rank). 45 runs, to stay under 10 minutes on 2 cores (docs/RESULTS.md section 6.13).
 ``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8 (SafeBits and
-unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, and the larger LM.
+unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, the larger LM, and
+:data:`CONSTANT_PLAN` on the CNN at a constant learning rate (its own table).
 Worker options given here override the defaults (``--seeds 0``); one that chooses the runs (``--plan``,
-``--compressors``, ``--budgets``, ``--thresholds``, ``--tasks``, ``--large-plan``) replaces the default plan and
-the larger LM.
+``--compressors``, ``--budgets``, ``--thresholds``, ``--tasks``, ``--large-plan``, ``--constant-plan``) replaces the
+default plan, the larger LM and the constant-rate runs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from demo_stats import run_label, table
+from demo_stats import run_label, section, table
 
 from safebits_hvd import launch
 
@@ -47,9 +48,29 @@ unscreened budgeting at 4.4, the tight 1-bit regime) is in ``--full``: the large
 LARGE_PLAN = ["fp32", "qsgd2", "safebits@2"]
 """``make demo``'s runs on the larger LM (``bytes_lm_large``, 1.2M parameters), 120 steps of 8 windows per rank."""
 LARGE_ARGS = ["--large-plan", *LARGE_PLAN, "--large-steps", "120", "--large-batch", "8"]
-PLAN_OPTIONS = ("--plan", "--compressors", "--budgets", "--thresholds", "--tasks", "--large-plan")
+CONSTANT_PLAN = ["fp32", "unscreened_quantizers@1", "safebits_quantizers@1"]
+"""``--full``'s runs on the digits CNN at a constant learning rate: the tight regime where unscreened budgeting
+collapses and SafeBits does not (docs/RESULTS.md 6.6). Under the demo's decay it degrades without collapsing
+(section 6.13), so it keeps the rate at which it was found."""
+PLAN_OPTIONS = ("--plan", "--compressors", "--budgets", "--thresholds", "--tasks", "--large-plan", "--constant-plan")
 """Worker options that choose the runs: given to ``demo.py``, they replace its default plan and the larger LM."""
 FULL_BUDGETS = [1.0, 2.0, 4.4, 8.0]
+
+
+def worker_arguments(full: bool, extra: list[str]) -> list[str]:
+    """``demo_worker.py``'s arguments: the default run or ``--full``'s, then ``extra`` (the worker options given to
+    ``demo.py``; later options win in argparse). One that chooses the runs (:data:`PLAN_OPTIONS`) replaces the
+    default plan, the larger LM and the constant-rate runs."""
+    chosen = any(arg.split("=")[0] in PLAN_OPTIONS for arg in extra)
+    if full:
+        args = ["--seeds", "0", "1", "2", "--cnn-steps", "500", "--lm-steps", "320", "--budgets",
+                *map(str, FULL_BUDGETS)]
+    else:
+        args = ["--seeds", "0", "1", "2", "--cnn-steps", "250", "--lm-steps", "160",
+                *([] if chosen else ["--plan", *DEFAULT_PLAN])]
+    if not chosen:
+        args += LARGE_ARGS + (["--constant-plan", *CONSTANT_PLAN] if full else [])
+    return args + extra
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -64,15 +85,16 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
-    """Loss vs step and loss vs cumulative modeled bytes per rank, one line per compressor, per task (seed 0)."""
+    """Loss vs step and loss vs cumulative modeled bytes per rank, one line per compressor, per task and schedule
+    (:func:`demo_stats.section`; the lowest seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for task in sorted({r["task"] for r in runs}):
-        task_runs = [r for r in runs if r["task"] == task and r["seed"] == min(x["seed"] for x in runs)]
+    for task in sorted({section(r) for r in runs}):
+        task_runs = [r for r in runs if section(r) == task and r["seed"] == min(x["seed"] for x in runs)]
         for kind in ("step", "bytes"):
             fig, ax = plt.subplots(figsize=(9, 5.5))
             baseline_colors = iter(plt.get_cmap("tab10").colors)
@@ -108,7 +130,8 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, ncol=2)
             fig.tight_layout()
-            path = os.path.join(out_dir, f"demo_{task}_loss_vs_{kind}.png")
+            slug = task.replace(", ", "_").replace(" learning rate", "_lr")    # digits_cnn_constant_lr
+            path = os.path.join(out_dir, f"demo_{slug}_loss_vs_{kind}.png")
             fig.savefig(path, dpi=90)
             plt.close(fig)
             paths.append(path)
@@ -124,15 +147,10 @@ def main() -> int:
     args.out_dir = os.path.abspath(args.out_dir)     # the workers run in the repository root
     os.makedirs(args.out_dir, exist_ok=True)
     raw_path = os.path.join(args.out_dir, "demo_raw.json")
-    chosen = any(arg.split("=")[0] in PLAN_OPTIONS for arg in extra)
-    worker_args = (["--seeds", "0", "1", "2", "--cnn-steps", "500", "--lm-steps", "320", "--budgets",
-                    *map(str, FULL_BUDGETS)] if args.full
-                   else ["--seeds", "0", "1", "2", "--cnn-steps", "250", "--lm-steps", "160",
-                         *([] if chosen else ["--plan", *DEFAULT_PLAN])])
-    worker_args += [] if chosen else LARGE_ARGS
+    worker_args = worker_arguments(args.full, extra)
     worker = os.path.join(ROOT, "bench", "demo_worker.py")
     command = ["horovodrun", "-np", "2", "--mpi" if args.mpi else "--gloo", "python", worker, "--out", raw_path,
-               *worker_args, *extra]
+               *worker_args]
     print("[demo] " + " ".join(command), flush=True)
     start = time.perf_counter()
     if os.path.exists(raw_path):
@@ -143,7 +161,7 @@ def main() -> int:
             print(line.split("<stdout>:", 1)[-1], flush=True)
 
     try:
-        launch.horovodrun(2, worker, "--out", raw_path, *worker_args, *extra,
+        launch.horovodrun(2, worker, "--out", raw_path, *worker_args,
                           transport="mpi" if args.mpi else "gloo", timeout=7200, env={"OMP_NUM_THREADS": "1"},
                           on_line=progress)
     except launch.LaunchError as exc:

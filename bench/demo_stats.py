@@ -43,6 +43,13 @@ def run_label(run: dict[str, Any]) -> str:
     return compressor_label(name, run["budget_bits"])
 
 
+def section(run: dict[str, Any]) -> str:
+    """The table a run belongs to: its task, and its learning-rate schedule when that is not the demo's (runs at a
+    constant rate are not comparable with decayed ones, docs/RESULTS.md section 6.13)."""
+    schedule = run.get("lr_schedule", SCHEDULES[0])     # records from before the schedule was recorded
+    return run["task"] if schedule == SCHEDULES[0] else f"{run['task']}, {schedule} learning rate"
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (ddof 1; 0.0 for one value, NaN for none)."""
     n = len(values)
@@ -73,10 +80,10 @@ def higher_is_better(metric_name: str) -> bool:
 
 
 def group(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """Runs by ``(task, run_label)``, in first-seen order."""
+    """Runs by ``(section, run_label)`` (see :func:`section`), in first-seen order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
-        groups[(r["task"], run_label(r))].append(r)
+        groups[(section(r), run_label(r))].append(r)
     return groups
 
 
@@ -98,16 +105,16 @@ def fmt(mean: float, std: float, digits: int = 4) -> str:
 
 
 def table(runs: list[dict[str, Any]], collapse_factor: float = COLLAPSE_FACTOR) -> str:
-    """Markdown tables per task: mean ± std over seeds, collapses counted, and for every budgeted run the paired
-    difference to the closest fixed baseline at equal bytes."""
+    """Markdown tables per task and schedule (:func:`section`): mean ± std over seeds, collapses counted, and for
+    every budgeted run the paired difference to the closest fixed baseline at equal bytes."""
     groups = group(runs)
     lines: list[str] = []
-    for task in dict.fromkeys(r["task"] for r in runs):
-        task_groups = {name: rs for (t, name), rs in groups.items() if t == task}
+    for title in dict.fromkeys(section(r) for r in runs):
+        task_groups = {name: rs for (t, name), rs in groups.items() if t == title}
         metric = next(iter(task_groups.values()))[0]["metric_name"]
         fp32 = task_groups.get("fp32", [])
         ref = mean_std([r["final_metric"] for r in fp32])[0]
-        lines += [f"### {task}", "",
+        lines += [f"### {title}", "",
                   f"| compressor | seeds | final val loss | {metric} | vs fp32 | modeled ratio | bits/param | "
                   f"violations | escalations | collapsed | wall s |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

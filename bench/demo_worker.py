@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from demo_stats import COLLAPSE_FACTOR, SCHEDULES, collapsed, run_label
+from demo_stats import COLLAPSE_FACTOR, SCHEDULES, collapsed, run_label, section
 
 from safebits_hvd.baselines import BUDGETED, REGISTRY, make_compressor
 
@@ -347,12 +347,19 @@ def main() -> None:
     parser.add_argument("--large-batch", type=int, default=16)
     parser.add_argument("--lr-schedule", choices=SCHEDULES, default=SCHEDULES[0],
                         help="learning rate over each run's steps (cosine: from the task's rate to 0)")
+    parser.add_argument("--constant-plan", type=parse_run, nargs="*", default=[], metavar="NAME[@BITS]",
+                        help="also train digits_cnn at a constant learning rate, after the other tasks, with these "
+                             "runs only (--cnn-steps steps): the tight regime where unscreened budgeting collapses "
+                             "(docs/RESULTS.md 6.6)")
     parser.add_argument("--thresholds", type=parse_thresholds, nargs="+", default=[None],
                         help="SafeBits screens as MAX_DISTORTION:MIN_COSINE (one SafeBits run per budget and "
                              "pair); default: the library's")
     args = parser.parse_args()
     if args.large_plan and "bytes_lm_large" in args.tasks:     # else one of the two would be silently ignored
         parser.error("--large-plan trains bytes_lm_large itself: leave it out of --tasks")
+    if args.constant_plan and args.lr_schedule == "constant":  # else both would land in one table
+        parser.error("--constant-plan adds constant-rate runs to decayed ones: with --lr-schedule constant, "
+                     "give them in --plan")
 
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations/escalations are counted per run
@@ -362,11 +369,13 @@ def main() -> None:
     tasks = {name: make_task(name, args.cnn_steps if name == "digits_cnn" else args.lm_steps,
                              schedule=args.lr_schedule)
              for name in TASK_NAMES if name == "digits_cnn" or name in args.tasks}
-    plans = {name: plan for name in args.tasks}
+    jobs: list[tuple[Task, Plan]] = [(tasks[name], plan) for name in args.tasks]
     if args.large_plan:
         tasks["bytes_lm_large"] = make_task("bytes_lm_large", args.large_steps, args.large_batch,
                                             args.lr_schedule)
-        plans["bytes_lm_large"] = args.large_plan
+        jobs.append((tasks["bytes_lm_large"], args.large_plan))
+    if args.constant_plan:
+        jobs.append((make_task("digits_cnn", args.cnn_steps, schedule="constant"), args.constant_plan))
     runs = []
     for name in LM_SHAPES:
         if rank0 and name in tasks:
@@ -374,8 +383,7 @@ def main() -> None:
             print(f"[demo] {name} corpus: {len(files)} stdlib files, {sum(map(os.path.getsize, files))} bytes, "
                   f"{os.path.basename(files[0])} .. {os.path.basename(files[-1])}", flush=True)
     run_id = 0
-    for name, task_plan in plans.items():
-        task = tasks[name]
+    for task, task_plan in jobs:
         for seed in args.seeds:
             for compressor, budget, thresholds in task_plan:
                 result = run_one(task, compressor, budget, seed, run_id, thresholds)
@@ -383,8 +391,9 @@ def main() -> None:
                 runs.append(result)
                 if rank0:
                     label = run_label(result)
-                    print(f"[demo] {name:10s} seed={seed} {label:16s} loss {result['curves']['initial_loss']:.3f}"
-                          f" -> {result['final_loss']:.3f}  {task.metric_name}={result['final_metric']:.4f}"
+                    print(f"[demo] {section(result):10s} seed={seed} {label:16s} "
+                          f"loss {result['curves']['initial_loss']:.3f} -> {result['final_loss']:.3f}"
+                          f"  {task.metric_name}={result['final_metric']:.4f}"
                           f"  ratio={result['compression_ratio'] or float('nan'):6.2f}x"
                           f"  viol={result['violations']} esc={result['escalations']}"
                           f"{'  COLLAPSED' if result['collapsed'] else ''}  {result['wall_s']:.1f}s", flush=True)

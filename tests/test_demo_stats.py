@@ -176,3 +176,36 @@ def test_the_worker_refuses_a_large_plan_for_a_task_it_already_trains() -> None:
     result = subprocess.run([sys.executable, str(_BENCH / "demo_worker.py"), "--out", "unused.json", "--tasks",
                              "bytes_lm_large", "--large-plan", "fp32"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "leave it out of --tasks" in result.stderr
+
+
+def test_runs_at_a_constant_rate_get_their_own_table() -> None:
+    decayed = [dict(run("fp32", s, 0.97), lr_schedule="cosine") for s in range(2)]
+    decayed += [dict(run("unscreened", s, 0.96, budget=1.0, ratio=30.0), lr_schedule="cosine") for s in range(2)]
+    constant = [dict(run("fp32", s, 0.95), lr_schedule="constant") for s in range(2)]
+    constant += [dict(run("unscreened", s, 0.10, budget=1.0, ratio=30.0, collapsed=True), lr_schedule="constant")
+                 for s in range(2)]
+    md = stats.table(decayed + constant)
+    heads = [line for line in md.splitlines() if line.startswith("### ")]
+    assert heads == ["### t", "### t, constant learning rate"]
+    first, second = md.split("### t, constant learning rate")
+    assert "| unscreened@1 | 2 |" in first and "| 0/2 |" in first and "-1.0%" in first    # against its own fp32
+    assert "| 2/2 |" in second and "-89.5%" in second
+    assert stats.section({"task": "t"}) == "t"               # records from before the schedule was recorded
+
+
+def test_full_adds_the_constant_rate_regime_unless_the_runs_are_chosen() -> None:
+    demo = _load("demo")
+    full = demo.worker_arguments(True, [])
+    assert full[full.index("--constant-plan") + 1:][:len(demo.CONSTANT_PLAN)] == demo.CONSTANT_PLAN
+    assert "--constant-plan" not in demo.worker_arguments(False, [])
+    chosen = demo.worker_arguments(True, ["--plan", "fp32"])
+    assert "--constant-plan" not in chosen and "--large-plan" not in chosen and chosen[-2:] == ["--plan", "fp32"]
+    for name, bits, _ in map(_load("demo_worker").parse_run, demo.CONSTANT_PLAN):    # every name is runnable
+        assert name in ("fp32", "unscreened_quantizers", "safebits_quantizers") and bits in (None, 1.0)
+
+
+def test_the_worker_refuses_constant_rate_runs_in_a_constant_rate_launch() -> None:
+    result = subprocess.run([sys.executable, str(_BENCH / "demo_worker.py"), "--out", "unused.json",
+                             "--lr-schedule", "constant", "--constant-plan", "fp32"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "give them in --plan" in result.stderr
