@@ -114,7 +114,7 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
                         next(baseline_colors), ":", 1.4)
                 else:                               # SafeBits solid reds, unscreened dashed blues
                     shade = 0.45 + 0.5 * budgets.index(run["budget_bits"]) / max(1, len(budgets) - 1)
-                    screened = run["compressor"] == "safebits"
+                    screened = run["compressor"].startswith("safebits")     # every SafeBits menu
                     color = plt.get_cmap("Reds" if screened else "Blues")(shade)
                     style, width = ("-", 1.8) if screened else ("--", 1.6)
                 ax.plot(x, loss, style, color=color, lw=width, label=run_label(run))
