@@ -53,7 +53,8 @@ CONSTANT_PLAN = ["fp32", "unscreened_quantizers@1", "safebits_quantizers@1"]
 collapses and SafeBits does not (docs/RESULTS.md 6.6). Under the demo's decay it degrades without collapsing
 (section 6.13), so it keeps the rate at which it was found."""
 PLAN_OPTIONS = ("--plan", "--compressors", "--budgets", "--thresholds", "--tasks", "--large-plan", "--constant-plan")
-"""Worker options that choose the runs: given to ``demo.py``, they replace its default plan and the larger LM."""
+"""Worker options that choose the runs: given to ``demo.py``, they replace its default plan, the larger LM and
+``--full``'s constant-rate runs."""
 FULL_BUDGETS = [1.0, 2.0, 4.4, 8.0]
 
 
