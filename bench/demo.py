@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from demo_stats import run_label, section, table
+from demo_stats import other_schedule, run_label, section, table
 
 from safebits_hvd import launch
 
@@ -96,6 +96,8 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
     paths = []
     for task in sorted({section(r) for r in runs}):
         task_runs = [r for r in runs if section(r) == task and r["seed"] == min(x["seed"] for x in runs)]
+        schedule = other_schedule(task_runs[0])
+        slug = task_runs[0]["task"] + (f"_{schedule}_lr" if schedule else "")     # digits_cnn_constant_lr
         for kind in ("step", "bytes"):
             fig, ax = plt.subplots(figsize=(9, 5.5))
             baseline_colors = iter(plt.get_cmap("tab10").colors)
@@ -115,7 +117,7 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
                         next(baseline_colors), ":", 1.4)
                 else:                               # SafeBits solid reds, unscreened dashed blues
                     shade = 0.45 + 0.5 * budgets.index(run["budget_bits"]) / max(1, len(budgets) - 1)
-                    screened = run["compressor"].startswith("safebits")     # every SafeBits menu
+                    screened = run["max_distortion"] is not None     # SafeBits on any menu records its screen
                     color = plt.get_cmap("Reds" if screened else "Blues")(shade)
                     style, width = ("-", 1.8) if screened else ("--", 1.6)
                 ax.plot(x, loss, style, color=color, lw=width, label=run_label(run))
@@ -131,7 +133,6 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, ncol=2)
             fig.tight_layout()
-            slug = task.replace(", ", "_").replace(" learning rate", "_lr")    # digits_cnn_constant_lr
             path = os.path.join(out_dir, f"demo_{slug}_loss_vs_{kind}.png")
             fig.savefig(path, dpi=90)
             plt.close(fig)

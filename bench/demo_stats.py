@@ -43,11 +43,18 @@ def run_label(run: dict[str, Any]) -> str:
     return compressor_label(name, run["budget_bits"])
 
 
+def other_schedule(run: dict[str, Any]) -> str | None:
+    """The run's learning-rate schedule when it is not the demo's, else None (records from before the schedule
+    was recorded ran at the demo's)."""
+    schedule = run.get("lr_schedule", SCHEDULES[0])
+    return None if schedule == SCHEDULES[0] else schedule
+
+
 def section(run: dict[str, Any]) -> str:
     """The table a run belongs to: its task, and its learning-rate schedule when that is not the demo's (runs at a
     constant rate are not comparable with decayed ones, docs/RESULTS.md section 6.13)."""
-    schedule = run.get("lr_schedule", SCHEDULES[0])     # records from before the schedule was recorded
-    return run["task"] if schedule == SCHEDULES[0] else f"{run['task']}, {schedule} learning rate"
+    schedule = other_schedule(run)
+    return run["task"] if schedule is None else f"{run['task']}, {schedule} learning rate"
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
