@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from . import kernels, wire
+from . import host, kernels, wire
 from .actions import Action
 from .exchange import DEFAULT_TIMEOUT, check_member, horovod_if_initialized, torch_distributed_group, wait_bounded
 from .rng import stream_key
@@ -330,10 +330,13 @@ def fusion_groups(numels: np.ndarray, max_elements: int = FUSION_ELEMENTS) -> li
 class FusedAllgather:
     """The allgather path of one core, one collective per fusion group (:func:`fusion_groups`).
 
-    A group's allgather starts when its last member is sent, with the members' payloads back to back in index order;
-    every rank decodes member ``k`` from the ``P`` gathered parts in rank order, so the sum is bitwise the same
-    everywhere. A step that ends with members unsent (an incomplete step) sends zero payloads for them in
-    :meth:`flush`, as every rank must contribute the same groups.
+    The core registers each member's gradient as it arrives (:meth:`register`); when the group is complete it sends
+    the whole group in one batched pass (``SafeBitsCore._send_group``) and hands the payloads, back to back in index
+    order, to :meth:`start`. On the receiving side the first member asked for decodes the whole group
+    (:func:`.kernels.decode_group`): member ``k`` summed over the ``P`` gathered parts in rank order, so the sum is
+    bitwise the same everywhere. The gathered headers are checked in one comparison against those of the allocated
+    actions, which every rank knows (:meth:`_split`); only when some rank sent another action (it escalated) are
+    they read one by one.
     """
 
     def __init__(self, names: list[str], numels: np.ndarray, name: str,
@@ -346,89 +349,148 @@ class FusedAllgather:
         for group, members in enumerate(self.groups):
             self.group_of[members] = group
             self.member_of[members] = np.arange(len(members))
+        self._members = [np.array(members, dtype=np.int64) for members in self.groups]
         self.step = -1
-        self._payloads: dict[int, dict[int, torch.Tensor]] = {}     # group -> member index -> payload, until sent
+        self._clear()
+
+    def _clear(self) -> None:
+        # group -> member index -> (flat gradient, the tensor that receives q or None), until the group is sent
+        self._registered: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._handles: dict[int, Any] = {}                          # group -> allgather in flight
-        self._received: dict[int, list[torch.Tensor]] = {}          # group -> gathered payloads, rank-major
-        # Tensor index -> the tensor the send pass wrote this rank's own q into: the sum starts from it instead of
+        self._sent: dict[int, tuple[torch.Tensor, np.ndarray]] = {} # group -> this rank's buffer and offsets
+        self._expected: dict[int, np.ndarray] = {}                  # group -> the members' allocated actions
+        # Member index -> the tensor the send pass wrote this rank's own q into: the sum starts from it instead of
         # decoding this rank's payload again (see reduced_sum).
         self._own: dict[int, torch.Tensor] = {}
+        # group -> (divisor, member index -> reduced sum, the gathered payloads [member][rank], their actions)
+        self._decoded: dict[int, tuple[float, dict[int, torch.Tensor], list[list[torch.Tensor]], np.ndarray]] = {}
 
     def begin(self, step: int, transport: PayloadTransport) -> None:
         """A new step: collectives of the last one that nobody waited for are completed and dropped."""
         for handle in self._handles.values():
             transport.wait(handle)
         self.step = step
-        self._payloads, self._handles, self._received, self._own = {}, {}, {}, {}
+        self._clear()
 
     def abort(self) -> None:
         """Drop the step in flight without waiting (its collectives failed)."""
-        self._payloads, self._handles, self._received, self._own = {}, {}, {}, {}
+        self._clear()
 
-    def add(self, transport: PayloadTransport, index: int, payload: torch.Tensor,
-            own: torch.Tensor | None = None) -> None:
-        """Tensor ``index``'s payload (``own``: a tensor already holding its decoded values, which
-        :meth:`reduced_sum` may start from); starts its group's allgather if it completes the group."""
-        if own is not None:
-            self._own[index] = own
+    def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
+        """Tensor ``index``'s flat gradient (``own``: where its ``q`` is to be written, or None); returns its group
+        when this completes it (the caller sends the group then), else None."""
         group = int(self.group_of[index])
-        members = self._payloads.setdefault(group, {})
-        members[index] = payload
-        if len(members) == len(self.groups[group]):
-            self._start(transport, group)
+        members = self._registered.setdefault(group, {})
+        members[index] = (gradient, own)
+        return group if len(members) == len(self.groups[group]) else None
 
-    def flush(self, transport: PayloadTransport, zeros: Any) -> None:
-        """Start every group some member of which was sent but not all: ``zeros(index, device)`` stands in for the
-        missing ones."""
-        for group, members in list(self._payloads.items()):
-            device = next(iter(members.values())).device
-            for index in self.groups[group]:
-                if index not in members:
-                    members[index] = zeros(index, device)
-            self._start(transport, group)
+    def take(self, group: int) -> tuple[list[int], dict[int, tuple[torch.Tensor, torch.Tensor | None]]]:
+        """The group's members and what was registered of them (removed: the group is being sent)."""
+        return self.groups[group], self._registered.pop(group, {})
 
-    def _start(self, transport: PayloadTransport, group: int) -> None:
-        members = self._payloads.pop(group)
-        buffer = torch.cat([members[index] for index in self.groups[group]])
+    def incomplete_groups(self) -> list[int]:
+        """Groups some member of which was registered, not yet sent."""
+        return list(self._registered)
+
+    def has_unsent(self, index: int) -> bool:
+        """Whether tensor ``index``'s group has registered members not yet sent."""
+        return int(self.group_of[index]) in self._registered
+
+    def start(self, transport: PayloadTransport, group: int, buffer: torch.Tensor, offsets: np.ndarray,
+              expected: np.ndarray, owns: dict[int, torch.Tensor | None]) -> None:
+        """Start the group's allgather of ``buffer`` (the members' payloads back to back, member ``k`` at
+        ``offsets[k]:offsets[k + 1]``); ``expected``: the members' allocated actions (the same on every rank)."""
+        self._sent[group] = (buffer, offsets)
+        self._expected[group] = np.asarray(expected, dtype=np.int64)
+        self._own.update((index, own) for index, own in owns.items() if own is not None)
         # Named by the group's first tensor: a group of one tensor is named by that tensor (disjoint groups: unique).
         first = self.groups[group][0]
         self._handles[group] = transport.start_allgather(f"{self.name}.payload.{first}", buffer)
 
-    def reduced_sum(self, transport: PayloadTransport, index: int, step: int, out: torch.Tensor,
-                    zeros: Any, divisor: float = 1.0) -> torch.Tensor:
-        """Write the sum of every rank's payload of tensor ``index`` at ``step``, in rank order, divided by
-        ``divisor``, over ``out`` (rank 0's values, then each later rank's added); returns ``out``.
+    def payload(self, index: int) -> torch.Tensor:
+        """This rank's payload of tensor ``index`` (its group must have been sent)."""
+        group = int(self.group_of[index])
+        if group not in self._sent:
+            raise RuntimeError(f"the payload of {self.names[index]!r} is not sent yet: its group is sent when its "
+                               f"last member is compressed, or when the step closes")
+        buffer, offsets = self._sent[group]
+        member = int(self.member_of[index])
+        return buffer[int(offsets[member]):int(offsets[member + 1])]
 
-        When ``out`` is the tensor :meth:`add` was given as ``own`` (it holds this rank's values), this rank's
-        payload is not decoded again on ranks 0 and 1: each adds the other ranks' values to its own in rank order
-        (float addition is commutative, so rank 1's ``(q1 + q0) + q2 ...`` is bitwise ``(q0 + q1) + q2 ...``); the
-        other ranks decode every payload.
-        A group asked for before it completed (a step in which some registered tensors are never sent) is started
-        first with ``zeros`` for the missing members (:meth:`flush`), as on every rank at the same call."""
+    def _split(self, gathered: torch.Tensor, group: int, ranks: int,
+               tables: kernels.GroupTables) -> tuple[list[list[torch.Tensor]], np.ndarray]:
+        """The gathered payloads ``[member][rank]`` and their menu actions. Fast path: if every rank sent the
+        allocated actions, the buffer has exactly their length and their headers at the offsets they imply; one
+        comparison of all those headers proves it (by induction over payloads: each header fixes where the next
+        payload starts). Else every payload is parsed in turn (a rank escalated, or the buffer is corrupt)."""
+        members, expected = self._members[group], self._expected[group]
+        m = len(members)
+        sizes = tables.payload_bytes[members, expected]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        part = int(sizes.sum())
+        if gathered.numel() == ranks * part:
+            positions = ((np.arange(ranks, dtype=np.int64)[:, None, None] * part + starts[None, :, None])
+                         + np.arange(wire.HEADER_BYTES)[None, None, :]).reshape(-1)
+            heads = gathered[torch.from_numpy(positions).to(gathered.device)].view(ranks, m, wire.HEADER_BYTES)
+            want = torch.from_numpy(tables.headers[members, expected]).to(gathered.device)
+            host.count()
+            if bool((heads == want).all()):
+                payloads = [[gathered[r * part + int(starts[k]):r * part + int(starts[k]) + int(sizes[k])]
+                             for r in range(ranks)] for k in range(m)]
+                return payloads, np.repeat(expected[:, None], ranks, axis=1)
+        what = f"{self.name} group {group} step {self.step}"
+        views = split_payloads(gathered, ranks * m, what)
+        payloads = [[views[r * m + k] for r in range(ranks)] for k in range(m)]
+        actions = np.empty((m, ranks), dtype=np.int64)
+        for k in range(m):
+            for r in range(ranks):
+                head = bytes(views[r * m + k][:wire.HEADER_BYTES].cpu().numpy().tobytes())
+                action = tables.action_of_header(int(members[k]), head)
+                if action < 0:
+                    raise wire.WireFormatError(f"{self.names[members[k]]} (rank {r}): the payload is not one of "
+                                               f"this tensor's menu actions")
+                actions[k, r] = action
+        return payloads, actions
+
+    def reduced_sum(self, transport: PayloadTransport, index: int, step: int, out: torch.Tensor | None,
+                    divisor: float, tables: kernels.GroupTables) -> torch.Tensor:
+        """The sum of every rank's payload of tensor ``index`` at ``step``, in rank order, divided by ``divisor``,
+        in ``out`` if given (written over), else in a new tensor. The first member of a group asked for decodes the
+        whole group, into each member's ``own`` tensor when it has one.
+
+        When a member's ``own`` tensor holds this rank's values, this rank's payload is not decoded again on ranks
+        0 and 1: each adds the other ranks' values to its own in rank order (float addition is commutative, so
+        rank 1's ``(q1 + q0) + q2 ...`` is bitwise ``(q0 + q1) + q2 ...``); the other ranks decode every payload."""
         if step != self.step:
             raise RuntimeError(f"the allgather of step {step} is no longer held (a later step began)")
         group = int(self.group_of[index])
-        if group not in self._received:
-            if group in self._payloads:
-                self.flush(transport, zeros)
+        if group not in self._decoded:
             if group not in self._handles:
                 raise RuntimeError(f"the group of {self.names[index]!r} was not sent at step {step}")
             gathered = transport.wait(self._handles.pop(group))
-            self._received[group] = split_payloads(gathered, transport.size * len(self.groups[group]),
-                                                   f"{self.name} group {group} step {step}")
-        parts, members, member = self._received[group], len(self.groups[group]), int(self.member_of[index])
-        me, ranks = transport.rank, transport.size
-        if self._own.pop(index, None) is out and me <= 1:
-            added = [rank for rank in range(ranks) if rank != me]
-        else:
-            kernels.decode(parts[member], name=f"{self.names[index]} (rank 0)", out=out)
-            added = list(range(1, ranks))
-        for rank in added:
-            kernels.decode_add(parts[rank * members + member], out, name=f"{self.names[index]} (rank {rank})",
-                               divisor=divisor if rank == added[-1] else 1.0)
-        if not added and divisor != 1.0:
-            out.div_(divisor)
-        return out
+            ranks, me = transport.size, transport.rank
+            payloads, actions = self._split(gathered, group, ranks, tables)
+            members = self._members[group]
+            outs, own = [], np.full(len(members), -1, dtype=np.int64)
+            for k, member in enumerate(members.tolist()):
+                target = self._own.get(member)
+                if target is not None and me <= 1:
+                    own[k] = me
+                outs.append(target if target is not None else
+                            torch.empty(int(tables.numels[member]), dtype=torch.float32, device=gathered.device))
+            names = [self.names[i] for i in members.tolist()]
+            kernels.decode_group(payloads, actions, outs, own, tables, members, names, divisor)
+            self._decoded[group] = (divisor, dict(zip(members.tolist(), outs, strict=True)), payloads, actions)
+        decoded_divisor, sums, payloads, actions = self._decoded[group]
+        total = sums[index]
+        if divisor != decoded_divisor:       # another op than the group's first member's: decode this one again
+            member = int(self.member_of[index])
+            total = torch.empty_like(total)
+            kernels.decode_group([payloads[member]], actions[member:member + 1], [total], np.array([-1]), tables,
+                                 self._members[group][member:member + 1], [self.names[index]], divisor)
+        if out is None:
+            return total
+        return total if out is total else out.copy_(total)
 
 
 # ---------------------------------------------------------------------------------------------- encoding

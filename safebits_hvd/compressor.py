@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import collectives
+from . import collectives, host
 from .actions import DEFAULT_MENU, Menu, make_menu
 from .collectives import PayloadTransport, make_transport
 from .core import NONFINITE_MODES, SafeBitsCore, check_count, check_number
@@ -42,12 +42,23 @@ class Context(NamedTuple):
     dtype: torch.dtype
     index: int                  # the parameter
     collective: str             # "dense", "allgather" or "two_phase"
-    wire: torch.Tensor          # what this rank sent: the packed payload (uint8) or the dense float32 values
+    # What this rank sent: the dense float32 values, the two-phase payloads, or on the allgather path the core,
+    # which holds the packed payload once the tensor's group has been sent (read it as ``wire``).
+    sent: Any
     # Packed paths: the gradient's own flat storage, which the reduced sum is decoded into (compress has consumed
     # its values; Horovod's uncompressed allreduce overwrites it too), so a step allocates no new gradients; on the
     # allgather path compress leaves this rank's dequantized values there, where the sum starts. None when it is
     # not contiguous float32 (a fresh tensor is decoded into then).
     gradient: torch.Tensor | None = None
+
+    @property
+    def wire(self) -> torch.Tensor:
+        """What this rank sent: the packed payload (uint8) or the dense float32 values. On the allgather path the
+        payload exists once the tensor's group has been sent: when its last member was compressed, at the latest
+        when the step closes."""
+        if self.collective == "allgather":
+            return self.sent.payload(self.index, self.step)
+        return self.sent
 
 
 def op_factor(reduced_marker: torch.Tensor, ranks: int) -> float:
@@ -212,6 +223,7 @@ class CoreCompressor(CoreRecords, Compressor):
         self.numels = core.numels
         self.total_elements = core.total_elements
         self._index = GradientIndex(params)
+        self._op_factor = (-1, 1.0)      # (step, what Horovod's op did to the marker at that step)
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
         """Quantize one gradient (with error feedback) for the wire; returns what Horovod is to allreduce and the
@@ -231,7 +243,8 @@ class CoreCompressor(CoreRecords, Compressor):
         sent = core.send(index, tensor, into=flat)
         if sent.collective == "dense":
             return sent.wire, Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
-        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire, flat)
+        wire = core if sent.collective == "allgather" else sent.wire
+        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, wire, flat)
         return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -240,7 +253,12 @@ class CoreCompressor(CoreRecords, Compressor):
         core = self.core
         if ctx.collective != "dense":
             ranks = core.transport.size if core.transport is not None else 1
-            factor = op_factor(tensor, ranks)
+            # The marker is read once per step (one read back to the host): Horovod reduces every tensor of an
+            # optimizer with the same op.
+            if self._op_factor[0] != ctx.step:
+                host.count()
+                self._op_factor = (ctx.step, op_factor(tensor, ranks))
+            factor = self._op_factor[1]
             # Average (factor 1): the division by the rank count rides on the last payload's decode.
             total = core.reduced_sum(ctx.index, ctx.step, ctx.collective, ctx.gradient,
                                      divisor=ranks if factor == 1.0 else 1.0)

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import checkpoint, collectives, kernels, wire
+from . import checkpoint, collectives, host, kernels, wire
 from .actions import ActionKind, Menu
 from .allocator import Allocation
 from .collectives import PayloadTransport
@@ -44,7 +44,7 @@ from .exchange import StatisticsExchange, allocation_digest, digest_words
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .rng import stream_key
-from .screen import distortion_cosine, distortion_cosine_of
+from .screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of, passes
 from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepArrays, StepLog, StepRecord, logger
 from .two_phase import TwoPhaseReduction
@@ -137,8 +137,10 @@ class SafeBitsCore:
         self.memory = ErrorFeedback()                  # per-tensor residuals e, per rank
         # Two-phase: segments, the step in flight, and the second hop's residuals (of the segments this rank owns).
         self.two_phase = TwoPhaseReduction(names, numels, policy.menu, policy, name)
-        # Allgather: the step's fusion groups in flight (one collective per group of small tensors).
+        # Allgather: the step's fusion groups in flight (one collective per group of small tensors), each sent in
+        # one batched pass (kernels.send_group) over the per-tensor and per-action tables built here once.
         self.allgather = collectives.FusedAllgather(names, numels, name, fusion_elements)
+        self.group_tables = kernels.GroupTables(policy.menu, numels, policy.cost_order)
         self.step = 0                                  # index of the next step to begin
         # The last finished step's reduced statistics: the next allocation's input (None before the first step).
         self._previous_screened: np.ndarray | None = None
@@ -194,13 +196,19 @@ class SafeBitsCore:
                                 or own.numel() != self.numels[index] or own.device != grad.device):
             raise ValueError(f"into must be a flat contiguous float32 tensor of {self.numels[index]} elements on "
                              f"{grad.device}")
-        sent = self._send(index, grad, own)
         assert self.transport is not None
-        ranks = self.transport.size
         if collective == "allgather":
-            self.allgather.add(self.transport, index, sent, own)
-            self._wire_bytes += collectives.link_bytes(collective, sent.numel(), ranks)
-        elif collective == "two_phase":
+            # Only registered: the group's members are sent together when its last one arrives (_send_group).
+            group = self.allgather.register(index, self._flat_gradient(index, grad), own)
+            self.unsent[index] = False
+            if group is not None:
+                self._send_group(group)
+            if not self.unsent.any():
+                self._close()
+            return Sent(None, step, collective)
+        sent = self._send(index, grad, own)
+        ranks = self.transport.size
+        if collective == "two_phase":
             self.two_phase.add(index, sent)
             self._wire_bytes += sum(p.numel() for r, p in enumerate(sent) if r != self.transport.rank)
             sent = torch.cat(sent)
@@ -218,11 +226,9 @@ class SafeBitsCore:
         flat float32 tensor (``out`` if given: written over). Waits for the collective."""
         assert self.transport is not None
         if collective == "allgather":
-            if out is None:
-                out = torch.empty(int(self.numels[index]), dtype=torch.float32, device=self._device)
-            return self.allgather.reduced_sum(self.transport, index, step, out,
-                                              lambda index, device: self._zeros(index, "allgather", device),
-                                              divisor)
+            if step == self.allgather.step and self.allgather.has_unsent(index):
+                self._flush_groups()     # a step in which some registered tensors were never sent (on every rank)
+            return self.allgather.reduced_sum(self.transport, index, step, out, divisor, self.group_tables)
         total = self.two_phase.result(index, step)
         total = total if out is None else out.copy_(total)
         return total.div_(divisor) if divisor != 1.0 else total
@@ -238,6 +244,16 @@ class SafeBitsCore:
         assert self._allocation is not None
         action = self.menu[int(self._allocation.choice[index])]
         return wire.HEADER_BYTES + action.cost(int(self.numels[index])) // 8
+
+    def payload(self, index: int, step: int) -> torch.Tensor:
+        """This rank's packed payload of tensor ``index`` at ``step`` on the allgather path, once its group has been
+        sent: when its last member arrives, else now (the group is sent with zeros for its missing members, as
+        when the step closes; so every rank must ask at the same point)."""
+        if step != self.allgather.step:
+            raise RuntimeError(f"the payloads of step {step} are no longer held (a later step began)")
+        if self.allgather.has_unsent(index):
+            self._flush_groups()
+        return self.allgather.payload(index)
 
     def finish(self, step: int | None = None) -> None:
         """Finish the pending exchange (only if it is ``step``'s, when given)."""
@@ -324,7 +340,8 @@ class SafeBitsCore:
             return self.memory.residual(self.names[index], n, device)
         return torch.zeros(n, dtype=torch.float32, device=device)   # no memory: dropped after the call
 
-    def _send(self, index: int, tensor: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
+    def _flat_gradient(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The gradient as a flat contiguous float32 tensor, after checking it fits parameter ``index``."""
         name = self.names[index]
         if tensor.is_sparse:
             raise TypeError(f"SafeBits got a sparse gradient for {name!r}; use "
@@ -339,8 +356,13 @@ class SafeBitsCore:
             g = g.to(torch.float32)
         g = g.contiguous()
         self._device = g.device
+        return g
+
+    def _send(self, index: int, tensor: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
+        g = self._flat_gradient(index, tensor)
+        n = g.numel()
         e = self._residual(index, n, g.device)
-        collective, segments = self.collective, self.two_phase.segments[index]
+        collective = self.collective
         fields = self._fields
         assert self._allocation is not None
         allocated = int(self._allocation.choice[index])
@@ -359,28 +381,15 @@ class SafeBitsCore:
             out = torch.empty(n if collective == "dense" else 0, dtype=torch.float32, device=g.device)
         # Without error feedback there is no residual to protect: NaN/Inf go through the quantizer as they would
         # through Horovod's own compressors (the baselines), and the check's extra pass is saved.
-        checked = self.error_feedback or self.nonfinite != "propagate"
-        if checked and n and not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
-            if self.nonfinite == "raise":
-                raise SafeBitsNonFiniteError(f"gradient of {name!r} holds NaN or Inf at step {self.step}; "
-                                             f"nothing was sent and its error-feedback residual is unchanged "
-                                             f"(SafeBits(nonfinite='propagate') passes it on, 'skip' sends zeros)")
-            # No statistics this step: the next allocation knows only the lossless action is safe for it.
-            fields.nonfinite[index] = 1.0
-            fields.v2[index] = math.inf
-            if self.nonfinite == "skip":
-                if own is not None:
-                    own.zero_()
-                return self._zeros(index, collective, g.device)
-            fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
-            if own is not None and own.data_ptr() != g.data_ptr():
-                own.copy_(g)
-            return self._unquantized(index, collective, g)
+        if self._checks_finite and n:
+            host.count()
+            if not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
+                return self._send_nonfinite(index, g, own)
 
         key = stream_key(self.seed, self.step, index)
         policy = self.policy
         if policy.allocates_from_statistics:
-            estimate = kernels.screen(g, e, self.menu, key, self._sample_of(index, n, g.device)).cpu().numpy()
+            estimate = host.to_host(kernels.screen(g, e, self.menu, key, self._sample_of(index, n, g.device)))
             distortion, cosine = distortion_cosine(estimate)
             ok = policy.screen(distortion, cosine)
             # What the allocator needs of an action is its distortion if it may plan with it (the screen admits it
@@ -389,14 +398,30 @@ class SafeBitsCore:
             fields.screened[index] = np.where(policy.plannable(distortion, cosine), distortion, np.inf)
         else:
             ok = np.ones(len(self.menu), dtype=bool)
+        return self._send_in_order(index, policy.send_order(index, allocated, ok), g, e, key, out)
 
+    @property
+    def _checks_finite(self) -> bool:
+        return self.error_feedback or self.nonfinite != "propagate"
+
+    def _send_in_order(self, index: int, order: list[int], g: torch.Tensor | None, e: torch.Tensor, key: int,
+                       out: torch.Tensor, first: tuple[Any, np.ndarray] | None = None) -> Any:
+        """3. Send: try the actions of ``order`` until the exact statistics of one pass; record it. ``first``: the
+        first action's pass, already made (the batched step), as ``(sent, statistics)``."""
+        collective, segments, name = self.collective, self.two_phase.segments[index], self.names[index]
+        fields, policy = self._fields, self.policy
+        assert self._allocation is not None
+        allocated = int(self._allocation.choice[index])
         source: torch.Tensor | None = g
         sent: Any = None
-        for attempt, action_index in enumerate(policy.send_order(index, allocated, ok)):
+        for attempt, action_index in enumerate(order):
             if attempt:              # e held v - q: restore v (to float rounding) and quantize it again
                 collectives.restore(collective, sent, e, segments, name)
                 source = None
-            sent, stats = collectives.encode(collective, source, e, self.menu[action_index], key, segments, out)
+            if attempt == 0 and first is not None:
+                sent, stats = first
+            else:
+                sent, stats = collectives.encode(collective, source, e, self.menu[action_index], key, segments, out)
             d, c = distortion_cosine_of(stats.tolist())
             if policy.accepts(action_index, d, c):
                 break
@@ -411,6 +436,114 @@ class SafeBitsCore:
         v2 = float(stats[3])
         fields.v2[index] = v2 if math.isfinite(v2) else math.inf     # never NaN: NaN would poison the MAX
         return sent
+
+    def _send_nonfinite(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> Any:
+        """A gradient holding NaN or Inf, by ``nonfinite``: raise, send zeros, or send it unquantized."""
+        collective, fields = self.collective, self._fields
+        if self.nonfinite == "raise":
+            raise SafeBitsNonFiniteError(f"gradient of {self.names[index]!r} holds NaN or Inf at step {self.step}; "
+                                         f"nothing was sent and its error-feedback residual is unchanged "
+                                         f"(SafeBits(nonfinite='propagate') passes it on, 'skip' sends zeros)")
+        # No statistics this step: the next allocation knows only the lossless action is safe for it.
+        fields.nonfinite[index] = 1.0
+        fields.v2[index] = math.inf
+        if self.nonfinite == "skip":
+            if own is not None:
+                own.zero_()
+            return self._zeros(index, collective, g.device)
+        fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
+        if own is not None and own.data_ptr() != g.data_ptr():
+            own.copy_(g)
+        return self._unquantized(index, collective, g)
+
+    def _send_group(self, group: int) -> None:
+        """The batched step of one allgather group (docs/DESIGN.md, "The batched step"): one pass screens, chooses
+        and packs every member sent (:func:`.kernels.send_group`, one read back); the rare members that need more
+        (a NaN/Inf gradient, exact statistics that fail the screen) then take the per-tensor path; members never
+        sent (an incomplete step) send zeros. The group's allgather starts at once."""
+        assert self._allocation is not None and self.transport is not None
+        members, registered = self.allgather.take(group)
+        sent_members = np.array([i for i in members if i in registered], dtype=np.int64)
+        policy, fields = self.policy, self._fields
+        payloads: dict[int, torch.Tensor] = {}
+        buffer: torch.Tensor | None = None
+        offsets = np.zeros(1, dtype=np.int64)
+        if len(sent_members):
+            grads = [registered[i][0] for i in sent_members]
+            owns = [registered[i][1] for i in sent_members]
+            device = grads[0].device
+            residuals = [self._residual(int(i), int(self.numels[i]), device) for i in sent_members]
+            screening = policy.allocates_from_statistics
+            samples = [self._sample_of(int(i), int(self.numels[i]), device) if screening else None
+                       for i in sent_members]
+            keys = np.array([stream_key(self.seed, self.step, int(i)) for i in sent_members], dtype=np.uint32)
+            allocated = self._allocation.choice[sent_members]
+            result = kernels.send_group(kernels.GroupSend(
+                sent_members, grads, residuals, owns, samples, keys, allocated, self._checks_finite, screening,
+                policy.screen_enabled, policy.max_distortion, policy.min_cosine), self.group_tables)
+            buffer, offsets = result.buffer, result.offsets
+            finite, chosen = result.finite, result.chosen
+            distortion, cosine = distortion_cosine(result.stats)
+            if screening:
+                estimated, estimated_cosine = distortion_cosine(result.screen_stats[finite])
+                fields.screened[sent_members[finite]] = np.where(
+                    policy.plannable(estimated, estimated_cosine), estimated, np.inf)
+            lossless = policy.lossless[np.maximum(chosen, 0)]
+            accepted = finite & ((not policy.screen_enabled) | lossless | passes(
+                distortion, cosine, policy.max_distortion, policy.min_cosine, ACCEPT_MARGIN))
+            rows, actions = sent_members[accepted], chosen[accepted]
+            fields.sent_position[rows] = policy.position_in_cost_order[rows, actions]
+            fields.escalated[rows] = actions != allocated[accepted]
+            fields.sent_distortion[rows] = distortion[accepted]
+            fields.neg_sent_cosine[rows] = -cosine[accepted]
+            plannable = (not policy.screen_enabled) | lossless[accepted] | passes(
+                distortion[accepted], cosine[accepted], policy.max_distortion, policy.min_cosine,
+                policy.planning_margin)
+            fields.screened[rows, actions] = np.where(plannable, distortion[accepted], np.inf)
+            v2 = result.stats[accepted, 3]
+            fields.v2[rows] = np.where(np.isfinite(v2), v2, np.inf)
+            for k in np.flatnonzero(~accepted):
+                index = int(sent_members[k])
+                if not finite[k]:
+                    payloads[index] = self._send_nonfinite(index, grads[k], owns[k])
+                    continue
+                # Failed on what it sent: escalate from there, as the per-tensor path does.
+                ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
+                      else np.ones(len(self.menu), dtype=bool))
+                order = policy.send_order(index, int(allocated[k]), ok)
+                first = (buffer[offsets[k]:offsets[k + 1]].clone(), result.stats[k])
+                out = owns[k] if owns[k] is not None else torch.empty(0, device=device)
+                payloads[index] = self._send_in_order(index, order, grads[k], residuals[k], int(keys[k]), out,
+                                                      first)
+        # Bytes this rank sends of the tensors it sent (not of the zeros standing in for the missing ones).
+        sizes = np.diff(offsets)
+        sent_bytes = sum(payloads[int(i)].numel() if int(i) in payloads else int(sizes[k])
+                         for k, i in enumerate(sent_members)) if payloads else int(offsets[-1])
+        self._wire_bytes += collectives.link_bytes("allgather", sent_bytes, self.transport.size)
+        if len(payloads) or len(sent_members) != len(members):
+            position = {int(i): k for k, i in enumerate(sent_members)}
+            device = buffer.device if buffer is not None else self._device
+            parts = []
+            for index in members:
+                if index in payloads:
+                    parts.append(payloads[index])
+                elif index in position:
+                    k = position[index]
+                    assert buffer is not None
+                    parts.append(buffer[offsets[k]:offsets[k + 1]])
+                else:
+                    parts.append(self._zeros(index, "allgather", device))
+            buffer = torch.cat(parts)
+            offsets = np.concatenate([[0], np.cumsum([p.numel() for p in parts])]).astype(np.int64)
+        assert buffer is not None
+        owns_by_index = {int(i): registered[int(i)][1] for i in sent_members}
+        self.allgather.start(self.transport, group, buffer, offsets, self._allocation.choice[members],
+                             owns_by_index)
+
+    def _flush_groups(self) -> None:
+        """Send every group some member of which was registered but not all (zeros for the missing ones)."""
+        for group in self.allgather.incomplete_groups():
+            self._send_group(group)
 
     def _unquantized(self, index: int, collective: str, g: torch.Tensor) -> Any:
         """``nonfinite="propagate"``: the gradient itself, lossless, so NaN and Inf reach the reduced gradient as
@@ -438,8 +571,7 @@ class SafeBitsCore:
             assert callable(factory)
             self.exchange = factory()
         if self.collective == "allgather":
-            assert self.transport is not None
-            self.allgather.flush(self.transport, lambda index, device: self._zeros(index, "allgather", device))
+            self._flush_groups()
         if self.collective == "two_phase":
             assert self._allocation is not None
             self.two_phase.start(self.step, self._allocation.choice, self.seed,

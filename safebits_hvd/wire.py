@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .actions import LLOYD_MAX_LEVELS, Action, ActionKind, body_bits
@@ -64,6 +66,24 @@ def header_of(action: Action, n: int) -> Header:
 def payload_nbytes(action: Action, n: int) -> int:
     """Bytes of the payload of ``n`` elements: ``16 + action.cost(n) // 8``."""
     return HEADER_BYTES + action.cost(n) // 8
+
+
+def header_table(menu: Iterable[Action], numels: np.ndarray) -> np.ndarray:
+    """The 16 header bytes of every tensor at every action, ``(tensors, actions, 16)`` uint8: what the batched step
+    writes before each body, and what a receiver expects to find at the allocated actions."""
+    actions = list(menu)
+    table = np.empty((len(numels), len(actions), HEADER_BYTES), dtype=np.uint8)
+    for t, n in enumerate(numels):
+        for a, action in enumerate(actions):
+            table[t, a] = np.frombuffer(pack_header(header_of(action, int(n))), dtype=np.uint8)
+    return table
+
+
+def payload_table(menu: Iterable[Action], numels: np.ndarray) -> np.ndarray:
+    """Bytes of the payload of every tensor at every action, ``(tensors, actions)`` int64."""
+    actions = list(menu)
+    return np.array([[payload_nbytes(a, int(n)) for a in actions] for n in numels],
+                    dtype=np.int64).reshape(len(numels), len(actions))
 
 
 def pack_header(header: Header) -> bytes:

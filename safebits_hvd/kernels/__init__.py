@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from .. import wire
+from .. import host, wire
 from ..actions import Action, Menu
 from . import reference
 
@@ -219,3 +220,153 @@ def decode(payload: torch.Tensor, *, name: str = "tensor", out: torch.Tensor | N
         _check("out", out)
     _decode(payload, out, False, name)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- groups of tensors
+# The batched step (docs/DESIGN.md, "The batched step"): one call sends every member of a group, one call decodes
+# every member of a gathered group. The C backend runs each as one multi-tensor call (group.c); the others loop
+# over their per-tensor kernels, with the same results.
+
+class GroupTables:
+    """What never changes between steps for the tensors of one core: per tensor and action, the payload's bytes
+    and its 16 header bytes (:mod:`safebits_hvd.wire`); the cost order; the menu."""
+
+    def __init__(self, menu: Menu, numels: np.ndarray, cost_order: np.ndarray) -> None:
+        self.menu = menu
+        self.actions = len(menu)
+        self.numels = np.ascontiguousarray(numels, dtype=np.int64)
+        self.headers = wire.header_table(menu, self.numels)                 # (tensors, actions, 16) uint8
+        self.payload_bytes = wire.payload_table(menu, self.numels)          # (tensors, actions) int64
+        self.largest_payload_bytes = self.payload_bytes.max(axis=1)
+        self.cost_order = np.ascontiguousarray(cost_order, dtype=np.int64)
+        self.lossless = np.array([a.lossless for a in menu], dtype=np.uint8)
+        self.lossless_index = int(menu.lossless_index)
+        # Header bytes -> action, per tensor: a payload that is not the allocated one is looked up here.
+        self._action_of_header: dict[int, dict[bytes, int]] = {}
+
+    def action_of_header(self, tensor: int, head: bytes) -> int:
+        """The menu action whose header for ``tensor`` is ``head``, or -1."""
+        table = self._action_of_header.get(tensor)
+        if table is None:
+            table = self._action_of_header[tensor] = {self.headers[tensor, a].tobytes(): a
+                                                      for a in range(self.actions)}
+        return table.get(head, -1)
+
+
+class GroupSend(NamedTuple):
+    """One group's send: per member (tensor index ascending), its flat float32 gradient, residual, the tensor that
+    receives ``q`` (or None), the screen's sample of buckets (None: all), RNG key and allocated action."""
+
+    members: np.ndarray
+    grads: list[torch.Tensor]
+    residuals: list[torch.Tensor]
+    sents: list[torch.Tensor | None]
+    samples: list[torch.Tensor | None]
+    keys: np.ndarray
+    allocated: np.ndarray
+    check_finite: bool          # look for NaN/Inf in each gradient first
+    do_screen: bool             # measure every action (the screen's statistics)
+    screen_enabled: bool        # choose by the screen (else the allocated action)
+    max_distortion: float
+    min_cosine: float
+
+
+class GroupSent(NamedTuple):
+    """What :func:`send_group` did, per member: the payloads back to back (``offsets``: where each starts, and the
+    end), whether its gradient was finite (a non-finite one was not sent: chosen -1, no bytes), the screen's
+    statistics ``(members, actions, 4)``, the action sent, and the exact statistics of what was sent."""
+
+    buffer: torch.Tensor
+    finite: np.ndarray
+    screen_stats: np.ndarray
+    chosen: np.ndarray
+    offsets: np.ndarray
+    stats: np.ndarray
+
+
+def first_candidates(screen_stats: np.ndarray, allocated: np.ndarray, cost_order: np.ndarray,
+                     lossless: np.ndarray, max_distortion: float, min_cosine: float) -> np.ndarray:
+    """The first action each member tries (``BudgetPolicy.send_order``): the allocated one if the screen admits
+    it, else the cheapest admissible lossy one, else the lossless one. ``group.c`` makes the same choice."""
+    from ..screen import admissible, distortion_cosine
+
+    distortion, cosine = distortion_cosine(screen_stats)
+    ok = admissible(distortion, cosine, lossless.astype(bool), max_distortion, min_cosine)
+    rows = np.arange(len(allocated))
+    lossy_ok_by_cost = (ok & ~lossless.astype(bool))[rows[:, None], cost_order]
+    first = cost_order[rows, np.argmax(lossy_ok_by_cost, axis=1)]
+    first = np.where(lossy_ok_by_cost.any(axis=1), first, int(np.flatnonzero(lossless)[0]))
+    return np.where(ok[rows, allocated], allocated, first)
+
+
+def send_group(request: GroupSend, tables: GroupTables) -> GroupSent:
+    """Send every member of a group in one pass: NaN/Inf check, screen, the choice of the first action to try,
+    and the packing pass (``v = g + e``, payload of ``q``, ``e <- v - q``, ``q`` into ``sents``), each member
+    bitwise as :func:`screen` and :func:`quantize_pack_ef` would. The results are read back once."""
+    device = request.residuals[0].device if request.residuals else torch.device("cpu")
+    backend = _backend(device)
+    host.count()
+    if backend.__name__.endswith(".cpu"):
+        return backend.send_group(request, tables)
+    return _send_group_loop(request, tables)
+
+
+def _send_group_loop(request: GroupSend, tables: GroupTables) -> GroupSent:
+    """:func:`send_group` through the per-tensor kernels (the reference and CUDA backends)."""
+    m, nact = len(request.members), tables.actions
+    finite = np.ones(m, dtype=bool)
+    screen_stats = np.zeros((m, nact, 4))
+    chosen = np.asarray(request.allocated, dtype=np.int64).copy()
+    stats = np.zeros((m, 4))
+    payloads: list[torch.Tensor] = []
+    for k, index in enumerate(request.members):
+        g, e = request.grads[k], request.residuals[k]
+        if request.check_finite and g.numel() and not bool(torch.isfinite(g).all()):
+            finite[k], chosen[k] = False, -1
+            continue
+        if request.do_screen:
+            screen_stats[k] = screen(g, e, tables.menu, int(request.keys[k]), request.samples[k]).cpu().numpy()
+            if request.screen_enabled:
+                chosen[k] = first_candidates(screen_stats[k:k + 1], chosen[k:k + 1],
+                                             tables.cost_order[index:index + 1], tables.lossless,
+                                             request.max_distortion, request.min_cosine)[0]
+        payload, member_stats = quantize_pack_ef(g, e, tables.menu[int(chosen[k])], int(request.keys[k]),
+                                                 sent=request.sents[k])
+        payloads.append(payload)
+        stats[k] = member_stats.cpu().numpy()
+    sizes = [0 if c < 0 else int(tables.payload_bytes[i, c]) for i, c in zip(request.members, chosen, strict=True)]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    device = request.residuals[0].device if request.residuals else torch.device("cpu")
+    buffer = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=device)
+    return GroupSent(buffer, finite, screen_stats, chosen, offsets, stats)
+
+
+def decode_group(payloads: list[list[torch.Tensor]], actions: np.ndarray, outs: list[torch.Tensor],
+                 own: np.ndarray, tables: GroupTables, members: np.ndarray, names: list[str],
+                 divisor: float = 1.0) -> None:
+    """The sum over ranks of every member of a gathered group, in rank order, divided by ``divisor``:
+    ``payloads[k][r]`` is member ``k``'s payload from rank ``r`` (its header already checked) at menu action
+    ``actions[k, r]``; ``own[k] = r`` when ``outs[k]`` already holds rank ``r``'s values (else -1: it is written
+    over). Bitwise :func:`decode` of rank 0 then :func:`decode_add` of each later rank. A payload whose top-k
+    indices are invalid raises :class:`~safebits_hvd.wire.WireFormatError` naming the tensor."""
+    if not outs:
+        return
+    ranks = len(payloads[0])
+    backend = _backend(outs[0].device)
+    if backend.__name__.endswith(".cpu"):
+        flat = [p for member in payloads for p in member]
+        body_bytes = tables.payload_bytes[np.repeat(members, ranks), actions.reshape(-1)] - wire.HEADER_BYTES
+        bad = backend.decode_group(flat, body_bytes, actions.reshape(-1), outs, tables.numels[members], own, ranks,
+                                   tables.menu, float(divisor))
+        if bad >= 0:
+            k, r = divmod(bad, ranks)
+            raise wire.WireFormatError(f"{names[k]} (rank {r}): top-k indices out of range or not ascending")
+        return
+    for k, out in enumerate(outs):
+        added = [r for r in range(ranks) if r != own[k]] if own[k] >= 0 else list(range(1, ranks))
+        if own[k] < 0:
+            decode(payloads[k][0], name=f"{names[k]} (rank 0)", out=out)
+        for r in added:
+            decode_add(payloads[k][r], out, name=f"{names[k]} (rank {r})", divisor=divisor if r == added[-1] else 1.0)
+        if not added and divisor != 1.0:
+            out.div_(divisor)

@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,9 +49,10 @@ def compiler() -> str | None:
 
 
 def source() -> str:
-    """The exact C translation unit: shared constants, ``safebits_math.h``, ``cpu.c``, ``pack.c``, ``allocator.c``."""
+    """The exact C translation unit: shared constants, ``safebits_math.h``, ``cpu.c``, ``pack.c``, ``group.c``,
+    ``allocator.c``."""
     return translation_unit("cpu.c") + "".join(f'\n#line 1 "{name}"\n' + (HERE / name).read_text()
-                                               for name in ("pack.c", "allocator.c"))
+                                               for name in ("pack.c", "group.c", "allocator.c"))
 
 
 def cache_dir() -> Path:
@@ -96,6 +98,11 @@ def load() -> ctypes.CDLL:
             lib.sb_decode.restype = i32
             lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, p, u32, p, i32]
             lib.sb_screen.restype = i32
+            lib.sb_send_group.argtypes = [i32, p, p, p, p, p, p, p, p, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32,
+                                          i32, ctypes.c_double, ctypes.c_double, p, p, p, i64, p, p, p, p, p, i32]
+            lib.sb_send_group.restype = i32
+            lib.sb_decode_group.argtypes = [i32, i32, p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_float, i32]
+            lib.sb_decode_group.restype = i32
             lib.sb_allocate.argtypes = [p, p, i64, i32, i64, p, p, p]
             lib.sb_allocate.restype = i32
             lib.sb_allocate_workspace_bytes.argtypes = [i64, i32]
@@ -216,3 +223,72 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     if rc != 0:
         raise MemoryError("sb_screen: out of memory")
     return stats
+
+
+def _pointers(tensors: list[torch.Tensor | None]) -> np.ndarray:
+    return np.fromiter((0 if t is None else t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def send_group(request: Any, tables: Any) -> Any:
+    """``group.c``'s ``sb_send_group`` over the members of ``request`` (:class:`~safebits_hvd.kernels.GroupSend`);
+    returns a :class:`~safebits_hvd.kernels.GroupSent`."""
+    from . import GroupSent
+
+    lib = load()
+    members = np.ascontiguousarray(request.members, dtype=np.int64)
+    m, nact = len(members), tables.actions
+    samples = request.samples
+    nsel = np.fromiter((0 if s is None else s.numel() for s in samples), dtype=np.int64, count=m)
+    numels = np.ascontiguousarray(tables.numels[members])
+    keys = np.ascontiguousarray(request.keys, dtype=np.uint32)
+    allocated = np.ascontiguousarray(request.allocated, dtype=np.int32)
+    capacity = int(tables.largest_payload_bytes[members].sum())
+    buffer = torch.empty(capacity, dtype=torch.uint8)
+    finite = np.empty(m, dtype=np.uint8)
+    screen_stats = np.zeros((m, nact, 4))
+    chosen = np.empty(m, dtype=np.int32)
+    offsets = np.empty(m + 1, dtype=np.int64)
+    stats = np.empty((m, 4))
+    arrays = _menu_args(tables.menu)
+    # Every array must outlive the call: an address alone does not keep its array alive.
+    grads, residuals, sents = _pointers(request.grads), _pointers(request.residuals), _pointers(request.sents)
+    sample_pointers = _pointers(samples)
+    rc = lib.sb_send_group(
+        m, _address(members), _address(grads), _address(residuals), _address(sents), _address(numels),
+        _address(sample_pointers), _address(nsel), _address(keys), tables.menu.bucket_size, nact,
+        *(a.data_ptr() for a in arrays), _address(allocated), _address(tables.cost_order), _address(tables.lossless),
+        tables.lossless_index, int(request.check_finite), int(request.do_screen), int(request.screen_enabled),
+        request.max_distortion, request.min_cosine, _address(tables.payload_bytes), _address(tables.headers),
+        buffer.data_ptr(), capacity, _address(finite), _address(screen_stats), _address(chosen), _address(offsets),
+        _address(stats), torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("sb_send_group: out of memory")
+    if rc != 0:
+        raise RuntimeError(f"sb_send_group failed with code {rc}")
+    return GroupSent(buffer[:int(offsets[-1])], finite.astype(bool), screen_stats, chosen.astype(np.int64),
+                     offsets, stats)
+
+
+def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np.ndarray, outs: list[torch.Tensor],
+                 numels: np.ndarray, own: np.ndarray, ranks: int, menu: Menu, divisor: float) -> int:
+    """``group.c``'s ``sb_decode_group``; returns -1 or the first slot (member * ranks + rank) whose top-k indices
+    are invalid."""
+    lib = load()
+    arrays = _menu_args(menu)
+    body_pointers = _pointers(bodies) + HEADER_BYTES
+    body_bytes = np.ascontiguousarray(body_bytes, dtype=np.int64)
+    actions = np.ascontiguousarray(actions, dtype=np.int32)
+    numels = np.ascontiguousarray(numels, dtype=np.int64)
+    own = np.ascontiguousarray(own, dtype=np.int32)
+    outs_pointers = _pointers(outs)
+    rc = lib.sb_decode_group(len(outs), ranks, _address(body_pointers), _address(body_bytes), _address(actions),
+                             _address(outs_pointers), _address(numels), _address(own), menu.bucket_size,
+                             arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[3].data_ptr(), arrays[4].data_ptr(),
+                             divisor, torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("sb_decode_group: out of memory")
+    return -1 if rc == 0 else -2 - rc
