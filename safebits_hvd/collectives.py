@@ -438,18 +438,34 @@ class FusedAllgather:
                 payloads = [[gathered[r * part + int(starts[k]):r * part + int(starts[k]) + int(sizes[k])]
                              for r in range(ranks)] for k in range(m)]
                 return payloads, np.repeat(expected[:, None], ranks, axis=1)
-        what = f"{self.name} group {group} step {self.step}"
-        views = split_payloads(gathered, ranks * m, what)
-        payloads = [[views[r * m + k] for r in range(ranks)] for k in range(m)]
+        # Each payload's header must be one of its tensor's menu actions (which fixes its length); read in turn.
+        data = host.to_host(gathered)
+        payloads = [[gathered] * ranks for _ in range(m)]
         actions = np.empty((m, ranks), dtype=np.int64)
-        for k in range(m):
-            for r in range(ranks):
-                head = bytes(views[r * m + k][:wire.HEADER_BYTES].cpu().numpy().tobytes())
-                action = tables.action_of_header(int(members[k]), head)
+        offset = 0
+        for r in range(ranks):
+            for k in range(m):
+                member = int(members[k])
+                if data.size - offset < wire.HEADER_BYTES:
+                    raise wire.WireFormatError(f"{self.names[member]} (rank {r}): truncated payload: "
+                                               f"{data.size - offset} bytes left, a header alone is "
+                                               f"{wire.HEADER_BYTES}")
+                action = tables.action_of_header(member, data[offset:offset + wire.HEADER_BYTES].tobytes())
                 if action < 0:
-                    raise wire.WireFormatError(f"{self.names[members[k]]} (rank {r}): the payload is not one of "
-                                               f"this tensor's menu actions")
+                    wire.parse_header(gathered[offset:offset + wire.HEADER_BYTES], f"{self.names[member]} (rank {r})",
+                                      check_length=False)     # names what is wrong, if the header itself is
+                    raise wire.WireFormatError(f"{self.names[member]} (rank {r}): the payload is not one of this "
+                                               f"tensor's menu actions")
+                size = int(tables.payload_bytes[member, action])
+                if data.size - offset < size:
+                    raise wire.WireFormatError(f"{self.names[member]} (rank {r}): truncated payload: "
+                                               f"{data.size - offset} bytes left, expected {size}")
+                payloads[k][r] = gathered[offset:offset + size]
                 actions[k, r] = action
+                offset += size
+        if offset != data.size:
+            raise wire.WireFormatError(f"{self.name} group {group} step {self.step}: {data.size - offset} bytes "
+                                       f"after {ranks * m} payloads")
         return payloads, actions
 
     def reduced_sum(self, transport: PayloadTransport, index: int, step: int, out: torch.Tensor | None,

@@ -240,7 +240,7 @@ class CoreCompressor(CoreRecords, Compressor):
         index = self._index.find(tensor, core.unsent if core.in_step else None)
         reusable = tensor.dtype == torch.float32 and tensor.is_contiguous() and not tensor.requires_grad
         flat = tensor.detach().view(-1) if reusable else None
-        sent = core.send(index, tensor, into=flat)
+        sent = core.send(index, tensor if flat is None else flat, into=flat)
         if sent.collective == "dense":
             return sent.wire, Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
         wire = core if sent.collective == "allgather" else sent.wire

@@ -149,6 +149,7 @@ class SafeBitsCore:
         # -- the step in progress
         tensors, actions = len(names), len(self.menu)
         self.unsent = np.ones(tensors, dtype=bool)     # tensors not sent yet in the step in progress
+        self._unsent_count = tensors                   # how many (numpy's any() per tensor costs microseconds)
         self.in_step = False
         self._allocation: Allocation | None = None
         self._budget_bits_total = 0.0
@@ -201,9 +202,10 @@ class SafeBitsCore:
             # Only registered: the group's members are sent together when its last one arrives (_send_group).
             group = self.allgather.register(index, self._flat_gradient(index, grad), own)
             self.unsent[index] = False
+            self._unsent_count -= 1
             if group is not None:
                 self._send_group(group)
-            if not self.unsent.any():
+            if not self._unsent_count:
                 self._close()
             return Sent(None, step, collective)
         sent = self._send(index, grad, own)
@@ -215,7 +217,8 @@ class SafeBitsCore:
         else:
             self._wire_bytes += collectives.link_bytes(collective, sent.numel() * self.dense_wire_bytes, ranks)
         self.unsent[index] = False
-        if not self.unsent.any():
+        self._unsent_count -= 1
+        if not self._unsent_count:
             self._close()
         return Sent(sent, step, collective)
 
@@ -308,6 +311,7 @@ class SafeBitsCore:
         self.allgather.begin(self.step, self.transport)
         self._wire_bytes = 0
         self.unsent[:] = True
+        self._unsent_count = len(self.names)
         self._fields = self._views[self.step % 2]
         self.layout.reset(self._fields, self.policy.lossless, digest_words(self._digest))
         self.in_step = True
@@ -351,10 +355,14 @@ class SafeBitsCore:
         n = tensor.numel()
         if n != self.numels[index]:
             raise ValueError(f"gradient of {name!r} has {n} elements, its parameter {self.numels[index]}")
-        g = tensor.detach().reshape(-1)
-        if g.dtype != torch.float32:
-            g = g.to(torch.float32)
-        g = g.contiguous()
+        if tensor.dim() == 1 and tensor.dtype == torch.float32 and not tensor.requires_grad \
+                and tensor.is_contiguous():
+            g = tensor          # already flat (the Horovod front end's view): every torch call costs microseconds
+        else:
+            g = tensor.detach().reshape(-1)
+            if g.dtype != torch.float32:
+                g = g.to(torch.float32)
+            g = g.contiguous()
         self._device = g.device
         return g
 
@@ -628,6 +636,7 @@ class SafeBitsCore:
         The residuals may hold part of that step: load the last state next (elastic ``restore`` does)."""
         self.in_step = False
         self.unsent[:] = True
+        self._unsent_count = len(self.names)
         self._pending = None
         self.two_phase.abort()
         self.allgather.abort()

@@ -9,6 +9,8 @@ parameters in reverse registration order) before a full scan.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -20,6 +22,7 @@ class GradientIndex:
         self.params = params
         self._by_id: dict[int, int] = {}
         self._cursor = 0
+        self._successor: dict[int, int] = {}     # index -> the index found after it the last time
 
     def find(self, tensor: torch.Tensor, pending: np.ndarray | None = None) -> int:
         """Index of ``tensor``'s parameter. ``pending`` (bool per parameter) marks those not yet compressed this
@@ -27,16 +30,29 @@ class GradientIndex:
         single pending parameter with a sparse gradient of that shape. Raises ``ValueError`` on no match."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"compress takes a gradient tensor, got {type(tensor).__name__}")
+        previous = self._cursor
         index = self._by_id.get(id(tensor))
-        if index is not None and self.params[index].grad is tensor:
+        if index is None or self.params[index].grad is not tensor:
+            index = self._search(tensor, previous)
+        if index is not None:
+            self._by_id[id(tensor)] = index
+            self._successor[previous] = index
+            self._cursor = index
             return index
+        return self._sparse_match(tensor, pending)
+
+    def _search(self, tensor: torch.Tensor, previous: int) -> int | None:
+        """The parameter that followed the last hit last time first (backward's order repeats every step), then the
+        neighbours of the last hit (backward goes down the registration order, synchronize() up), then all."""
         count = len(self.params)
-        # Neighbours of the last hit first (backward goes down the registration order, synchronize() up).
-        for j in (*(((self._cursor - 1) % count, (self._cursor + 1) % count)), *range(count)):
+        for j in itertools.chain((self._successor.get(previous, previous), (previous - 1) % count,
+                                  (previous + 1) % count), range(count)):
             if self.params[j].grad is tensor:
-                self._by_id[id(tensor)] = j
-                self._cursor = j
                 return j
+        return None
+
+    def _sparse_match(self, tensor: torch.Tensor, pending: np.ndarray | None) -> int:
+        count = len(self.params)
         candidates = np.flatnonzero(pending) if pending is not None else range(count)
         sparse = [int(j) for j in candidates if self.params[j].grad is not None and self.params[j].grad.is_sparse
                   and self.params[j].shape == tensor.shape]

@@ -321,11 +321,11 @@ def _send_group_loop(request: GroupSend, tables: GroupTables) -> GroupSent:
     payloads: list[torch.Tensor] = []
     for k, index in enumerate(request.members):
         g, e = request.grads[k], request.residuals[k]
-        if request.check_finite and g.numel() and not bool(torch.isfinite(g).all()):
+        if request.check_finite and g.numel() and not bool(host.to_host(torch.isfinite(g).all())):
             finite[k], chosen[k] = False, -1
             continue
         if request.do_screen:
-            screen_stats[k] = screen(g, e, tables.menu, int(request.keys[k]), request.samples[k]).cpu().numpy()
+            screen_stats[k] = host.to_host(screen(g, e, tables.menu, int(request.keys[k]), request.samples[k]))
             if request.screen_enabled:
                 chosen[k] = first_candidates(screen_stats[k:k + 1], chosen[k:k + 1],
                                              tables.cost_order[index:index + 1], tables.lossless,
@@ -333,7 +333,7 @@ def _send_group_loop(request: GroupSend, tables: GroupTables) -> GroupSent:
         payload, member_stats = quantize_pack_ef(g, e, tables.menu[int(chosen[k])], int(request.keys[k]),
                                                  sent=request.sents[k])
         payloads.append(payload)
-        stats[k] = member_stats.cpu().numpy()
+        stats[k] = host.to_host(member_stats)
     sizes = [0 if c < 0 else int(tables.payload_bytes[i, c]) for i, c in zip(request.members, chosen, strict=True)]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     device = request.residuals[0].device if request.residuals else torch.device("cpu")

@@ -1,0 +1,152 @@
+"""The multi-tensor kernels (kernels.send_group, kernels.decode_group) against the per-tensor kernels, bit for bit,
+and the batched step's count of reads back to the host (safebits_hvd.host)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import safebits_hvd as sb
+from safebits_hvd import collectives, host, kernels
+from safebits_hvd.actions import DEFAULT_MENU, make_menu
+from safebits_hvd.policy import BudgetPolicy
+from safebits_hvd.rng import stream_key
+from safebits_hvd.wire import WireFormatError
+
+from .helpers import random_grads
+from .kernel_cases import bits, make
+
+SIZES = np.array([0, 1, 7, 300, 512, 1000, 5000, 70_000, 3, 40_000], dtype=np.int64)
+MENU = make_menu(DEFAULT_MENU)
+
+
+def group_case(allocated: np.ndarray, seed: int, nan_member: int | None = None):
+    gradients, residuals = zip(*(make(int(n), seed + k) for k, n in enumerate(SIZES)), strict=True)
+    gradients = [g.clone() for g in gradients]
+    if nan_member is not None:
+        gradients[nan_member][3] = float("nan")
+    samples = [None if -(-int(n) // MENU.bucket_size) <= 4 else torch.tensor([0, 2, 3]) for n in SIZES]
+    keys = np.array([stream_key(seed, 1, k) for k in range(len(SIZES))], dtype=np.uint32)
+    return list(gradients), list(residuals), samples, keys, allocated
+
+
+def per_tensor(gradients, residuals, samples, keys, allocated, tables, max_distortion, min_cosine):
+    """What one call per tensor of the public per-tensor kernels gives."""
+    out = []
+    for k, (g, e) in enumerate(zip(gradients, residuals, strict=True)):
+        if g.numel() and not bool(torch.isfinite(g).all()):
+            out.append(None)
+            continue
+        screen_stats = kernels.screen(g, e, MENU, int(keys[k]), samples[k]).numpy()
+        chosen = int(kernels.first_candidates(screen_stats[None], allocated[k:k + 1], tables.cost_order[k:k + 1],
+                                              tables.lossless, max_distortion, min_cosine)[0])
+        sent = torch.empty_like(g)
+        payload, stats = kernels.quantize_pack_ef(g, e, MENU[chosen], int(keys[k]), sent=sent)
+        out.append((screen_stats, chosen, payload, stats.numpy(), sent))
+    return out
+
+
+@pytest.mark.parametrize("thresholds", [(0.5, 0.7), (0.02, 0.97)])
+@pytest.mark.parametrize("allocation", ["each action", "mixed", "nan"])
+def test_send_group_is_bitwise_the_per_tensor_kernels(thresholds: tuple[float, float], allocation: str) -> None:
+    max_distortion, min_cosine = thresholds
+    policy = BudgetPolicy(MENU, SIZES, max_distortion, min_cosine)
+    tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
+    cases = ([np.full(len(SIZES), a) for a in range(len(MENU))] if allocation == "each action"
+             else [np.random.RandomState(s).randint(0, len(MENU), len(SIZES)) for s in range(4)])
+    for seed, allocated in enumerate(cases):
+        gradients, residuals, samples, keys, allocated = group_case(allocated, seed,
+                                                                    5 if allocation == "nan" else None)
+        expected_residuals = [e.clone() for e in residuals]
+        expected = per_tensor(gradients, expected_residuals, samples, keys, allocated, tables, max_distortion,
+                              min_cosine)
+        sents = [torch.empty_like(g) for g in gradients]
+        result = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples,
+                                                      keys, allocated, True, True, True, max_distortion,
+                                                      min_cosine), tables)
+        for k, want in enumerate(expected):
+            if want is None:
+                assert not result.finite[k] and result.chosen[k] == -1
+                assert result.offsets[k + 1] == result.offsets[k]
+                continue
+            screen_stats, chosen, payload, stats, sent = want
+            assert result.finite[k]
+            assert np.array_equal(result.screen_stats[k], screen_stats)
+            assert result.chosen[k] == chosen
+            assert torch.equal(result.buffer[result.offsets[k]:result.offsets[k + 1]], payload)
+            assert np.array_equal(result.stats[k], stats)
+            assert torch.equal(bits(sents[k]), bits(sent))
+        for got, want in zip(residuals, expected_residuals, strict=True):
+            assert torch.equal(bits(got), bits(want))
+
+
+def test_send_group_without_screen_sends_the_allocated_actions() -> None:
+    policy = BudgetPolicy(MENU, SIZES, 0.01, 0.99)
+    tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
+    gradients, residuals, samples, keys, allocated = group_case(np.full(len(SIZES), 4), 0)
+    result = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals,
+                                                  [None] * len(SIZES), samples, keys, allocated, False, False, False,
+                                                  0.01, 0.99), tables)
+    assert (result.chosen == 4).all() and not result.screen_stats.any()
+
+
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0])
+def test_decode_group_is_bitwise_decode_then_decode_add_in_rank_order(divisor: float) -> None:
+    policy = BudgetPolicy(MENU, SIZES, 0.5, 0.7)
+    tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
+    ranks = 3
+    rng = np.random.RandomState(0)
+    actions = rng.randint(0, len(MENU), (len(SIZES), ranks))
+    payloads, values = [], []
+    for k, n in enumerate(SIZES):
+        member, member_values = [], []
+        for r in range(ranks):
+            g, e = make(int(n), 10 * k + r)
+            sent = torch.empty_like(g)
+            payload, _ = kernels.quantize_pack_ef(g, e, MENU[int(actions[k, r])], 7, sent=sent)
+            member.append(torch.cat([torch.zeros(1 + r, dtype=torch.uint8), payload])[1 + r:])   # misaligned
+            member_values.append(sent)
+        payloads.append(member)
+        values.append(member_values)
+    own = np.array([-1, 0, 1, -1, 0, 1, -1, 1, -1, 0])     # a rank's own values first: ranks 0 and 1 only
+    outs = [values[k][own[k]].clone() if own[k] >= 0 else torch.full((int(n),), 7.0) for k, n in enumerate(SIZES)]
+    kernels.decode_group(payloads, actions, outs, own, tables, np.arange(len(SIZES)),
+                         [f"t{k}" for k in range(len(SIZES))], divisor)
+    for k, n in enumerate(SIZES):
+        want = kernels.decode(payloads[k][0])
+        for r in range(1, ranks):
+            kernels.decode_add(payloads[k][r], want, divisor=divisor if r == ranks - 1 else 1.0)
+        assert torch.equal(bits(outs[k]), bits(want)), k
+
+
+def test_decode_group_names_the_tensor_of_an_invalid_topk_payload() -> None:
+    topk = next(a for a, action in enumerate(MENU) if action.kind == sb.actions.ActionKind.TOPK)
+    sizes = np.array([1000], dtype=np.int64)
+    tables = kernels.GroupTables(MENU, sizes, BudgetPolicy(MENU, sizes, 0.5, 0.7).cost_order)
+    g, e = make(1000)
+    payload, _ = kernels.quantize_pack_ef(g, e, MENU[topk], 1)
+    payload[-1] = 255                       # local indices out of order
+    with pytest.raises(WireFormatError):
+        kernels.decode(payload)
+    with pytest.raises(WireFormatError, match="layer.weight"):
+        kernels.decode_group([[payload]], np.array([[topk]]), [torch.empty(1000)], np.array([-1]), tables,
+                             np.array([0]), ["layer.weight"])
+
+
+def test_an_allgather_step_reads_back_at_most_twice_per_group_and_once_more() -> None:
+    """G groups: one read back when each is sent, one when each is received, one for the step's reduced
+    marker; a per-tensor read (a screen result, a header, a NaN check) would break the bound."""
+    sizes = (272, 16) * 300
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    compressor = sb.SafeBits(params, budget_bits=4.0, collective="allgather")
+    groups = len(collectives.fusion_groups(np.array(sizes)))
+    assert groups < len(sizes) / 10
+    for step in range(4):
+        random_grads(params, step)
+        before = host.reads()
+        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+        for _, ctx in pending:
+            compressor.decompress(torch.ones(1), ctx)
+        assert compressor.last_step.collective == "allgather"
+        assert host.reads() - before <= 2 * groups + 1, (step, host.reads() - before, groups)
