@@ -113,7 +113,7 @@ def test_decode_group_is_bitwise_decode_then_decode_add_in_rank_order(divisor: f
     outs = [values[k][own[k]].clone() if own[k] >= 0 else torch.full((int(n),), 7.0) for k, n in enumerate(SIZES)]
     kernels.decode_group(payloads, actions, outs, own, tables, np.arange(len(SIZES)),
                          [f"t{k}" for k in range(len(SIZES))], divisor)
-    for k, n in enumerate(SIZES):
+    for k in range(len(SIZES)):
         want = kernels.decode(payloads[k][0])
         for r in range(1, ranks):
             kernels.decode_add(payloads[k][r], want, divisor=divisor if r == ranks - 1 else 1.0)
@@ -129,7 +129,7 @@ def test_decode_group_names_the_tensor_of_an_invalid_topk_payload() -> None:
     payload[-1] = 255                       # local indices out of order
     with pytest.raises(WireFormatError):
         kernels.decode(payload)
-    with pytest.raises(WireFormatError, match="layer.weight"):
+    with pytest.raises(WireFormatError, match=r"layer\.weight"):
         kernels.decode_group([[payload]], np.array([[topk]]), [torch.empty(1000)], np.array([-1]), tables,
                              np.array([0]), ["layer.weight"])
 
