@@ -56,6 +56,7 @@ class TrackingSafeBits(sb.SafeBits):
         self.step_sent: dict[str, torch.Tensor] = {}
         self.wire_problems: list[str] = []
         self.collectives: set[str] = set()
+        self.packed: dict[tuple[int, int], tuple[str, torch.Tensor]] = {}   # (step, index) -> (name, gradient)
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         name = next((n for n, p in self.tracked if p.grad is tensor), None)
@@ -63,22 +64,34 @@ class TrackingSafeBits(sb.SafeBits):
         out, ctx = super().compress(tensor)
         if name is None:     # super() accepted it (e.g. sparse_as_dense); nothing to track
             return out, ctx
-        if ctx.collective != "dense":       # Horovod reduces a one-element marker; the payloads travel beside it
-            if out.numel() != 1 or ctx.wire.dtype != torch.uint8:
-                self.wire_problems.append(f"{name}: marker of {out.numel()}, payload {ctx.wire.dtype}")
-            decoded = sb.collectives.decode_sequence(ctx.wire, torch.zeros(tensor.numel()), name)
-            sent = decoded.to(torch.float64)
-        else:
-            if out.dtype != torch.float32 or out.numel() != tensor.numel():
-                self.wire_problems.append(f"{name}: wire {out.dtype} x {out.numel()} for grad of {tensor.numel()}")
-            sent = out.detach().to(torch.float64).clone()
         self.collectives.add(ctx.collective)
+        if ctx.collective != "dense":       # Horovod reduces a one-element marker; the payloads travel beside it
+            if out.numel() != 1:
+                self.wire_problems.append(f"{name}: marker of {out.numel()}")
+            # The payload exists once the tensor's group has been sent: read it in decompress.
+            self.packed[(ctx.step, ctx.index)] = (name, grad)
+            return out, ctx
+        if out.dtype != torch.float32 or out.numel() != tensor.numel():
+            self.wire_problems.append(f"{name}: wire {out.dtype} x {out.numel()} for grad of {tensor.numel()}")
+        self._track(name, grad, out.detach().to(torch.float64).clone())
+        return out, ctx
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        tracked = self.packed.pop((ctx.step, ctx.index), None)
+        if tracked is not None:
+            name, grad = tracked
+            if ctx.wire.dtype != torch.uint8:
+                self.wire_problems.append(f"{name}: payload {ctx.wire.dtype}")
+            decoded = sb.collectives.decode_sequence(ctx.wire, torch.zeros(grad.numel()), name)
+            self._track(name, grad, decoded.to(torch.float64))
+        return super().decompress(tensor, ctx)
+
+    def _track(self, name: str, grad: torch.Tensor, sent: torch.Tensor) -> None:
         zeros = torch.zeros_like(grad)
         self.grad_sum[name] = self.grad_sum.get(name, zeros) + grad
         self.sent_sum[name] = self.sent_sum.get(name, zeros) + sent
         self.abs_sum[name] = self.abs_sum.get(name, zeros) + grad.abs() + sent.abs()
         self.step_sent[name] = sent
-        return out, ctx
 
 
 @dataclass
