@@ -15,7 +15,8 @@ The life of one step (numbers reappear in the code; docs/DESIGN.md, "The life of
    policy allocates an action per tensor from the previous step's reduced statistics (:mod:`.policy`); digest it.
 2. **Screen**: ``kernels.screen`` measures every menu action on ``v = g + e`` over a sample of whole buckets (all
    buckets for small tensors); the policy turns that into the admissible set.
-3. **Send**: the allocated action if admissible, else the tensor *escalates*: ``kernels.quantize_ef`` writes
+3. **Send** (on the allgather path a whole fusion group at a time, docs/DESIGN.md, "The batched step"): the
+   allocated action if admissible, else the tensor *escalates*: ``kernels.quantize_ef`` writes
    ``q = Q(v)`` and ``e <- v - q`` in one pass and returns the exact statistics of ``q``; if they fail the screen,
    the next candidate is tried, and the lossless action always passes. Every sent tensor satisfies the screen.
 4. **Close**: when every tensor has been sent, start the statistics exchange (:mod:`.exchange`; layout:
@@ -44,7 +45,7 @@ from .exchange import StatisticsExchange, allocation_digest, digest_words
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .rng import stream_key
-from .screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of, passes
+from .screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of
 from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepArrays, StepLog, StepRecord, logger
 from .two_phase import TwoPhaseReduction
@@ -55,8 +56,9 @@ NONFINITE_MODES = ("propagate", "raise", "skip")
 class Sent(NamedTuple):
     """What :meth:`SafeBitsCore.send` hands the front end for one tensor."""
 
-    wire: torch.Tensor          # dense: the dequantized float32 values; allgather: this rank's packed payload;
-    #                             two_phase: its segments' payloads back to back (collectives.decode_sequence)
+    wire: torch.Tensor | None   # dense: the dequantized float32 values; two_phase: its segments' payloads back to
+    #                             back (collectives.decode_sequence); allgather: None, the group is sent later
+    #                             (SafeBitsCore.payload)
     step: int                   # the step it belongs to (for finish)
     collective: str             # "dense", "allgather" or "two_phase" (the step's choice, identical on every rank)
 
@@ -391,8 +393,10 @@ class SafeBitsCore:
         # through Horovod's own compressors (the baselines), and the check's extra pass is saved.
         if self._checks_finite and n:
             host.count()
-            if not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
-                return self._send_nonfinite(index, g, own)
+            if not math.isfinite(float(g.sum())):
+                host.count()
+                if not bool(torch.isfinite(g).all()):
+                    return self._send_nonfinite(index, g, own)
 
         key = stream_key(self.seed, self.step, index)
         policy = self.policy
@@ -418,8 +422,6 @@ class SafeBitsCore:
         first action's pass, already made (the batched step), as ``(sent, statistics)``."""
         collective, segments, name = self.collective, self.two_phase.segments[index], self.names[index]
         fields, policy = self._fields, self.policy
-        assert self._allocation is not None
-        allocated = int(self._allocation.choice[index])
         source: torch.Tensor | None = g
         sent: Any = None
         for attempt, action_index in enumerate(order):
@@ -435,15 +437,20 @@ class SafeBitsCore:
                 break
             # It failed on the values it would have sent: the next allocation must not plan it from the estimate.
             fields.screened[index, action_index] = math.inf
-        fields.sent_position[index] = policy.position_in_cost_order[index, action_index]
-        fields.escalated[index] = action_index != allocated
-        fields.sent_distortion[index] = d
-        fields.neg_sent_cosine[index] = -c
-        # The exact figure beats the estimate (it passed the screen; planning may need it to pass by more).
-        fields.screened[index, action_index] = d if policy.plannable_one(action_index, d, c) else math.inf
-        v2 = float(stats[3])
-        fields.v2[index] = v2 if math.isfinite(v2) else math.inf     # never NaN: NaN would poison the MAX
+        self._record_sent(index, action_index, d, c, policy.plannable_one(action_index, d, c), float(stats[3]))
         return sent
+
+    def _record_sent(self, rows: Any, actions: Any, distortion: Any, cosine: Any, plannable: Any, v2: Any) -> None:
+        """The step's statistics of what was sent: of one tensor (Python numbers) or of many (arrays)."""
+        fields = self._fields
+        assert self._allocation is not None
+        fields.sent_position[rows] = self.policy.position_in_cost_order[rows, actions]
+        fields.escalated[rows] = actions != self._allocation.choice[rows]
+        fields.sent_distortion[rows] = distortion
+        fields.neg_sent_cosine[rows] = -cosine
+        # The exact figure beats the estimate (it passed the screen; planning may need it to pass by more).
+        fields.screened[rows, actions] = np.where(plannable, distortion, np.inf)
+        fields.v2[rows] = np.where(np.isfinite(v2), v2, np.inf)     # never NaN: NaN would poison the MAX
 
     def _send_nonfinite(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> Any:
         """A gradient holding NaN or Inf, by ``nonfinite``: raise, send zeros, or send it unquantized."""
@@ -496,20 +503,11 @@ class SafeBitsCore:
                 estimated, estimated_cosine = distortion_cosine(result.screen_stats[finite])
                 fields.screened[sent_members[finite]] = np.where(
                     policy.plannable(estimated, estimated_cosine), estimated, np.inf)
-            lossless = policy.lossless[np.maximum(chosen, 0)]
-            accepted = finite & ((not policy.screen_enabled) | lossless | passes(
-                distortion, cosine, policy.max_distortion, policy.min_cosine, ACCEPT_MARGIN))
-            rows, actions = sent_members[accepted], chosen[accepted]
-            fields.sent_position[rows] = policy.position_in_cost_order[rows, actions]
-            fields.escalated[rows] = actions != allocated[accepted]
-            fields.sent_distortion[rows] = distortion[accepted]
-            fields.neg_sent_cosine[rows] = -cosine[accepted]
-            plannable = (not policy.screen_enabled) | lossless[accepted] | passes(
-                distortion[accepted], cosine[accepted], policy.max_distortion, policy.min_cosine,
-                policy.planning_margin)
-            fields.screened[rows, actions] = np.where(plannable, distortion[accepted], np.inf)
-            v2 = result.stats[accepted, 3]
-            fields.v2[rows] = np.where(np.isfinite(v2), v2, np.inf)
+            accepted = finite & policy.sent_passes(np.maximum(chosen, 0), distortion, cosine, ACCEPT_MARGIN)
+            actions = chosen[accepted]
+            self._record_sent(sent_members[accepted], actions, distortion[accepted], cosine[accepted],
+                              policy.sent_passes(actions, distortion[accepted], cosine[accepted],
+                                                 policy.planning_margin), result.stats[accepted, 3])
             for k in np.flatnonzero(~accepted):
                 index = int(sent_members[k])
                 if not finite[k]:
@@ -519,15 +517,16 @@ class SafeBitsCore:
                 ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
                       else np.ones(len(self.menu), dtype=bool))
                 order = policy.send_order(index, int(allocated[k]), ok)
-                first = (buffer[offsets[k]:offsets[k + 1]].clone(), result.stats[k])
+                first = (buffer[offsets[k]:offsets[k + 1]], result.stats[k])
                 out = owns[k] if owns[k] is not None else torch.empty(0, device=device)
                 payloads[index] = self._send_in_order(index, order, grads[k], residuals[k], int(keys[k]), out,
                                                       first)
         # Bytes this rank sends of the tensors it sent (not of the zeros standing in for the missing ones).
         sizes = np.diff(offsets)
-        sent_bytes = sum(payloads[int(i)].numel() if int(i) in payloads else int(sizes[k])
-                         for k, i in enumerate(sent_members)) if payloads else int(offsets[-1])
-        self._wire_bytes += collectives.link_bytes("allgather", sent_bytes, self.transport.size)
+        for k, index in enumerate(sent_members.tolist()):
+            if index in payloads:
+                sizes[k] = payloads[index].numel()
+        self._wire_bytes += collectives.link_bytes("allgather", int(sizes.sum()), self.transport.size)
         if len(payloads) or len(sent_members) != len(members):
             position = {int(i): k for k, i in enumerate(sent_members)}
             device = buffer.device if buffer is not None else self._device

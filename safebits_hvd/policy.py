@@ -30,6 +30,8 @@ exchange carries the position of the action sent, and its MAX over ranks is the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .actions import Menu
@@ -215,11 +217,16 @@ class BudgetPolicy:
         return admissible(distortion, cosine, self.lossless, self.max_distortion, self.min_cosine,
                           self.planning_margin)
 
+    def sent_passes(self, actions: Any, distortion: Any, cosine: Any, margin: float) -> Any:
+        """Whether the exact statistics of what is sent pass the screen with ``margin`` (lossless and unscreened
+        always do): per tensor on Python floats, or on NumPy arrays for a group (the same float64 arithmetic as
+        :func:`~.screen.admissible`, through :func:`~.screen.passes`)."""
+        return ((not self.screen_enabled) | self.lossless[actions]
+                | passes(distortion, cosine, self.max_distortion, self.min_cosine, margin))
+
     def plannable_one(self, action_index: int, distortion: float, cosine: float) -> bool:
-        """:meth:`plannable` of one action's exact statistics, in Python floats (the send path: the same float64
-        arithmetic as :func:`~.screen.admissible`, through :func:`~.screen.passes`)."""
-        return bool(not self.screen_enabled or self.lossless[action_index]
-                    or passes(distortion, cosine, self.max_distortion, self.min_cosine, self.planning_margin))
+        """:meth:`plannable` of one action's exact statistics (:meth:`sent_passes` with the planning margin)."""
+        return bool(self.sent_passes(action_index, distortion, cosine, self.planning_margin))
 
     def send_order(self, index: int, allocated: int, ok: np.ndarray) -> list[int]:
         """Actions to try for tensor ``index``, in order: the allocated one if admissible, the other admissible
@@ -232,9 +239,9 @@ class BudgetPolicy:
         return order
 
     def accepts(self, action_index: int, distortion: float, cosine: float) -> bool:
-        """Whether the exact statistics of what would be sent pass (lossless and unscreened always do)."""
-        return bool(not self.screen_enabled or self.lossless[action_index]
-                    or passes(distortion, cosine, self.max_distortion, self.min_cosine, ACCEPT_MARGIN))
+        """Whether the exact statistics of what would be sent pass (:meth:`sent_passes` with
+        :data:`~.screen.ACCEPT_MARGIN`)."""
+        return bool(self.sent_passes(action_index, distortion, cosine, ACCEPT_MARGIN))
 
     # ------------------------------------------------------------------ accounting
     def modeled_bits(self, sent_position: np.ndarray) -> int:

@@ -308,10 +308,10 @@ def send_group(request: GroupSend, tables: GroupTables) -> GroupSent:
     host.count()
     if backend.__name__.endswith(".cpu"):
         return backend.send_group(request, tables)
-    return _send_group_loop(request, tables)
+    return _send_group_loop(request, tables, device)
 
 
-def _send_group_loop(request: GroupSend, tables: GroupTables) -> GroupSent:
+def _send_group_loop(request: GroupSend, tables: GroupTables, device: torch.device) -> GroupSent:
     """:func:`send_group` through the per-tensor kernels (the reference and CUDA backends)."""
     m, nact = len(request.members), tables.actions
     finite = np.ones(m, dtype=bool)
@@ -336,7 +336,6 @@ def _send_group_loop(request: GroupSend, tables: GroupTables) -> GroupSent:
         stats[k] = host.to_host(member_stats)
     sizes = [0 if c < 0 else int(tables.payload_bytes[i, c]) for i, c in zip(request.members, chosen, strict=True)]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    device = request.residuals[0].device if request.residuals else torch.device("cpu")
     buffer = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=device)
     return GroupSent(buffer, finite, screen_stats, chosen, offsets, stats)
 
