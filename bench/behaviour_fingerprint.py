@@ -11,7 +11,8 @@ What it checks (in one process, no Horovod init, one thread, everything seeded):
   frozen tensor) with fresh heavy-tailed random gradients (set as ``p.grad``) for 12 steps, in the configs of
   :func:`safebits_configs` (budgets 2, 4.4, 8, 32; ``screen=False``; a ``ConvergenceRamp`` and an ``SNRAware``
   schedule; ``nonfinite="skip"`` with a NaN and an Inf injected; custom menus; ``max_history=3``; tight thresholds
-  that escalate; another seed; Horovod's call order of all compresses before all decompresses). Per step and
+  that escalate; another seed; Horovod's call order of all compresses before all decompresses; the allgather path,
+  whose step is batched per fusion group, and the two-phase path, with their one-process transport). Per step and
   tensor: SHA-256 of the sent tensor (``compress`` output: dtype, shape, bytes) and of the ``decompress`` output;
   per step every :class:`~safebits_hvd.StepRecord` field read by attribute (floats as ``repr``, so NaN-safe),
   ``step`` and the history length; at the end the history, the whole ``state_dict`` (tensors hashed) and one
@@ -23,11 +24,11 @@ What it checks (in one process, no Horovod init, one thread, everything seeded):
 * A small real training loop (2-layer MLP, fixed random data, SGD with momentum) driven through
   ``compress``/``decompress`` by hand: per-step loss and record, the final parameters' hashes.
 
-With ``--horovod`` it launches itself on 2 ranks (``horovodrun``, Gloo) through :mod:`safebits_hvd.launch`; each
-rank trains a small MLP with ``hvd.DistributedOptimizer(..., compression=...)`` for 10 steps with SafeBits at 2
-and 4.4 bits, the ``qsgd4`` baseline, and SafeBits with ``backward_passes_per_step=2``; rank 0 writes per step the
-SHA-256 of every parameter and reduced gradient, the record fields, and every rank's parameter hash (which must
-agree). About 15-30 s.
+With ``--horovod`` it launches itself on ``--np`` ranks (default 2: the allgather path; 4: two-phase; ``horovodrun``,
+Gloo) through :mod:`safebits_hvd.launch`; each rank trains a small MLP with ``hvd.DistributedOptimizer(...,
+compression=...)`` for 10 steps with SafeBits at 2 and 4.4 bits, the ``qsgd4`` baseline, and SafeBits with
+``backward_passes_per_step=2``; rank 0 writes per step the SHA-256 of every parameter and reduced gradient, the
+record fields, and every rank's parameter hash (which must agree). About 15-40 s.
 
 The ``meta`` section (package path, versions, kernel backend) is informational and not compared: it differs
 between a worktree and the main checkout. Run (from the repository root)::
@@ -269,6 +270,15 @@ def safebits_configs() -> dict[str, Factory]:
         "loose_thresholds_seed7": make(budget_bits=2.5, max_distortion=1.0, min_cosine=0.0, seed=7,
                                        sample_buckets=4),
         "budget4.4_horovod_order": make(budget_bits=4.4),
+        # The allgather path in one process (the batched step: fusion groups, kernels.send_group/decode_group).
+        "allgather_budget2": make(budget_bits=2.0, collective="allgather"),
+        "allgather_budget4.4_horovod_order": make(budget_bits=4.4, collective="allgather"),
+        "allgather_tight_thresholds": make(budget_bits=1.5, max_distortion=0.05, min_cosine=0.97,
+                                           collective="allgather"),
+        "allgather_unscreened": make(budget_bits=2.0, screen=False, collective="allgather"),
+        "allgather_nonfinite_skip": make(budget_bits=4.4, nonfinite="skip", collective="allgather"),
+        "allgather_nonfinite_propagate": make(budget_bits=4.4, collective="allgather"),
+        "two_phase_budget4.4_horovod_order": make(budget_bits=4.4, collective="two_phase"),
     }
 
 
@@ -280,7 +290,7 @@ def safebits_section() -> dict[str, Any]:
     for name, factory in safebits_configs().items():
         out[name] = fingerprint_compressor(
             factory, SAFEBITS_STEPS, batched=name.endswith("horovod_order"),
-            inject=NONFINITE if name == "nonfinite_skip" else None)
+            inject=NONFINITE if "nonfinite" in name else None)
     return out
 
 
@@ -398,12 +408,12 @@ def hvd_worker(out_path: str) -> int:
     return 0 if all_equal else 1
 
 
-def run_horovod(out: Path) -> dict[str, Any]:
+def run_horovod(out: Path, ranks: int) -> dict[str, Any]:
     from safebits_hvd.launch import horovodrun
 
     with tempfile.TemporaryDirectory() as tmp:
         worker_out = Path(tmp) / "rank0.json"
-        horovodrun(2, os.path.abspath(__file__), "--worker", "--out", str(worker_out), transport="gloo",
+        horovodrun(ranks, os.path.abspath(__file__), "--worker", "--out", str(worker_out), transport="gloo",
                    timeout=180, env={"OMP_NUM_THREADS": "1"})
         return json.loads(worker_out.read_text())
 
@@ -458,7 +468,8 @@ def meta() -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="JSON file to write")
-    parser.add_argument("--horovod", action="store_true", help="fingerprint training under horovodrun (2 ranks)")
+    parser.add_argument("--horovod", action="store_true", help="fingerprint training under horovodrun")
+    parser.add_argument("--np", type=int, default=2, help="ranks of --horovod (2: allgather, 4: two-phase)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two fingerprint files")
     args = parser.parse_args()
@@ -471,7 +482,7 @@ def main() -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
     if args.horovod:
-        payload = run_horovod(Path(args.out))
+        payload = run_horovod(Path(args.out), args.np)
         payload["meta"].update(meta())
         ok = payload["fingerprint"]["ranks_agree"]
     else:

@@ -7,7 +7,7 @@ after every step and across all ranks (``dist.all_gather_object``):
 * the allocation digest, violation, escalations, modeled bits and actions of ``state.last_step`` are identical;
 * the model parameters are bitwise identical (SHA-256 of every parameter's bytes);
 * the reduced gradient DDP leaves in ``p.grad`` is bitwise the mean, summed in rank order, of every rank's decoded
-  payload (recorded by a :class:`~safebits_hvd.collectives.TorchDistributedTransport` subclass, the ``transport=``
+  payload (recorded by a :class:`~safebits_hvd.transports.TorchDistributedTransport` subclass, the ``transport=``
   seam); on the two-phase path, the second hop conserves what the ranks sent (sums over the run);
 
 and per rank, after the run, error-feedback conservation: ``sum(sent) + residual == sum(what the hook saw)``.
@@ -44,9 +44,10 @@ from scenario_runner import (
 
 import safebits_hvd as sb
 from safebits_hvd import ddp as sbddp
-from safebits_hvd.collectives import TorchDistributedTransport, decode_sequence, segment_bounds
+from safebits_hvd.collectives import decode_sequence, segment_bounds
 from safebits_hvd.exchange import TorchDistributedExchange
 from safebits_hvd.launch import exit_without_finalization
+from safebits_hvd.transports import TorchDistributedTransport
 
 BATCH = 64
 

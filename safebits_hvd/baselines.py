@@ -39,9 +39,10 @@ import numpy as np
 import torch
 
 from .actions import FP16, FP32, Action, Menu, make_menu, qsgd, scaled_sign, ternary, topk
-from .compressor import Compressor, Context, CoreCompressor, SafeBits, registered_parameters
+from .compressor import Compressor, Context, CoreCompressor, SafeBits
 from .core import SafeBitsCore
 from .exchange import LocalExchange
+from .frontend import registered_parameters
 from .policy import FixedActionPolicy
 
 __all__ = ["BUDGETED", "MAX_SCALED_MENU", "QUANTIZER_MENU", "REGISTRY", "FixedActionCompressor", "label",

@@ -16,7 +16,7 @@
   one quantization); two-phase from 3 ranks on.
 
 Many small tensors must not each pay a collective's latency. The allgather path gathers tensors in fusion groups
-(:class:`FusedAllgather`): consecutive tensors, in the order backward produces them, of up to
+(:class:`AllgatherPath`): consecutive tensors, in the order backward produces them, of up to
 :data:`FUSION_ELEMENTS` elements together (a larger tensor alone), one allgather per group started as soon as its
 last member is sent. Horovod's own fusion did not help here: a rank's per-tensor allgathers reach Horovod's cycle one
 by one, each waiting for the Python of the next tensor's send. Alltoalls never fuse, so the two-phase path batches
@@ -26,15 +26,15 @@ every tensor of the step into one alltoall and one allgather.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import host, kernels, wire
-from .actions import Action
-from .exchange import DEFAULT_TIMEOUT, check_member, horovod_if_initialized, torch_distributed_group, wait_bounded
+from .actions import Action, Menu
 from .rng import stream_key
+from .transports import LocalTransport, PayloadTransport
 
 COLLECTIVES = ("auto", "allgather", "two_phase", "dense")
 
@@ -48,258 +48,95 @@ def choose(collective: str, bits_per_parameter: float, world_size: int) -> str:
     return "allgather" if world_size == 2 else "two_phase"
 
 
-def link_bytes(collective: str, payload_bytes: int, ranks: int) -> int:
-    """Bytes one rank's payload costs the link: allgather delivers it to ``ranks - 1`` peers; a ring allreduce of
-    dense values sends ``2 (P - 1) / P`` of them; ``two_phase`` counts its two hops itself."""
-    if collective == "allgather":
-        return payload_bytes * (ranks - 1)
-    if collective == "dense":
-        return (2 * payload_bytes * (ranks - 1)) // ranks
-    raise ValueError(f"link_bytes is not defined for {collective!r}")
+# ---------------------------------------------------------------------------------------------- the paths
+class CollectivePath:
+    """One way a step's tensors travel, a strategy the core picks per step (:func:`choose`; the same on every rank).
 
-
-@runtime_checkable
-class PayloadTransport(Protocol):
-    """Moves uint8 buffers between ranks; ``start_*`` must not block, ``wait`` returns the result:
-    ``start_allgather``: every rank's buffer, concatenated in rank order; ``start_alltoall``: ``(received,
-    received_splits)``, the pieces every rank sent this one, in rank order."""
-
-    rank: int
-    size: int
-
-    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
-        ...
-
-    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
-        ...
-
-    def wait(self, handle: Any) -> Any:
-        ...
-
-
-class LocalTransport:
-    """One process: every collective returns this rank's own buffer."""
-
-    rank = 0
-    size = 1
-
-    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
-        return payload
-
-    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
-        return buffer, torch.tensor(splits, dtype=torch.int32)
-
-    def wait(self, handle: Any) -> Any:
-        return handle
-
-
-class HorovodTransport:
-    """Horovod's ``allgather_async`` and ``alltoall_async`` of uint8 buffers under fixed names, on a process set
-    (default: every rank); waits are bounded by ``timeout`` seconds (:func:`~.exchange.wait_bounded`)."""
-
-    def __init__(self, process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        import horovod.torch as hvd
-
-        self._hvd = hvd
-        self.process_set = process_set if process_set is not None else hvd.global_process_set
-        self.rank = self.process_set.rank()
-        self.size = self.process_set.size()
-        self.timeout = timeout
-
-    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
-        return self._hvd.allgather_async(payload, name=name, process_set=self.process_set), name
-
-    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
-        return self._hvd.alltoall_async(buffer, splits=torch.tensor(splits, dtype=torch.int32), name=name,
-                                        process_set=self.process_set), name
-
-    def wait(self, handle: Any) -> Any:
-        horovod_handle, name = handle
-        wait_bounded(lambda: self._hvd.poll(horovod_handle), self.timeout, f"SafeBits' payload collective {name!r}")
-        return self._hvd.synchronize(horovod_handle)
-
-
-class _QueuedAllgather:
-    """Allgathers queued by :class:`TorchDistributedTransport` until its next flush: launched as ONE collective.
-
-    torch's all_gather moves equal sizes. With ``expected`` (bytes every rank expects the batch to total,
-    identical on every rank) nothing waits at launch: each rank sends its payloads' lengths and the first
-    ``expected`` bytes of its payloads; a rank whose payloads are longer (it escalated) sends the rest in a second
-    all_gather that every rank starts at :meth:`complete`, having read from the lengths who has a rest. Without
-    it, every rank's lengths are exchanged first (blocking), then the payloads, padded to the longest rank's.
+    Every path says what the send pass makes of one tensor (:meth:`encode`: ``v = g + e``, ``q = Q(v)``,
+    ``e <- v - q``), how an escalation undoes it (:meth:`restore`: ``e <- e + q``), what a tensor never sent this
+    step sends instead (:meth:`zeros`), what a sent tensor costs the link (:meth:`link_bytes`) and, on the packed
+    paths, the reduced sum (:meth:`reduced_sum`). The core never asks which path it holds, only what it can do:
+    ``packed`` (uint8 payloads through SafeBits' collectives, else float32 values through the front end's own
+    allreduce) and ``batched`` (tensors registered and sent a fusion group at a time).
     """
 
-    def __init__(self) -> None:
-        self.payloads: list[torch.Tensor] = []
-        self.names: list[str] = []
-        self.launched = False
-        self.work: Any = None
-        self.expected: int | None = None
-        self.received: list[torch.Tensor] = []          # per rank: every byte of its payloads, once complete
-        self.lengths = np.zeros((0, 0), dtype=np.int64)  # [rank, payload] bytes
-        self.offsets = np.zeros((0, 0), dtype=np.int64)
-        self._rest = torch.empty(0, dtype=torch.uint8)
+    name = ""
+    packed = True
+    batched = False
 
-    def launch(self, transport: TorchDistributedTransport, expected: int | None) -> None:
-        self.launched = True
-        device = transport.device
-        count = len(self.payloads)
-        lengths = torch.tensor([p.numel() for p in self.payloads], dtype=torch.int64)
-        body = torch.cat([p.to(device) for p in self.payloads])
-        self.payloads = []
-        if expected is None:
-            self.lengths = transport.gather_now(lengths.to(device), f"the sizes of {self.names[0]!r}...").numpy()
-            longest = int(self.lengths.sum(axis=1).max())
-            mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-            mine[:body.numel()] = body
-        else:
-            self.expected = expected
-            head = min(body.numel(), expected)
-            mine = torch.zeros(8 * count + expected, dtype=torch.uint8, device=device)
-            mine[:8 * count] = lengths.view(torch.uint8).to(device)
-            mine[8 * count:8 * count + head] = body[:head]
-            self._rest = body[head:]
-        self.received = [torch.empty_like(mine) for _ in range(transport.size)]
-        self.work = transport.dist.all_gather(self.received, mine, group=transport.process_group, async_op=True)
+    def __init__(self, menu: Menu, cheapest: np.ndarray) -> None:
+        self.menu = menu
+        self.cheapest = cheapest          # per tensor: its cheapest action, whose payload of zeros a skip sends
+        self.transport: PayloadTransport = LocalTransport()
+        self.wire_bytes = 0               # bytes this rank's payloads cost the link in the step (the record's)
 
-    def complete(self, transport: TorchDistributedTransport, what: str) -> None:
-        """Wait for the batch (and move the rests, if any rank has one); afterwards :meth:`result` works."""
-        if self.work is None:
-            return
-        wait_bounded(self.work.is_completed, transport.timeout, what)
-        self.work.wait()                            # raises the collective's own error, if any
-        self.work = None
-        if self.expected is not None:
-            count, expected = len(self.names), self.expected
-            self.lengths = np.stack([r[:8 * count].cpu().view(torch.int64).numpy() for r in self.received])
-            totals = self.lengths.sum(axis=1)
-            rests = np.maximum(totals - expected, 0)
-            heads = [r[8 * count:8 * count + int(t) - int(rest)] for r, t, rest in zip(self.received, totals, rests,
-                                                                                       strict=True)]
-            if rests.any():      # every rank read the same lengths: every rank starts this second collective
-                longest = int(rests.max())
-                mine = torch.zeros(longest, dtype=torch.uint8, device=transport.device)
-                mine[:self._rest.numel()] = self._rest
-                pieces = [torch.empty_like(mine) for _ in range(transport.size)]
-                work = transport.dist.all_gather(pieces, mine, group=transport.process_group, async_op=True)
-                wait_bounded(work.is_completed, transport.timeout, what)
-                work.wait()
-                heads = [torch.cat([h, p[:int(rest)]]) for h, p, rest in zip(heads, pieces, rests, strict=True)]
-            self.received = heads
-            self._rest = torch.empty(0, dtype=torch.uint8)
-        self.offsets = np.cumsum(self.lengths, axis=1) - self.lengths
+    def begin(self, step: int, transport: PayloadTransport) -> None:
+        """A new step on ``transport``."""
+        self.transport = transport
+        self.wire_bytes = 0
 
-    def result(self, position: int) -> torch.Tensor:
-        """Every rank's payload ``position`` of the batch, concatenated in rank order."""
-        return torch.cat([self.received[r][int(self.offsets[r, position]):
-                                           int(self.offsets[r, position] + self.lengths[r, position])]
-                          for r in range(len(self.received))])
+    def add(self, index: int, sent: Any) -> Any:
+        """Tensor ``index`` was sent (one tensor at a time: the dense and two-phase paths): count its bytes; returns
+        what the front end hands on (:attr:`.core.Sent.wire`)."""
+        self.wire_bytes += self.link_bytes(sent)
+        return sent
+
+    def abort(self) -> None:
+        """Drop the step in flight (one of its collectives failed)."""
+
+    def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+        """What travels of tensor ``index`` at ``action``, and the float64 statistics of all of ``q``; ``own``, if
+        given, receives ``q`` (the dense path's values, the allgather path's own part of the sum)."""
+        raise NotImplementedError
+
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
+        """Undo :meth:`encode`'s residual update: ``e <- e + q`` (``e`` then holds ``v`` to float rounding)."""
+        raise NotImplementedError
+
+    def zeros(self, index: int, n: int, device: torch.device) -> Any:
+        """What a tensor sends when it sends nothing: zeros (on a packed path, its cheapest action's payload of
+        zeros, so every rank's layout stays the same)."""
+        raise NotImplementedError
+
+    def link_bytes(self, sent: Any) -> int:
+        """Bytes this rank's ``sent`` costs the link."""
+        raise NotImplementedError
+
+    def close(self, step: int, allocation: np.ndarray, seed: int) -> None:
+        """Every tensor of the step has been sent (the two-phase path starts its one alltoall here)."""
+
+    def reduced_sum(self, index: int, step: int, out: torch.Tensor | None, divisor: float) -> torch.Tensor:
+        """The sum over ranks of what every rank sent of tensor ``index`` at ``step``, decoded in rank order
+        (bitwise the same on every rank), divided by ``divisor``, into ``out`` if given (written over)."""
+        raise RuntimeError(f"the {self.name} path has no reduced sum of its own: the front end's allreduce makes it")
 
 
-class _QueuedAlltoall:
-    """One alltoall queued by :class:`TorchDistributedTransport` until its next flush."""
+class DensePath(CollectivePath):
+    """The dequantized float32 values through the front end's allreduce (Horovod's, or DDP's bucket all_reduce):
+    ``2 (P - 1) / P`` of them on a ring. ``bytes_per_element``: what the front end puts on the wire (4: float32)."""
 
-    def __init__(self, name: str, buffer: torch.Tensor, splits: list[int]) -> None:
-        self.names = [name]
-        self.buffer = buffer
-        self.splits = splits
-        self.launched = False
-        self.work: Any = None
-        self.received = torch.empty(0, dtype=torch.uint8)
-        self.received_splits: list[int] = []
+    name = "dense"
+    packed = False
 
-    def launch(self, transport: TorchDistributedTransport, expected: int | None) -> None:
-        # all_to_all_single needs the sizes this rank receives: every rank's splits first (small).
-        self.launched = True
-        device = transport.device
-        splits = torch.tensor(self.splits, dtype=torch.int64, device=device)
-        matrix = transport.gather_now(splits, f"the splits of {self.names[0]!r}").numpy()
-        self.received_splits = [int(v) for v in matrix[:, transport.rank]]
-        self.received = torch.empty(sum(self.received_splits), dtype=torch.uint8, device=device)
-        self.work = transport.dist.all_to_all_single(self.received, self.buffer.to(device), self.received_splits,
-                                                     self.splits, group=transport.process_group, async_op=True)
+    def __init__(self, menu: Menu, cheapest: np.ndarray, bytes_per_element: int = 4) -> None:
+        super().__init__(menu, cheapest)
+        self.bytes_per_element = bytes_per_element
 
-    def complete(self, transport: TorchDistributedTransport, what: str) -> None:
-        if self.work is not None:
-            wait_bounded(self.work.is_completed, transport.timeout, what)
-            self.work.wait()                        # raises the collective's own error, if any
-            self.work = None
+    def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+        out = own if own is not None else torch.empty_like(e)
+        return out, host.to_host(kernels.quantize_ef(g, e, out, action, key))
 
-    def result(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.received, torch.tensor(self.received_splits, dtype=torch.int32)
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
+        e.add_(sent)
 
+    def zeros(self, index: int, n: int, device: torch.device) -> Any:
+        return torch.zeros(n, dtype=torch.float32, device=device)
 
-class TorchDistributedTransport:
-    """``torch.distributed`` collectives of uint8 buffers on a process group (None: the default group), for the DDP
-    front end (:mod:`.ddp`); Gloo on CPU, NCCL on GPU.
-
-    ``start_allgather`` and ``start_alltoall`` only queue (they never block); :meth:`flush` launches everything
-    queued, in order, and consecutive allgathers as ONE collective: the DDP hook flushes after every
-    ``chunk_bytes`` of a bucket's payloads and at the bucket's end, so they travel in a few collectives. torch's
-    collectives need every rank's sizes up front: the DDP hook passes the bytes the queued payloads' allocated
-    actions take (identical on every rank), so nothing waits at launch and only
-    an escalated rest moves in a second collective when the step closes (:class:`_QueuedAllgather`); otherwise
-    each launch is preceded by one small blocking all_gather of the sizes. Every rank flushes and waits at the
-    same points (the same bucket sequence), so none can deadlock. ``wait`` flushes first if its collective is
-    still queued; every wait is bounded by ``timeout`` seconds (:func:`~.exchange.wait_bounded`).
-    """
-
-    def __init__(self, process_group: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        self.dist, self.rank, self.size, self.device = torch_distributed_group(process_group)
-        self.process_group = process_group
-        self.timeout = timeout
-        self._queue: list[_QueuedAllgather | _QueuedAlltoall] = []
-
-    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
-        if not self._queue or not isinstance(self._queue[-1], _QueuedAllgather):
-            self._queue.append(_QueuedAllgather())
-        batch = self._queue[-1]
-        assert isinstance(batch, _QueuedAllgather)
-        batch.payloads.append(payload)
-        batch.names.append(name)
-        return batch, len(batch.payloads) - 1
-
-    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
-        operation = _QueuedAlltoall(name, buffer, splits)
-        self._queue.append(operation)
-        return operation, 0
-
-    def flush(self, expected_bytes: int | None = None) -> None:
-        """Launch every queued collective, in the order queued. ``expected_bytes``: what the queued allgathers'
-        payloads should total on every rank (the same number on every rank), when exactly one batch is queued."""
-        queue, self._queue = self._queue, []
-        if expected_bytes is not None and len(queue) != 1:
-            raise ValueError(f"flush(expected_bytes) needs exactly one queued batch of allgathers, not {len(queue)}")
-        for operation in queue:
-            operation.launch(self, expected_bytes)
-
-    def wait(self, handle: Any) -> Any:
-        operation, position = handle
-        if not operation.launched:
-            self.flush()
-        operation.complete(self, f"SafeBits' payload collective {operation.names[0]!r} (torch.distributed)")
-        return operation.result(position)
-
-    def gather_now(self, values: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's ``values`` (same shape everywhere), stacked in rank order on the CPU (a bounded wait)."""
-        pieces = [torch.empty_like(values) for _ in range(self.size)]
-        work = self.dist.all_gather(pieces, values, group=self.process_group, async_op=True)
-        wait_bounded(work.is_completed, self.timeout, f"SafeBits' exchange of {what} (torch.distributed)")
-        work.wait()
-        return torch.stack(pieces).cpu()
-
-
-def make_transport(process_set: Any = None,
-                   timeout: float | None = DEFAULT_TIMEOUT) -> LocalTransport | HorovodTransport:
-    """The payload transport of the current process: Horovod's on ``process_set`` (None: every rank) when Horovod
-    is initialized and the set has several ranks, else local."""
-    hvd = horovod_if_initialized()
-    if hvd is None:
-        return LocalTransport()
-    if process_set is not None and process_set != hvd.global_process_set:
-        check_member(hvd, process_set)
-        return LocalTransport() if process_set.size() == 1 else HorovodTransport(process_set, timeout)
-    return LocalTransport() if hvd.size() == 1 else HorovodTransport(None, timeout)
+    def link_bytes(self, sent: Any) -> int:
+        ranks = self.transport.size
+        return (2 * sent.numel() * self.bytes_per_element * (ranks - 1)) // ranks
 
 
 # ---------------------------------------------------------------------------------------------- fused allgather
@@ -327,31 +164,48 @@ def fusion_groups(numels: np.ndarray, max_elements: int = FUSION_ELEMENTS) -> li
     return groups
 
 
-class FusedAllgather:
-    """The allgather path of one core, one collective per fusion group (:func:`fusion_groups`).
+class AllgatherPath(CollectivePath):
+    """Every rank's packed payloads to every rank, one allgather per fusion group (:func:`fusion_groups`).
 
     The core registers each member's gradient as it arrives (:meth:`register`); when the group is complete it sends
-    the whole group in one batched pass (``SafeBitsCore._send_group``) and hands the payloads, back to back in index
-    order, to :meth:`start`. On the receiving side the first member asked for decodes the whole group
-    (:func:`.kernels.decode_group`): member ``k`` summed over the ``P`` gathered parts in rank order, so the sum is
-    bitwise the same everywhere. The gathered headers are checked in one comparison against those of the allocated
-    actions, which every rank knows (:meth:`_split`); only when some rank sent another action (it escalated) are
-    they read one by one.
+    the whole group in one batched pass (:meth:`.sending.Sender.send_group`) and hands the payloads, back to back in
+    member order, to :meth:`start`. A front end that batches itself (the DDP hook, per chunk of a bucket) makes
+    its own groups for the step (:meth:`group_together`). On the receiving side the first member asked for decodes
+    the whole group (:func:`.kernels.decode_group`): member ``k`` summed over the ``P`` gathered parts in rank
+    order, so the sum is bitwise the same everywhere. The gathered headers are checked in one comparison against
+    those of the allocated actions, which every rank knows (:meth:`_split`); only when some rank sent another
+    action (it escalated) are they read one by one.
     """
 
-    def __init__(self, names: list[str], numels: np.ndarray, name: str,
-                 max_elements: int = FUSION_ELEMENTS) -> None:
+    name = "allgather"
+    batched = True
+
+    def __init__(self, names: list[str], numels: np.ndarray, tables: kernels.GroupTables, cheapest: np.ndarray,
+                 collective_name: str, max_elements: int = FUSION_ELEMENTS) -> None:
+        super().__init__(tables.menu, cheapest)
         self.names = names
-        self.name = name
-        self.groups = fusion_groups(numels, max_elements)
-        self.group_of = np.empty(len(numels), dtype=np.int64)
-        self.member_of = np.empty(len(numels), dtype=np.int64)
-        for group, members in enumerate(self.groups):
-            self.group_of[members] = group
-            self.member_of[members] = np.arange(len(members))
-        self._members = [np.array(members, dtype=np.int64) for members in self.groups]
+        self.tables = tables
+        self.collective_name = collective_name
+        self._fusion = fusion_groups(numels, max_elements)
         self.step = -1
+        self._regroup()
         self._clear()
+
+    def _regroup(self) -> None:
+        """The fusion groups (a front end's own groups of the last step are dropped)."""
+        self.groups = [list(members) for members in self._fusion]
+        self.group_of = np.empty(len(self.names), dtype=np.int64)
+        self.member_of = np.empty(len(self.names), dtype=np.int64)
+        self._members: list[np.ndarray] = []
+        for members in self.groups:
+            self._index_group(members)
+
+    def _index_group(self, members: list[int]) -> int:
+        group = len(self._members)
+        self.group_of[members] = group
+        self.member_of[members] = np.arange(len(members))
+        self._members.append(np.array(members, dtype=np.int64))
+        return group
 
     def _clear(self) -> None:
         # group -> member index -> (flat gradient, the tensor that receives q or None), until the group is sent
@@ -368,13 +222,37 @@ class FusedAllgather:
     def begin(self, step: int, transport: PayloadTransport) -> None:
         """A new step: collectives of the last one that nobody waited for are completed and dropped."""
         for handle in self._handles.values():
-            transport.wait(handle)
+            self.transport.wait(handle)
+        super().begin(step, transport)
         self.step = step
+        if len(self._members) != len(self._fusion):
+            self._regroup()
         self._clear()
 
     def abort(self) -> None:
-        """Drop the step in flight without waiting (its collectives failed)."""
         self._clear()
+
+    # -- the send side
+    def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+        return encode_packed(g, e, action, key, own)
+
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
+        kernels.decode_add(sent, e, name=name)
+
+    def zeros(self, index: int, n: int, device: torch.device) -> Any:
+        return packed_zeros(self.menu[int(self.cheapest[index])], n, device)
+
+    def link_bytes(self, sent: Any) -> int:
+        return sent.numel() * (self.transport.size - 1)
+
+    def group_together(self, members: list[int]) -> int:
+        """Make ``members`` (none registered yet this step) one group for the rest of the step, sent when the last
+        of them is registered; every rank must make the same groups (the DDP hook's chunks of its buckets)."""
+        if any(int(self.group_of[i]) in self._registered for i in members):
+            raise RuntimeError("group_together: a member was already registered this step")
+        self.groups.append(list(members))
+        return self._index_group(list(members))
 
     def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
         """Tensor ``index``'s flat gradient (``own``: where its ``q`` is to be written, or None); returns its group
@@ -396,16 +274,19 @@ class FusedAllgather:
         """Whether tensor ``index``'s group has registered members not yet sent."""
         return int(self.group_of[index]) in self._registered
 
-    def start(self, transport: PayloadTransport, group: int, buffer: torch.Tensor, offsets: np.ndarray,
-              expected: np.ndarray, owns: dict[int, torch.Tensor | None]) -> None:
+    def start(self, group: int, buffer: torch.Tensor, offsets: np.ndarray, expected: np.ndarray,
+              owns: dict[int, torch.Tensor | None], sent_bytes: int) -> None:
         """Start the group's allgather of ``buffer`` (the members' payloads back to back, member ``k`` at
-        ``offsets[k]:offsets[k + 1]``); ``expected``: the members' allocated actions (the same on every rank)."""
+        ``offsets[k]:offsets[k + 1]``); ``expected``: the members' allocated actions (the same on every rank);
+        ``sent_bytes``: the bytes of the members' payloads that were sent (not of the zeros standing in for the
+        missing ones), which the link carries to every other rank."""
+        self.wire_bytes += sent_bytes * (self.transport.size - 1)
         self._sent[group] = (buffer, offsets)
         self._expected[group] = np.asarray(expected, dtype=np.int64)
         self._own.update((index, own) for index, own in owns.items() if own is not None)
         # Named by the group's first tensor: a group of one tensor is named by that tensor (disjoint groups: unique).
         first = self.groups[group][0]
-        self._handles[group] = transport.start_allgather(f"{self.name}.payload.{first}", buffer)
+        self._handles[group] = self.transport.start_allgather(f"{self.collective_name}.payload.{first}", buffer)
 
     def payload(self, index: int) -> torch.Tensor:
         """This rank's payload of tensor ``index`` (its group must have been sent)."""
@@ -417,13 +298,13 @@ class FusedAllgather:
         member = int(self.member_of[index])
         return buffer[int(offsets[member]):int(offsets[member + 1])]
 
-    def _split(self, gathered: torch.Tensor, group: int, ranks: int,
-               tables: kernels.GroupTables) -> tuple[list[list[torch.Tensor]], np.ndarray]:
+    # -- the receive side
+    def _split(self, gathered: torch.Tensor, group: int, ranks: int) -> tuple[list[list[torch.Tensor]], np.ndarray]:
         """The gathered payloads ``[member][rank]`` and their menu actions. Fast path: if every rank sent the
         allocated actions, the buffer has exactly their length and their headers at the offsets they imply; one
         comparison of all those headers proves it (by induction over payloads: each header fixes where the next
         payload starts). Else every payload is parsed in turn (a rank escalated, or the buffer is corrupt)."""
-        members, expected = self._members[group], self._expected[group]
+        members, expected, tables = self._members[group], self._expected[group], self.tables
         m = len(members)
         sizes = tables.payload_bytes[members, expected]
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -464,15 +345,13 @@ class FusedAllgather:
                 actions[k, r] = action
                 offset += size
         if offset != data.size:
-            raise wire.WireFormatError(f"{self.name} group {group} step {self.step}: {data.size - offset} bytes "
-                                       f"after {ranks * m} payloads")
+            raise wire.WireFormatError(f"{self.collective_name} group {group} step {self.step}: "
+                                       f"{data.size - offset} bytes after {ranks * m} payloads")
         return payloads, actions
 
-    def reduced_sum(self, transport: PayloadTransport, index: int, step: int, out: torch.Tensor | None,
-                    divisor: float, tables: kernels.GroupTables) -> torch.Tensor:
-        """The sum of every rank's payload of tensor ``index`` at ``step``, in rank order, divided by ``divisor``,
-        in ``out`` if given (written over), else in a new tensor. The first member of a group asked for decodes the
-        whole group, into each member's ``own`` tensor when it has one.
+    def reduced_sum(self, index: int, step: int, out: torch.Tensor | None, divisor: float) -> torch.Tensor:
+        """The first member of a group asked for decodes the whole group, into each member's ``own`` tensor when it
+        has one.
 
         When a member's ``own`` tensor holds this rank's values, this rank's payload is not decoded again on ranks
         0 and 1: each adds the other ranks' values to its own in rank order (float addition is commutative, so
@@ -483,9 +362,10 @@ class FusedAllgather:
         if group not in self._decoded:
             if group not in self._handles:
                 raise RuntimeError(f"the group of {self.names[index]!r} was not sent at step {step}")
-            gathered = transport.wait(self._handles.pop(group))
-            ranks, me = transport.size, transport.rank
-            payloads, actions = self._split(gathered, group, ranks, tables)
+            tables = self.tables
+            gathered = self.transport.wait(self._handles.pop(group))
+            ranks, me = self.transport.size, self.transport.rank
+            payloads, actions = self._split(gathered, group, ranks)
             members = self._members[group]
             outs, own = [], np.full(len(members), -1, dtype=np.int64)
             for k, member in enumerate(members.tolist()):
@@ -502,7 +382,7 @@ class FusedAllgather:
         if divisor != decoded_divisor:       # another op than the group's first member's: decode this one again
             member = int(self.member_of[index])
             total = torch.empty_like(total)
-            kernels.decode_group([payloads[member]], actions[member:member + 1], [total], np.array([-1]), tables,
+            kernels.decode_group([payloads[member]], actions[member:member + 1], [total], np.array([-1]), self.tables,
                                  self._members[group][member:member + 1], [self.names[index]], divisor)
         if out is None:
             return total
@@ -523,34 +403,18 @@ def segment_key(key: int, segment: int) -> int:
     return stream_key(key, segment + 1, 0)
 
 
-def encode(collective: str, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-           segments: list[tuple[int, int]], out: torch.Tensor) -> tuple[Any, np.ndarray]:
-    """One send pass for ``collective``: ``v = g + e``, ``q = Q(v)``, ``e <- v - q``; returns what travels (dense:
-    ``out`` filled with ``q``; allgather: a payload, and ``q`` in ``out`` unless it is empty; two-phase: one payload
-    per segment) and the float64 statistics of all of ``q`` (the segments' sums added in segment order)."""
-    if collective == "dense":
-        return out, kernels.quantize_ef(g, e, out, action, key).cpu().numpy()
-    if collective == "allgather":      # out, when it has the tensor's size, receives q (FusedAllgather's "own")
-        payload, stats = kernels.quantize_pack_ef(g, e, action, key, sent=out if out.numel() else None)
-        return payload, stats.cpu().numpy()
-    payloads, total = [], np.zeros(4)
-    for segment, (start, stop) in enumerate(segments):
-        payload, stats = kernels.quantize_pack_ef(None if g is None else g[start:stop], e[start:stop], action,
-                                                  segment_key(key, segment))
-        payloads.append(payload)
-        total += stats.cpu().numpy()
-    return payloads, total
+def encode_packed(g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+                  own: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray]:
+    """One packed payload of ``v = g + e`` at ``action`` (``e <- v - q``, ``q`` into ``own`` if given) and the
+    float64 statistics of ``q``, read back."""
+    payload, stats = kernels.quantize_pack_ef(g, e, action, key, sent=own)
+    return payload, host.to_host(stats)
 
 
-def restore(collective: str, sent: Any, e: torch.Tensor, segments: list[tuple[int, int]], name: str) -> None:
-    """Undo :func:`encode`'s residual update: ``e <- e + q`` (``e`` then holds ``v`` to float rounding)."""
-    if collective == "dense":
-        e.add_(sent)
-    elif collective == "allgather":
-        kernels.decode_add(sent, e, name=name)
-    else:
-        for payload, (start, stop) in zip(sent, segments, strict=True):
-            kernels.decode_add(payload, e[start:stop], name=name)
+def packed_zeros(action: Action, n: int, device: torch.device) -> torch.Tensor:
+    """``action``'s payload of ``n`` zeros (no residual is touched, nothing is read back)."""
+    zeros = torch.zeros(n, dtype=torch.float32, device=device)
+    return kernels.quantize_pack_ef(None, zeros, action, 0)[0]
 
 
 def decode_sequence(buffer: torch.Tensor, out: torch.Tensor, name: str) -> torch.Tensor:

@@ -8,24 +8,19 @@ step under Horovod"). Everything else (policy, kernels, error feedback, exchange
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
-from . import collectives, host
-from .actions import DEFAULT_MENU, Menu, make_menu
-from .collectives import PayloadTransport, make_transport
-from .core import NONFINITE_MODES, SafeBitsCore, check_count, check_number
+from . import host
+from .actions import DEFAULT_MENU, Menu
+from .core import SafeBitsCore
 from .exchange import DEFAULT_TIMEOUT, StatisticsExchange, horovod_if_initialized, make_exchange
-from .memory import ErrorFeedback
+from .frontend import CoreRecords, build_core, check_transports
 from .params import GradientIndex
-from .policy import BudgetPolicy
-from .schedules import as_schedule
-from .telemetry import StepRecord
+from .transports import PayloadTransport, make_transport
 
 try:  # Subclass Horovod's interface when Horovod is there; the object also works without it.
     from horovod.torch.compression import Compressor
@@ -74,140 +69,6 @@ def op_factor(reduced_marker: torch.Tensor, ranks: int) -> float:
         raise ValueError(f"the allgather path's marker came back from Horovod's reduction as {value}; SafeBits' "
                          f"packed collectives support op=Average and op=Sum (use collective='dense' for Adasum)")
     return value
-
-
-def registered_parameters(parameters: Any) -> tuple[list[str], list[torch.nn.Parameter]]:
-    """Names and parameters with ``requires_grad`` (as Horovod registers them), after checking them.
-
-    ``parameters`` is ``model.named_parameters()`` (``(name, parameter)`` pairs), or, for
-    ``hvd.DistributedOptimizer(opt)`` without ``named_parameters``, the optimizer, its ``param_groups`` or
-    ``model.parameters()``: those are named as Horovod names them, ``allreduce.noname.<group>.<index>``.
-    """
-    if isinstance(parameters, torch.nn.Module):
-        raise TypeError("pass model.named_parameters() (or model.parameters(), or the optimizer), not the model")
-    if isinstance(parameters, torch.optim.Optimizer):
-        parameters = parameters.param_groups
-    items = list(parameters)
-    if items and all(isinstance(item, torch.Tensor) for item in items):
-        items = [{"params": items}]
-    if items and all(isinstance(item, dict) for item in items):
-        if not all("params" in group for group in items):
-            raise TypeError("parameter groups must be dicts with a 'params' list, as optimizer.param_groups")
-        items = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(items)
-                 for j, p in enumerate(group["params"])]
-    names: list[str] = []
-    params: list[torch.nn.Parameter] = []
-    seen_names: set[str] = set()
-    seen_params: set[int] = set()
-    for pair in items:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
-                and isinstance(pair[1], torch.Tensor)):
-            raise TypeError("SafeBits takes model.named_parameters() ((name, parameter) pairs), model.parameters(), "
-                            "or the optimizer / its param_groups")
-        name, p = pair
-        if name in seen_names:
-            raise ValueError(f"duplicate parameter name {name!r} in named_parameters")
-        if id(p) in seen_params:
-            raise ValueError(f"parameter {name!r} is registered twice under different names")
-        seen_names.add(name)
-        seen_params.add(id(p))
-        if p.requires_grad:
-            names.append(name)
-            params.append(p)
-    if not params:
-        raise ValueError("named_parameters holds no parameter with requires_grad=True")
-    return names, params
-
-
-def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float], max_distortion: float,
-               min_cosine: float, menu: Menu | Iterable[str], seed: int, log_path: str | os.PathLike[str] | None,
-               *, sample_buckets: int, consistency_check_every: int, nonfinite: str, screen: bool, name: str,
-               max_history: int, collective: str, timeout: float | None,
-               exchange: StatisticsExchange | Callable[[float | None], StatisticsExchange],
-               transport: PayloadTransport | Callable[[float | None], PayloadTransport],
-               fusion_elements: int = collectives.FUSION_ELEMENTS) -> tuple[list[torch.nn.Parameter], SafeBitsCore]:
-    """Check SafeBits' options (every front end takes the same ones) and build the core over the parameters with
-    ``requires_grad``. ``exchange`` and ``transport`` are the front end's, or callables of the checked ``timeout``
-    that make them when the first step needs them; ``fusion_elements``: see :class:`~.core.SafeBitsCore`."""
-    names, params = registered_parameters(named_parameters)
-    schedule = as_schedule(budget_bits)
-    if not callable(budget_bits):
-        schedule(0)    # a constant is checked now
-    max_distortion = check_number("max_distortion", max_distortion, 0.0, 1.0, low_open=True)
-    min_cosine = check_number("min_cosine", min_cosine, -1.0, 1.0)
-    menu = make_menu(menu)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    if nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    if timeout is not None:
-        timeout = check_number("timeout", timeout, 0.0, math.inf, low_open=True)
-    if not (callable(exchange) or isinstance(exchange, StatisticsExchange)):
-        raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
-                        f"is_local, rank, size), got {type(exchange).__name__}")
-    numels = np.array([p.numel() for p in params], dtype=np.int64)
-    policy = BudgetPolicy(menu, numels, max_distortion, min_cosine, screen=bool(screen))
-    core = SafeBitsCore(
-        names, numels, policy=policy, schedule=schedule, seed=seed,
-        exchange=exchange if isinstance(exchange, StatisticsExchange) else (lambda: exchange(timeout)),
-        nonfinite=nonfinite, sample_buckets=check_count("sample_buckets", sample_buckets, 1),
-        consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
-        max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
-        transport=transport if isinstance(transport, PayloadTransport) else (lambda: transport(timeout)),
-        name=name, fusion_elements=fusion_elements)
-    return params, core
-
-
-def check_transports(exchange: Any, transport: Any) -> None:
-    """``TypeError`` unless ``exchange`` and ``transport`` are None or implement their protocols."""
-    if exchange is not None and not isinstance(exchange, StatisticsExchange):
-        raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
-                        f"is_local, rank, size), got {type(exchange).__name__}")
-    if transport is not None and not isinstance(transport, PayloadTransport):
-        raise TypeError(f"transport must implement safebits_hvd.collectives.PayloadTransport (start_allgather, "
-                        f"start_alltoall, wait, rank, size), got {type(transport).__name__}")
-
-
-class CoreRecords:
-    """What every front end exposes of its :class:`~.core.SafeBitsCore`: records, step, residuals, checkpoints."""
-
-    core: SafeBitsCore
-
-    @property
-    def last_step(self) -> StepRecord | None:
-        """The :class:`StepRecord` of the last completed step (None before the first)."""
-        return self.core.last_step
-
-    @property
-    def history(self) -> list[StepRecord]:
-        """The last ``max_history`` :class:`StepRecord` objects, oldest first (a new list each time)."""
-        return self.core.history
-
-    @property
-    def step(self) -> int:
-        """Index of the next step to be compressed (the number of steps begun and closed)."""
-        return self.core.step
-
-    @property
-    def exchange(self) -> StatisticsExchange | None:
-        """The statistics transport (None until the first step closes, when it is chosen)."""
-        return self.core.exchange
-
-    @property
-    def memory(self) -> ErrorFeedback:
-        """The error-feedback residuals (per parameter name)."""
-        return self.core.memory
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically, as plain tensors, numbers and strings.
-
-        Call between optimizer steps. With several ranks each rank saves its own (the residuals are per rank).
-        """
-        return self.core.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; raises ``ValueError`` if it was saved for another model or menu."""
-        self.core.load_state_dict(state)
 
 
 class CoreCompressor(CoreRecords, Compressor):
@@ -356,7 +217,7 @@ class SafeBits(CoreCompressor):
         exchange: the statistics transport (:class:`~safebits_hvd.exchange.StatisticsExchange`). Default None:
             chosen when the first step closes (Horovod's MPI or Gloo, or none for one process). Tests and
             benchmarks pass their own here.
-        transport: the payload transport (:class:`~safebits_hvd.collectives.PayloadTransport`). Default None:
+        transport: the payload transport (:class:`~safebits_hvd.transports.PayloadTransport`). Default None:
             Horovod's allgather and alltoall when Horovod runs several ranks, else none.
 
     Attributes:

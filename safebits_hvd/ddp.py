@@ -9,7 +9,7 @@ one step under DDP").
 
 DDP calls the hook once per gradient bucket, in bucket order, identically on every rank. Each tensor of the bucket
 goes through the core on its own (its own action, screen and residual); the packed payloads of the bucket travel
-in ``torch.distributed`` collectives (:class:`~.collectives.TorchDistributedTransport`), one per
+in ``torch.distributed`` collectives (:class:`~.transports.TorchDistributedTransport`), one per
 :data:`CHUNK_BYTES` of payload, each started as soon as its tensors are packed, so they overlap the packing of the
 rest of the bucket and the rest of backward. The hook of the last bucket (``bucket.is_last()``) closes the
 step: the core has then started the statistics exchange (one asynchronous ``all_reduce(MAX)``,
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from .actions import DEFAULT_MENU, Menu
-from .collectives import LocalTransport, PayloadTransport, TorchDistributedTransport
-from .compressor import CoreRecords, build_core, check_transports
 from .errors import SafeBitsConsistencyError
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
+from .frontend import CoreRecords, build_core, check_transports
+from .transports import LocalTransport, PayloadTransport, TorchDistributedTransport
 
 CHUNK_BYTES = 1 << 18
 """Payload bytes (at the allocated actions) after which a bucket's payloads start their allgather, before the rest

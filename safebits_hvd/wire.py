@@ -3,10 +3,12 @@
 A payload is a 16-byte header and a body; the layout of both is specified once, in docs/DESIGN.md, "The wire
 format". :meth:`Action.cost` is exactly ``8 * (payload bytes - 16)`` for every action and element count (so
 :func:`payload_nbytes` is ``16 + cost / 8``); :func:`~safebits_hvd.actions.body_bits` is the one size formula.
-This module packs and validates headers; the kernels (:mod:`safebits_hvd.kernels`) write and read bodies.
+This module packs and validates headers and frames payloads; the kernels (:mod:`safebits_hvd.kernels`, which import
+this module, never the reverse) write and read bodies: ``kernels.quantize_pack_ef`` encodes, ``kernels.decode`` and
+``kernels.decode_add`` decode.
 
-Functions: :func:`encode_ef` (= :func:`safebits_hvd.kernels.quantize_pack_ef`), :func:`decode_add`,
-:func:`decode`, :func:`payload_nbytes`, :func:`pack_header`, :func:`parse_header`.
+Functions: :func:`payload_nbytes`, :func:`pack_header`, :func:`parse_header`, :func:`payload_length`,
+:func:`header_table`, :func:`payload_table`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch
 
 from .actions import LLOYD_MAX_LEVELS, Action, ActionKind, body_bits
 
-__all__ = ["FORMAT_VERSION", "HEADER_BYTES", "Header", "WireFormatError", "decode", "decode_add", "encode_ef",
-           "header_of", "pack_header", "parse_header", "payload_nbytes"]
+__all__ = ["FORMAT_VERSION", "HEADER_BYTES", "Header", "WireFormatError", "header_of", "header_table", "pack_header",
+           "parse_header", "payload_length", "payload_nbytes", "payload_table"]
 
 FORMAT_VERSION = 1
 HEADER_BYTES = 16
@@ -176,25 +178,3 @@ def payload_length(buffer: torch.Tensor, offset: int = 0, name: str = "tensor") 
                               f"{header.payload_nbytes} ({header.kind.name}, n={header.n})")
     return header.payload_nbytes
 
-
-def encode_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-              payload: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`safebits_hvd.kernels.quantize_pack_ef`: the fused pass ``v = g + e``, payload of ``Q(v)``,
-    ``e <- v - q``; returns ``(payload, stats)``."""
-    from . import kernels
-
-    return kernels.quantize_pack_ef(g, e, action, key, payload)
-
-
-def decode_add(payload: torch.Tensor, out: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
-    """:func:`safebits_hvd.kernels.decode_add`: ``out += decode(payload)`` in place; returns ``out``."""
-    from . import kernels
-
-    return kernels.decode_add(payload, out, name=name)
-
-
-def decode(payload: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
-    """:func:`safebits_hvd.kernels.decode`: the float32 values of a payload."""
-    from . import kernels
-
-    return kernels.decode(payload, name=name)

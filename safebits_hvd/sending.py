@@ -1,0 +1,291 @@
+"""Steps 2 and 3 of the life of a step (:mod:`.core`): the screen and the send, with error feedback.
+
+:class:`Sender` sends one tensor (:meth:`Sender.send`, the dense and two-phase paths) or a whole fusion group in
+one batched pass (:meth:`Sender.send_group`, the allgather path; docs/DESIGN.md, "The batched step"). Both end in
+:func:`escalate`, the one screen-and-escalate loop, which the two-phase second hop uses too: try the actions of an
+order until the exact statistics of what would be sent pass the screen (the lossless action always passes). What
+travels, and how an escalation undoes a pass, is the collective path's (:class:`.collectives.CollectivePath`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from . import host, kernels
+from .actions import Action, ActionKind, Menu
+from .allocator import Allocation
+from .errors import SafeBitsNonFiniteError
+from .memory import ErrorFeedback
+from .policy import BudgetPolicy
+from .rng import stream_key
+from .screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of
+from .statistics import StepStatistics
+
+
+class Codec(Protocol):
+    """What :func:`escalate` needs of a path: a pass, and its undoing (see :class:`.collectives.CollectivePath`)."""
+
+    def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+        ...
+
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
+        ...
+
+
+class Escalation(NamedTuple):
+    """What :func:`escalate` sent: the action, what travels, its exact statistics, and the actions that failed."""
+
+    action: int
+    sent: Any
+    stats: np.ndarray
+    distortion: float
+    cosine: float
+    failed: list[int]
+
+
+def escalate(codec: Codec, actions: Menu, index: int, order: list[int], g: torch.Tensor | None,
+             e: torch.Tensor, key: int, own: torch.Tensor | None, accepts: Callable[[int, float, float], bool],
+             name: str, first: tuple[Any, np.ndarray] | None = None) -> Escalation:
+    """3. Send: ``order[0]``'s pass, then, while its exact statistics fail ``accepts``, undo it (``e`` holds ``v``
+    again, to float rounding) and try the next action of ``order``, whose last action must always pass.
+    ``first``: the first action's pass, already made (the batched step), as ``(sent, statistics)``."""
+    source, sent, failed = g, None, []
+    for attempt, action_index in enumerate(order):
+        if attempt:
+            codec.restore(index, sent, e, name)
+            source = None
+        if attempt == 0 and first is not None:
+            sent, stats = first
+        else:
+            sent, stats = codec.encode(index, source, e, actions[action_index], key, own)
+        distortion, cosine = distortion_cosine_of(stats.tolist())
+        if accepts(action_index, distortion, cosine):
+            break
+        failed.append(action_index)
+    return Escalation(action_index, sent, stats, distortion, cosine, failed)
+
+
+def flat_gradient(name: str, tensor: torch.Tensor, numel: int) -> torch.Tensor:
+    """The gradient as a flat contiguous float32 tensor, after checking it fits its parameter."""
+    if tensor.is_sparse:
+        raise TypeError(f"SafeBits got a sparse gradient for {name!r}; use "
+                        f"hvd.DistributedOptimizer(..., sparse_as_dense=True)")
+    if not tensor.dtype.is_floating_point:
+        raise TypeError(f"gradient of {name!r} has dtype {tensor.dtype}; SafeBits compresses floating point")
+    if tensor.numel() != numel:
+        raise ValueError(f"gradient of {name!r} has {tensor.numel()} elements, its parameter {numel}")
+    if tensor.dim() == 1 and tensor.dtype == torch.float32 and not tensor.requires_grad and tensor.is_contiguous():
+        return tensor       # already flat (the Horovod front end's view): every torch call costs microseconds
+    g = tensor.detach().reshape(-1)
+    if g.dtype != torch.float32:
+        g = g.to(torch.float32)
+    return g.contiguous()
+
+
+class Sender:
+    """The screen and the send of one core's tensors (steps 2 and 3), given each step's allocation and statistics
+    vector by :meth:`begin`. It owns nothing checkpointed but reads and updates the core's residuals."""
+
+    def __init__(self, names: list[str], numels: np.ndarray, policy: BudgetPolicy, memory: ErrorFeedback, *,
+                 error_feedback: bool, nonfinite: str, sample_buckets: int, tables: kernels.GroupTables) -> None:
+        self.names = names
+        self.numels = numels
+        self.policy = policy
+        self.menu = policy.menu
+        self.memory = memory
+        self.error_feedback = error_feedback
+        self.nonfinite = nonfinite
+        self.sample_buckets = sample_buckets
+        self.tables = tables
+        # Without error feedback there is no residual to protect: NaN/Inf go through the quantizer as they would
+        # through Horovod's own compressors (the baselines), and the check's extra pass is saved.
+        self.checks_finite = error_feedback or nonfinite != "propagate"
+        self._samples: dict[int, torch.Tensor | None] = {}       # per tensor: the screen's buckets (None: all)
+        # The step in progress (begin).
+        self.step, self.seed = 0, 0
+        self.allocation: Allocation | None = None
+        self.fields: StepStatistics | None = None
+        self.path: Any = None
+
+    def begin(self, step: int, seed: int, allocation: Allocation, fields: StepStatistics, path: Any) -> None:
+        self.step, self.seed, self.allocation, self.fields, self.path = step, seed, allocation, fields, path
+
+    # ------------------------------------------------------------------ one tensor
+    def send(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> Any:
+        """Screen and send tensor ``index`` (flat float32 ``g``) on the step's path; returns what travels."""
+        assert self.allocation is not None and self.fields is not None
+        fields, policy, path = self.fields, self.policy, self.path
+        n = g.numel()
+        e = self.residual(index, n, g.device)
+        allocated = int(self.allocation.choice[index])
+        action = self.menu[allocated]
+        if not self.error_feedback and not path.packed and action.kind in (ActionKind.FLOAT32, ActionKind.FLOAT16):
+            # Horovod's NoneCompressor and FP16Compressor (the fp32 and fp16 baselines): no memory, at most a cast
+            # on the wire, nothing measured (the fp16 cast's distortion is recorded as NaN).
+            fields.sent_position[index] = policy.position_in_cost_order[index, allocated]
+            fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
+            fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
+            return g if action.lossless else g.to(torch.float16)
+        if self.checks_finite and n:
+            host.count()
+            if not math.isfinite(float(g.sum())):
+                host.count()
+                if not bool(torch.isfinite(g).all()):
+                    return self.send_nonfinite(index, g, own)
+        key = stream_key(self.seed, self.step, index)
+        if policy.allocates_from_statistics:
+            estimate = host.to_host(kernels.screen(g, e, self.menu, key, self.sample_of(index, n, g.device)))
+            distortion, cosine = distortion_cosine(estimate)
+            ok = policy.screen(distortion, cosine)
+            # What the allocator needs of an action is its distortion if it may plan with it (the screen admits it
+            # with the planning margin), +inf if not; the MAX over ranks then admits an action only if every rank
+            # did, at the largest distortion.
+            fields.screened[index] = np.where(policy.plannable(distortion, cosine), distortion, np.inf)
+        else:
+            ok = np.ones(len(self.menu), dtype=bool)
+        return self.send_in_order(index, policy.send_order(index, allocated, ok), g, e, key, own)
+
+    def send_in_order(self, index: int, order: list[int], g: torch.Tensor | None, e: torch.Tensor, key: int,
+                      own: torch.Tensor | None, first: tuple[Any, np.ndarray] | None = None) -> Any:
+        """:func:`escalate` on the step's path, and the record of what was sent."""
+        assert self.fields is not None
+        sent = escalate(self.path, self.menu, index, order, g, e, key, own, self.policy.accepts,
+                        self.names[index], first)
+        # An action that failed on the values it would have sent: the next allocation must not plan it.
+        self.fields.screened[index, sent.failed] = math.inf
+        self.record_sent(index, sent.action, sent.distortion, sent.cosine,
+                         self.policy.plannable_one(sent.action, sent.distortion, sent.cosine), float(sent.stats[3]))
+        return sent.sent
+
+    def record_sent(self, rows: Any, actions: Any, distortion: Any, cosine: Any, plannable: Any, v2: Any) -> None:
+        """The step's statistics of what was sent: of one tensor (Python numbers) or of many (arrays)."""
+        fields = self.fields
+        assert fields is not None and self.allocation is not None
+        fields.sent_position[rows] = self.policy.position_in_cost_order[rows, actions]
+        fields.escalated[rows] = actions != self.allocation.choice[rows]
+        fields.sent_distortion[rows] = distortion
+        fields.neg_sent_cosine[rows] = -cosine
+        # The exact figure beats the estimate (it passed the screen; planning may need it to pass by more).
+        fields.screened[rows, actions] = np.where(plannable, distortion, np.inf)
+        fields.v2[rows] = np.where(np.isfinite(v2), v2, np.inf)     # never NaN: NaN would poison the MAX
+
+    def send_nonfinite(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> Any:
+        """A gradient holding NaN or Inf, by ``nonfinite``: raise, send zeros, or send it unquantized."""
+        fields, path = self.fields, self.path
+        assert fields is not None
+        if self.nonfinite == "raise":
+            raise SafeBitsNonFiniteError(f"gradient of {self.names[index]!r} holds NaN or Inf at step {self.step}; "
+                                         f"nothing was sent and its error-feedback residual is unchanged "
+                                         f"(SafeBits(nonfinite='propagate') passes it on, 'skip' sends zeros)")
+        # No statistics this step: the next allocation knows only the lossless action is safe for it.
+        fields.nonfinite[index] = 1.0
+        fields.v2[index] = math.inf
+        if self.nonfinite == "skip":
+            if own is not None:
+                own.zero_()
+            return path.zeros(index, g.numel(), g.device)
+        fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
+        if own is not None and own.data_ptr() != g.data_ptr():
+            own.copy_(g)
+        # "propagate": the gradient itself, lossless, so NaN and Inf reach the reduced gradient as with an
+        # uncompressed allreduce; the residual is not touched (a scratch zero residual takes its place).
+        lossless = self.menu[self.policy.lossless_index]
+        return path.encode(index, g, torch.zeros_like(g), lossless, 0, None)[0]
+
+    # ------------------------------------------------------------------ a group (the allgather path)
+    def send_group(self, members: list[int],
+                   registered: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, np.ndarray,
+                                                                                              int]:
+        """The batched step of one group (docs/DESIGN.md, "The batched step"): one pass screens, chooses and
+        packs every member registered (:func:`.kernels.send_group`, one read back); the rare members that need
+        more (a NaN/Inf gradient, exact statistics that fail the screen) then take :meth:`send_in_order`; members
+        never registered (an incomplete step) send zeros. Returns the payloads back to back, where each member's
+        starts (and the end), and the bytes of the registered members' payloads."""
+        assert self.allocation is not None and self.fields is not None
+        sent_members = np.array([i for i in members if i in registered], dtype=np.int64)
+        policy, fields = self.policy, self.fields
+        payloads: dict[int, torch.Tensor] = {}
+        buffer: torch.Tensor | None = None
+        offsets = np.zeros(1, dtype=np.int64)
+        device = torch.device("cpu")
+        if len(sent_members):
+            grads = [registered[i][0] for i in sent_members]
+            owns = [registered[i][1] for i in sent_members]
+            device = grads[0].device
+            residuals = [self.residual(int(i), int(self.numels[i]), device) for i in sent_members]
+            screening = policy.allocates_from_statistics
+            samples = [self.sample_of(int(i), int(self.numels[i]), device) if screening else None
+                       for i in sent_members]
+            keys = np.array([stream_key(self.seed, self.step, int(i)) for i in sent_members], dtype=np.uint32)
+            allocated = self.allocation.choice[sent_members]
+            result = kernels.send_group(kernels.GroupSend(
+                sent_members, grads, residuals, owns, samples, keys, allocated, self.checks_finite, screening,
+                policy.screen_enabled, policy.max_distortion, policy.min_cosine), self.tables)
+            buffer, offsets = result.buffer, result.offsets
+            finite, chosen = result.finite, result.chosen
+            distortion, cosine = distortion_cosine(result.stats)
+            if screening:
+                estimated, estimated_cosine = distortion_cosine(result.screen_stats[finite])
+                fields.screened[sent_members[finite]] = np.where(
+                    policy.plannable(estimated, estimated_cosine), estimated, np.inf)
+            accepted = finite & policy.sent_passes(np.maximum(chosen, 0), distortion, cosine, ACCEPT_MARGIN)
+            actions = chosen[accepted]
+            self.record_sent(sent_members[accepted], actions, distortion[accepted], cosine[accepted],
+                             policy.sent_passes(actions, distortion[accepted], cosine[accepted],
+                                                policy.planning_margin), result.stats[accepted, 3])
+            for k in np.flatnonzero(~accepted):
+                index = int(sent_members[k])
+                if not finite[k]:
+                    payloads[index] = self.send_nonfinite(index, grads[k], owns[k])
+                    continue
+                # Failed on what it sent: escalate from there, as the per-tensor path does.
+                ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
+                      else np.ones(len(self.menu), dtype=bool))
+                order = policy.send_order(index, int(allocated[k]), ok)
+                first = (buffer[offsets[k]:offsets[k + 1]], result.stats[k])
+                payloads[index] = self.send_in_order(index, order, grads[k], residuals[k], int(keys[k]), owns[k],
+                                                     first)
+        sizes = np.diff(offsets)
+        for k, index in enumerate(sent_members.tolist()):
+            if index in payloads:
+                sizes[k] = payloads[index].numel()
+        if len(payloads) or len(sent_members) != len(members):
+            position = {int(i): k for k, i in enumerate(sent_members)}
+            parts = []
+            for index in members:
+                if index in payloads:
+                    parts.append(payloads[index])
+                elif index in position:
+                    k = position[index]
+                    assert buffer is not None
+                    parts.append(buffer[offsets[k]:offsets[k + 1]])
+                else:
+                    parts.append(self.path.zeros(index, int(self.numels[index]), device))
+            buffer = torch.cat(parts)
+            offsets = np.concatenate([[0], np.cumsum([p.numel() for p in parts])]).astype(np.int64)
+        assert buffer is not None
+        return buffer, offsets, int(sizes.sum())
+
+    # ------------------------------------------------------------------ per-tensor state
+    def sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:
+        """The whole buckets the screen estimates on (None: all of them)."""
+        if index not in self._samples:
+            buckets = -(-n // self.menu.bucket_size)
+            if buckets <= self.sample_buckets:
+                sample = None
+            else:   # evenly spaced whole buckets: unbiased for the per-bucket quantizers, same RNG draws
+                sample = ((torch.arange(self.sample_buckets, dtype=torch.float64) + 0.5)
+                          * (buckets / self.sample_buckets)).floor().to(torch.int64).to(device)
+            self._samples[index] = sample
+        return self._samples[index]
+
+    def residual(self, index: int, n: int, device: torch.device) -> torch.Tensor:
+        if self.error_feedback:
+            return self.memory.residual(self.names[index], n, device)
+        return torch.zeros(n, dtype=torch.float32, device=device)   # no memory: dropped after the call
