@@ -8,11 +8,11 @@ one step under DDP").
     state.last_step        # the StepRecord of the last step, as with the Horovod front end
 
 DDP calls the hook once per gradient bucket, in bucket order, identically on every rank. Each tensor of the bucket
-goes through the core on its own (its own action, screen and residual); the packed payloads of the bucket travel
-in ``torch.distributed`` collectives (:class:`~.transports.TorchDistributedTransport`), one per
-:data:`CHUNK_BYTES` of payload, each started as soon as its tensors are packed, so they overlap the packing of the
-rest of the bucket and the rest of backward. The hook of the last bucket (``bucket.is_last()``) closes the
-step: the core has then started the statistics exchange (one asynchronous ``all_reduce(MAX)``,
+has its own action, screen and residual; on the allgather path each :data:`CHUNK_BYTES` of the bucket's payloads
+is one group of the step (``SafeBitsCore.send_group``), sent in one batched pass and one ``torch.distributed``
+collective (:class:`~.transports.TorchDistributedTransport`) started as soon as it is packed, so it overlaps the
+packing of the rest of the bucket and the rest of backward. The hook of the last bucket (``bucket.is_last()``) closes
+the step: the core has then started the statistics exchange (one asynchronous ``all_reduce(MAX)``,
 :class:`~.exchange.TorchDistributedExchange`); it waits for every bucket's collective, decodes the payloads in rank
 order into each bucket's buffer (the mean over ranks, bitwise the same on every rank), finishes the step (record,
 digest check) and completes every bucket's future. DDP waits for those futures only after backward.
@@ -135,36 +135,39 @@ class SafeBitsState(CoreRecords):
         began = not core.in_step
         if began:
             self._pending = []       # buckets of a step that an error interrupted: DDP never waits for them
+        core.begin()
+        step, collective = core.step, core.path.name
+        if began and core.path.batched:
+            self._check_allocation(step)            # the step's first collective, on every rank alike
         pieces: list[_Piece] = []
         offset = 0
-        step = core.step
-        collective = ""
         in_place = buffer.dtype == torch.float32      # decode straight into DDP's buffer
-        queued = 0          # allgather: bytes queued since the last launch, at their allocated actions
+        chunk: list[int] = []
+        queued = 0          # allgather: bytes of the chunk, at their allocated actions
         for position, (index, grad) in enumerate(zip(indices, grads, strict=True)):
             n = grad.numel()
             target = buffer[offset:offset + n] if in_place else None
-            sent = core.send(index, grad, into=target)
-            step, collective = sent.step, sent.collective
-            if began and position == 0 and collective == "allgather":
-                self._check_allocation(step)        # the step's first collective, on every rank alike
-            if collective == "dense":
-                # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
-                buffer[offset:offset + n].copy_(sent.wire)
             pieces.append(_Piece(index, offset, offset + n, target))
             offset += n
-            if collective == "allgather":
-                queued += core.allocated_payload_bytes(index)
-                if queued >= self.chunk_bytes:
-                    self._launch(queued)
-                    queued = 0
+            if not core.path.batched:
+                sent = core.send(index, grad, into=target)
+                if not sent.packed:
+                    # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
+                    buffer[offset - n:offset].copy_(sent.wire)
+                continue
+            # Allgather: a chunk of the bucket is one group, sent in one batched pass, its collective started
+            # before the rest of the bucket is packed.
+            chunk.append(position)
+            queued += core.allocated_payload_bytes(index)
+            if queued >= self.chunk_bytes or position == len(indices) - 1:
+                core.send_group([indices[k] for k in chunk], [grads[k] for k in chunk],
+                                [pieces[k].target for k in chunk])
+                self._launch(queued)
+                chunk, queued = [], 0
         work = None
         if collective == "dense" and self.world_size > 1:
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-        elif collective == "allgather":
-            if queued:
-                self._launch(queued)
-        elif isinstance(core.transport, TorchDistributedTransport):
+        elif collective == "two_phase" and isinstance(core.transport, TorchDistributedTransport):
             core.transport.flush()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._pending.append(_PendingBucket(future, buffer, pieces, work))
