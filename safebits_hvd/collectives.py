@@ -181,10 +181,11 @@ class AllgatherPath(CollectivePath):
     batched = True
 
     def __init__(self, names: list[str], numels: np.ndarray, tables: kernels.GroupTables, cheapest: np.ndarray,
-                 collective_name: str, max_elements: int = FUSION_ELEMENTS) -> None:
+                 sender: Any, collective_name: str, max_elements: int = FUSION_ELEMENTS) -> None:
         super().__init__(tables.menu, cheapest)
         self.names = names
         self.tables = tables
+        self.sender = sender              # the core's sending.Sender: sends a whole group in one batched pass
         self.collective_name = collective_name
         self._fusion = fusion_groups(numels, max_elements)
         self.step = -1
@@ -262,13 +263,18 @@ class AllgatherPath(CollectivePath):
         members[index] = (gradient, own)
         return group if len(members) == len(self.groups[group]) else None
 
-    def take(self, group: int) -> tuple[list[int], dict[int, tuple[torch.Tensor, torch.Tensor | None]]]:
-        """The group's members and what was registered of them (removed: the group is being sent)."""
-        return self.groups[group], self._registered.pop(group, {})
+    def send_group(self, group: int) -> None:
+        """Send the group in one batched pass (:meth:`.sending.Sender.send_group`) and start its allgather."""
+        members, registered = self.groups[group], self._registered.pop(group, {})
+        buffer, offsets, sent_bytes = self.sender.send_group(members, registered)
+        owns = {index: own for index, (_, own) in registered.items()}
+        self.start(group, buffer, offsets, self.sender.allocation.choice[members], owns, sent_bytes)
 
-    def incomplete_groups(self) -> list[int]:
-        """Groups some member of which was registered, not yet sent."""
-        return list(self._registered)
+    def flush(self) -> None:
+        """Send every group some member of which was registered but not all (zeros for the missing ones): the step
+        closes, or a payload or reduced sum is wanted before the group is complete (the same on every rank)."""
+        for group in list(self._registered):
+            self.send_group(group)
 
     def has_unsent(self, index: int) -> bool:
         """Whether tensor ``index``'s group has registered members not yet sent."""

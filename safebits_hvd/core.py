@@ -28,7 +28,6 @@ The life of one step (numbers reappear in the code; docs/DESIGN.md, "The life of
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from .errors import SafeBitsConsistencyError
 from .exchange import StatisticsExchange, allocation_digest, digest_words
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
+from .schedules import budget_at
 from .sending import Sender, flat_gradient
 from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepArrays, StepLog, StepRecord, logger
@@ -110,8 +110,6 @@ class SafeBitsCore:
         self.schedule = schedule
         self.seed = seed
         self.error_feedback = error_feedback
-        self.nonfinite = nonfinite
-        self.sample_buckets = sample_buckets
         self.consistency_check_every = consistency_check_every
         self._exchange_or_factory = exchange
         self.exchange: StatisticsExchange | None = exchange if isinstance(exchange, StatisticsExchange) else None
@@ -120,7 +118,6 @@ class SafeBitsCore:
         self.collective_setting = collective
         self._transport_or_factory = transport
         self.transport: PayloadTransport | None = transport if isinstance(transport, PayloadTransport) else None
-        self.dense_wire_bytes = dense_wire_bytes
         self.name = name
 
         # -- state carried across steps (all of it checkpointed, see state_dict)
@@ -131,13 +128,13 @@ class SafeBitsCore:
         cheapest = policy.cost_order[:, 0]
         tables = kernels.GroupTables(policy.menu, numels, policy.cost_order)
         self.two_phase = TwoPhasePath(names, numels, policy, name)
-        self.allgather = AllgatherPath(names, numels, tables, cheapest, name, fusion_elements)
-        self.paths: dict[str, CollectivePath] = {"dense": DensePath(policy.menu, cheapest, dense_wire_bytes),
-                                                 "allgather": self.allgather, "two_phase": self.two_phase}
-        self.path: CollectivePath = self.paths["dense"]
         # Steps 2 and 3: the screen and the send.
         self.sender = Sender(names, numels, policy, self.memory, error_feedback=error_feedback, nonfinite=nonfinite,
                              sample_buckets=sample_buckets, tables=tables)
+        self.allgather = AllgatherPath(names, numels, tables, cheapest, self.sender, name, fusion_elements)
+        self.paths: dict[str, CollectivePath] = {"dense": DensePath(policy.menu, cheapest, dense_wire_bytes),
+                                                 "allgather": self.allgather, "two_phase": self.two_phase}
+        self.path: CollectivePath = self.paths["dense"]
         self.step = 0                                  # index of the next step to begin
         # The last finished step's reduced statistics: the next allocation's input (None before the first step).
         self._previous_screened: np.ndarray | None = None
@@ -192,7 +189,7 @@ class SafeBitsCore:
             raise ValueError(f"into must be a flat contiguous float32 tensor of {self.numels[index]} elements on "
                              f"{g.device}")
         if path.batched:
-            # Only registered: the group's members are sent together when its last one arrives (_send_group).
+            # Only registered: the group's members are sent together when its last one arrives.
             group = self.allgather.register(index, g, own)
             wire = None
         else:
@@ -200,7 +197,7 @@ class SafeBitsCore:
         self.unsent[index] = False
         self._unsent_count -= 1
         if path.batched and group is not None:
-            self._send_group(group)
+            self.allgather.send_group(group)
         sent = Sent(wire, self.step, path.name)
         if not self._unsent_count:
             self._close()
@@ -225,7 +222,7 @@ class SafeBitsCore:
         rank order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a mean), as a
         flat float32 tensor (``out`` if given: written over). Waits for the collective."""
         if step == self.allgather.step and self.allgather.has_unsent(index):
-            self._flush_groups()     # a step in which some registered tensors were never sent (on every rank)
+            self.allgather.flush()     # a step in which some registered tensors were never sent (on every rank)
         return self.paths[collective].reduced_sum(index, step, out, divisor)
 
     @property
@@ -247,7 +244,7 @@ class SafeBitsCore:
         if step != self.allgather.step:
             raise RuntimeError(f"the payloads of step {step} are no longer held (a later step began)")
         if self.allgather.has_unsent(index):
-            self._flush_groups()
+            self.allgather.flush()
         return self.allgather.payload(index)
 
     def finish(self, step: int | None = None) -> None:
@@ -275,20 +272,13 @@ class SafeBitsCore:
         return self.log.history
 
     # ------------------------------------------------------------------ 1. begin
-    def _budget_now(self) -> float:
-        bits = self.schedule(self.step)
-        if isinstance(bits, bool) or not isinstance(bits, int | float) or not math.isfinite(bits) or bits <= 0:
-            raise ValueError(f"budget schedule {self.schedule!r} returned {bits!r} at step {self.step}; "
-                             f"it must return a finite number of bits per parameter > 0")
-        return float(bits)
-
     def begin(self) -> None:
         """Begin a step, unless one is in progress (the first :meth:`send` of a step does; a front end that needs
         the step's allocation or path before it sends, as the DDP hook, calls it first)."""
         if self.in_step:
             return
         self.finish()
-        bits_per_parameter = self._budget_now()
+        bits_per_parameter = budget_at(self.schedule, self.step)
         self._budget_bits_total = self.policy.budget_bits_total(bits_per_parameter, self.total_elements)
         start = time.perf_counter()
         self._allocation = self.policy.allocate(bits_per_parameter, self._budget_bits_total,
@@ -300,7 +290,7 @@ class SafeBitsCore:
             assert callable(factory)
             self.transport = factory()
         if self.two_phase.configured_for is None:
-            self._configure_two_phase()
+            self.two_phase.configure(self.transport, self.memory if self.error_feedback else None)
         self.path = self.paths[collectives.choose(self.collective_setting,
                                                   self._allocation.cost_bits / max(1, self.total_elements),
                                                   self.transport.size)]
@@ -313,32 +303,6 @@ class SafeBitsCore:
         self.sender.begin(self.step, self.seed, self._allocation, self._fields, self.path)
         self.in_step = True
 
-    def _configure_two_phase(self) -> None:
-        """Segments for the transport's world; a second-hop residual whose segment this rank no longer owns goes
-        back into this rank's first-hop residual of the same elements, to be sent later (the sum over ranks of
-        what is not yet sent stays the same)."""
-        assert self.transport is not None
-        for name, start, residual in self.two_phase.configure(self.transport):
-            if self.error_feedback:
-                index = self.names.index(name)
-                e = self.memory.residual(name, int(self.numels[index]), residual.device)
-                e[start:start + residual.numel()].add_(residual)
-
-    # ------------------------------------------------------------------ 3. send (a group, the allgather path)
-    def _send_group(self, group: int) -> None:
-        """Send one allgather group in one batched pass (:meth:`.sending.Sender.send_group`) and start its
-        collective."""
-        assert self._allocation is not None
-        members, registered = self.allgather.take(group)
-        buffer, offsets, sent_bytes = self.sender.send_group(members, registered)
-        owns = {index: own for index, (_, own) in registered.items()}
-        self.allgather.start(group, buffer, offsets, self._allocation.choice[members], owns, sent_bytes)
-
-    def _flush_groups(self) -> None:
-        """Send every group some member of which was registered but not all (zeros for the missing ones)."""
-        for group in self.allgather.incomplete_groups():
-            self._send_group(group)
-
     # ------------------------------------------------------------------ 4. close
     def _close(self) -> None:
         """Every tensor of the step is on its way: start the statistics exchange."""
@@ -348,7 +312,7 @@ class SafeBitsCore:
             self.exchange = factory()
         assert self._allocation is not None
         if self.path.batched:
-            self._flush_groups()
+            self.allgather.flush()
         self.path.close(self.step, self._allocation.choice, self.seed)
         vector = self._vectors[self.step % 2]
         self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total, self.path.wire_bytes,
@@ -443,7 +407,7 @@ class SafeBitsCore:
         self.memory.load_state_dict(state["residuals"])
         self.two_phase.load_state_dict(state.get("second_hop_residuals", {}), checkpoint.second_hop_ranges(state))
         if self.two_phase.configured_for is not None:     # check the residuals against this world's segments now
-            self._configure_two_phase()
+            self.two_phase.configure(self.transport, self.memory if self.error_feedback else None)
         self.step = int(state["step"])
         self.log.truncate(self.step)                 # records of later steps describe steps undone
         self.seed = int(state["seed"])

@@ -132,3 +132,12 @@ def as_schedule(budget_bits: float | Callable[[int], float]) -> Callable[[int], 
         raise TypeError(f"budget_bits must be a number of bits per parameter or a callable step -> bits, "
                         f"got {type(budget_bits).__name__}")
     return Constant(budget_bits)
+
+
+def budget_at(schedule: Callable[[int], float], step: int) -> float:
+    """``schedule(step)``, checked: a finite number of bits per parameter > 0 (else ``ValueError``)."""
+    bits = schedule(step)
+    if isinstance(bits, bool) or not isinstance(bits, int | float) or not math.isfinite(bits) or bits <= 0:
+        raise ValueError(f"budget schedule {schedule!r} returned {bits!r} at step {step}; "
+                         f"it must return a finite number of bits per parameter > 0")
+    return float(bits)

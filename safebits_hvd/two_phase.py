@@ -69,16 +69,16 @@ class TwoPhasePath(CollectivePath):
         self._done: tuple[int, list[torch.Tensor]] | None = None        # (step, reduced sum of every tensor)
         self.second_hop_bytes = (-1, 0)        # (step, link bytes of this rank's second hop)
 
-    def configure(self, transport: PayloadTransport) -> list[tuple[str, int, torch.Tensor]]:
+    def configure(self, transport: PayloadTransport, first_hop: ErrorFeedback | None) -> None:
         """Segments for ``transport``'s world (when the transport is known, and again after the world changed).
 
-        Returns the residuals this rank no longer owns as ``(name, start, residual)``, removed from :attr:`memory`:
-        their segment moved (another world size or rank). The caller adds each back into the first-hop residual
-        at ``start``, so the error they hold is sent later, not lost (docs/DESIGN.md, "Elastic training")."""
+        A second-hop residual whose segment this rank no longer owns (another world size or rank) is removed from
+        :attr:`memory` and added back into ``first_hop``'s residual of the same elements (unless None: no error
+        feedback), so the error it holds is sent later, not lost: the sum over ranks of what is not yet sent stays
+        the same (docs/DESIGN.md, "Elastic training")."""
         self.transport = self.configured_for = transport
         self.segments = [collectives.segment_bounds(int(n), self.menu.bucket_size, transport.size)
                          for n in self.numels]
-        moved = []
         for index, name in enumerate(self.names):
             residual = self.memory.residuals.get(name)
             if residual is None:
@@ -91,11 +91,13 @@ class TwoPhasePath(CollectivePath):
                                      f"another world size; restore it on as many ranks as saved it")
                 held = owned
             if held != owned:
-                moved.append((name, held[0], self.memory.pop(name)))
+                moved = self.memory.pop(name)
                 del self.ranges[name]
+                if first_hop is not None:
+                    e = first_hop.residual(name, int(self.numels[index]), moved.device)
+                    e[held[0]:held[0] + moved.numel()].add_(moved)
             else:
                 self.ranges[name] = held
-        return moved
 
     def leave_world(self) -> None:
         """Forget the transport and the segments (the world changed); :meth:`configure` runs again before use."""
