@@ -268,7 +268,8 @@ def format_value(value: float | None, spec: str, suffix: str = "") -> str:
 
 def build_tables(rows: list[dict[str, Any]]) -> str:
     """Markdown: one table per model (headed by its parameters, tensors and per-rank batch), rows = compressors,
-    for each rate: throughput (images/s, tokens/s, ...: the rows' throughput_unit), ratio to none and to fp16,
+    for each rate: throughput (images/s, tokens/s, ...: the rows' throughput_unit; one decimal, 3 significant
+    digits below 10), ratio to none and to fp16,
     link / wire / modeled MB per step (10**6 bytes, both ranks), step time over the physical limit."""
     rates = list(dict.fromkeys(r["rate"] for r in rows))
     lines: list[str] = []
@@ -288,7 +289,8 @@ def build_tables(rows: list[dict[str, Any]]) -> str:
                     cells += ["-"] * 7
                     continue
                 wire = r["wire_bytes_per_step"]
-                cells += [format_value(r.get("throughput_per_s", r["samples_per_s"]), ".1f"),
+                throughput = r.get("throughput_per_s", r["samples_per_s"])
+                cells += [format_value(throughput, ".1f" if throughput >= 10 else "#.3g"),
                           format_value(r["ratio_to_none"], ".2f", "x"),
                           format_value(r["ratio_to_fp16"], ".2f", "x"),
                           format_value(r["link_bytes_per_step"] / 1e6, ".2f"),

@@ -239,7 +239,7 @@ def main() -> None:
             median = statistics.median(result["step_times_s"])
             rate = result["ranks"] * work.batch * work.unit_per_sample / median
             if rank0:
-                print(f"[link] {name:10s} {label:17s} step {median * 1e3:8.1f} ms  {rate:9.1f} {work.unit}/s  "
+                print(f"[link] {name:10s} {label:17s} step {median * 1e3:8.1f} ms  {rate:9.2f} {work.unit}/s  "
                       f"link {result['link_bytes'] / result['steps'] / 1e6:8.2f} MB/step  "
                       f"modeled {result['modeled_bytes_per_step'] / 1e6:8.2f} MB/step", flush=True)
         result["round"] = round_index

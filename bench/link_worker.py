@@ -231,7 +231,7 @@ def main() -> None:
             if rank0:
                 median = statistics.median(result["step_times_s"])
                 rate = result["ranks"] * work.batch * result["unit_per_sample"] / median
-                print(f"[link] {name:10s} {label:13s} step {median * 1e3:8.1f} ms  {rate:9.1f} {result['unit']}/s  "
+                print(f"[link] {name:10s} {label:13s} step {median * 1e3:8.1f} ms  {rate:9.2f} {result['unit']}/s  "
                       f"link {result['link_bytes'] / result['steps'] / 1e6:8.2f} MB/step  "
                       f"modeled {result['modeled_bytes_per_step'] / 1e6:8.2f} MB/step", flush=True)
     if rank0:

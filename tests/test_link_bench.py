@@ -309,6 +309,7 @@ def test_tables_say_the_unit_the_batch_and_the_image_size() -> None:
     assert "| compressor | 1gbit tokens/s |" in gpt_table
     assert "| none | 1024.0 | 1.00x |" in gpt_table and "| ddp:none | 2048.0 | 1.00x |" in gpt_table
     assert "| compressor | 1gbit images/s |" in md.split("### resnet18")[1]
+    assert "| none | 2.00 | 1.00x |" in md.split("### resnet18")[1]              # 3 significant digits below 10
     facts = link.model_facts(rows)
     assert facts["gpt2_small"]["tensors"] == 148 and facts["gpt2_small"]["seq_len"] == 128
     assert facts["resnet18"] == {"parameters": 11_173_962, "tensors": 62, "batch_per_rank": 4, "unit": "images",
