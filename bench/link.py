@@ -5,7 +5,8 @@ loopback is limited with a token-bucket filter (``tc qdisc ... tbf rate R``); Gl
 so every byte of every collective crosses the limited link and nothing else on the machine is touched. For each
 link rate, ONE launch of ``bench/link_worker.py`` runs every (model, compressor) case in sequence and records:
 
-* step time (median over the timed steps, rank 0) and samples/s (2 ranks x batch per rank / step time);
+* step time (median over the timed steps, rank 0) and throughput: samples/s (2 ranks x batch per rank / step
+  time; images or sequences) and the model's own unit (images/s, tokens/s for ``gpt2_small``: samples/s x 128);
 * link bytes per step: the delta of the namespace loopback's ``tx_bytes`` over the timed steps, divided by the
   steps (both ranks' traffic, TCP/IP headers and Horovod's coordination messages included);
 * wire bytes per step: ``StepRecord.wire_bytes`` summed over both ranks, where the compressor's record carries it
@@ -16,28 +17,45 @@ link rate, ONE launch of ``bench/link_worker.py`` runs every (model, compressor)
 * against the physical limit: step time / (``none`` step time on the unlimited link + modeled bytes / link rate),
   when ``unlimited`` was measured in the same invocation.
 
-Models: a CIFAR-style ResNet-18 (11.2M parameters) on synthetic 3x32x32 images, and the demo's byte-level
-transformer LM. Compressors: ``none`` and ``fp16`` (Horovod's), ``qsgd4``, ``topk10_ef``, ``safebits@2``,
-``safebits@4.4``, ``safebits@8``.
+Models (``--models``; ``bench/link_models.py`` unless said otherwise):
 
-DDP rows (ResNet-18 only): one ``torchrun`` launch of ``bench/link_ddp_worker.py`` per rate, on the same link, with
-PyTorch DDP and a communication hook: ``ddp:none`` (DDP's default allreduce), ``ddp:fp16``
+* ``resnet18``: a CIFAR-style ResNet-18 (3x3 stem, no max-pool; 11.2M parameters in 62 tensors) on synthetic
+  3xSxS images, S = ``--image-size`` (32 by default; e.g. 224 for ImageNet-size inputs: the same gradient bytes,
+  49 times the compute, since the CIFAR stem does not downsample); ``--cnn-batch`` images per rank; images/s.
+* ``gpt2_small``: a GPT-2-shaped decoder built here (12 pre-LayerNorm layers, width 256, 4 heads, vocabulary
+  8,192, context 128, learned positions, LM head tied to the token embedding; 11.6M parameters in 148 tensors)
+  on synthetic token ids, next-token cross-entropy, causal ``scaled_dot_product_attention``, AdamW;
+  ``--gpt-batch`` sequences of 128 tokens per rank; tokens/s. Not in the default ``--models``.
+* ``bytes_lm``: the demo's byte-level transformer LM (``bench/demo_worker.py``), ``--lm-batch`` windows of 64
+  bytes per rank, Horovod rows only; sequences/s.
+
+Default ``--models``: ``resnet18 bytes_lm``. Compressors: ``none`` and ``fp16`` (Horovod's), ``qsgd4``,
+``topk10_ef``, ``safebits@2``, ``safebits@4.4``, ``safebits@8``.
+
+DDP rows (``resnet18`` and ``gpt2_small``, those of ``--models``; no launch when neither is selected): one
+``torchrun`` launch of ``bench/link_ddp_worker.py`` per rate, on the same link, running every selected DDP model,
+with PyTorch DDP and a communication hook: ``ddp:none`` (DDP's default allreduce), ``ddp:fp16``
 (``fp16_compress_hook``), ``ddp:powersgd1`` and ``ddp:powersgd4`` (PowerSGD at rank 1 and 4), ``ddp:safebits@B``
 (SafeBits' DDP hook). Their ``x none`` / ``x fp16`` columns compare with ``ddp:none`` / ``ddp:fp16``. With
 ``--quality-steps N`` every DDP compressor (plus ``--quality-extra``) also trains N steps of a fixed learnable task
-on the unlimited link, and the held-out loss and link bytes go in a table of their own: the compressors' quality
-at their bytes.
+on the unlimited link (ResNet-18 at 32x32, whatever ``--models`` and ``--image-size`` say), and the held-out loss
+and link bytes go in a table of their own: the compressors' quality at their bytes.
 
 Run it as root (it needs CAP_NET_ADMIN for ``ip netns`` and ``tc``; without it, it says so and exits 0)::
 
     make bench-link                                       # --rates 1gbit
     .venv/bin/python bench/link.py --rates 100mbit 1gbit 10gbit unlimited
     .venv/bin/python bench/link.py --quick                # smoke run: 1 rate, 2 steps, CNN, 3 + 3 compressors
+    .venv/bin/python bench/link.py --quick --models gpt2_small --gpt-batch 4     # the same for the transformer
+    .venv/bin/python bench/link.py --rates 1gbit unlimited --models resnet18 gpt2_small --image-size 224 \
+        --cnn-batch 4 --gpt-batch 8                       # ImageNet-size images and the GPT-2-shaped decoder
     .venv/bin/python bench/link.py --rates 1gbit unlimited --models resnet18 --compressors none \
         --quality-steps 40                                # the DDP rows and their training run
 
-Writes ``results/link.json`` (raw and derived figures, the command, rates, model sizes, the qdisc statistics),
-``results/link.md`` (one table per model) and ``results/link_throughput.png`` (samples/s against link rate).
+Writes ``results/link.json`` (raw and derived figures, the command, rates, the image size and per-rank batches,
+per model its parameter and tensor counts, throughput unit and input shape, the qdisc statistics),
+``results/link.md`` (one table per model, headed by its parameters, tensors and per-rank batch with the image size
+or sequence length) and ``results/link_throughput.png`` (throughput in each model's unit against link rate).
 """
 
 from __future__ import annotations
@@ -64,7 +82,12 @@ QUICK_COMPRESSORS = ["none", "fp16", "safebits@4.4"]
 DDP_COMPRESSORS = ["ddp:none", "ddp:fp16", "ddp:powersgd1", "ddp:powersgd4", "ddp:safebits@2", "ddp:safebits@4.4",
                    "ddp:safebits@8"]
 QUICK_DDP_COMPRESSORS = ["ddp:none", "ddp:fp16", "ddp:safebits@4.4"]
-MODELS = ["resnet18", "bytes_lm"]
+MODELS = ["resnet18", "bytes_lm", "gpt2_small"]
+DEFAULT_MODELS = ["resnet18", "bytes_lm"]
+DDP_MODELS = ["resnet18", "gpt2_small"]
+"""The models the DDP worker runs; the others of ``--models`` get Horovod rows only."""
+WORKLOAD_FIELDS = ("tensors", "batch_per_rank", "unit", "unit_per_sample", "image_size", "seq_len", "vocab")
+"""Facts of a model's workload that the workers record per case and the rows and ``link.json`` carry along."""
 LO_MTU = 65536
 """The loopback's MTU: a tbf bucket smaller than one full-size frame (plus its link header) drops that frame."""
 MIN_BURST = 2 * LO_MTU
@@ -135,8 +158,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Derived figures of every case: ``runs`` maps a rate label to the worker's raw cases at that rate (the rounds
     of a compressor pooled first, :func:`merge_rounds`).
 
-    Adds step_time_s (median over every timed step of every round), rounds and round_step_s, samples_per_s,
-    link/wire/modeled bytes per step, ratio_to_none and ratio_to_fp16
+    Adds step_time_s (median over every timed step of every round), rounds and round_step_s, samples_per_s
+    (images or sequences), throughput_per_s in throughput_unit (``images/s``, ``tokens/s``: samples_per_s x the
+    case's ``unit_per_sample``; ``samples/s`` for a case without a unit), the workload facts of
+    :data:`WORKLOAD_FIELDS` (null where the case lacks them), link/wire/modeled bytes per step, ratio_to_none and
+    ratio_to_fp16
     (samples/s over that of ``none`` / ``fp16`` on the same model and rate) and vs_limit: step time over the
     physical limit, ``none`` step time on the unlimited link + modeled bytes / link rate (null without an
     unlimited measurement of ``none``; on the unlimited link itself the transfer term is zero).
@@ -148,11 +174,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             step = _median(case["step_times_s"])
             steps = max(1, int(case["steps"]))
             wire = case.get("wire_bytes_total")
+            samples_per_s = case["ranks"] * case["batch_per_rank"] / step if step > 0 else math.nan
+            unit, per_sample = throughput_unit(case)
             rows.append({
                 "rate": rate, "rate_bps": bps, "model": case["model"], "compressor": case["compressor"],
-                "parameters": case["parameters"], "step_time_s": step, "rounds": len(case["round_step_s"]),
-                "round_step_s": case["round_step_s"],
-                "samples_per_s": case["ranks"] * case["batch_per_rank"] / step if step > 0 else math.nan,
+                "parameters": case["parameters"], **{field: case.get(field) for field in WORKLOAD_FIELDS},
+                "step_time_s": step, "rounds": len(case["round_step_s"]),
+                "round_step_s": case["round_step_s"], "samples_per_s": samples_per_s,
+                "throughput_per_s": samples_per_s * per_sample, "throughput_unit": f"{unit}/s",
                 "link_bytes_per_step": case["link_bytes"] / steps,
                 "wire_bytes_per_step": None if wire is None else wire / steps,
                 "modeled_bytes_per_step": case["modeled_bytes_per_step"],
@@ -175,6 +204,43 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             transfer = 0.0 if r["rate_bps"] is None else r["modeled_bytes_per_step"] * 8 / r["rate_bps"]
             r["vs_limit"] = r["step_time_s"] / (base + transfer)
     return rows
+
+
+def throughput_unit(case: dict[str, Any]) -> tuple[str, int]:
+    """What a case's throughput counts and how many per sample: ``("tokens", 128)`` for gpt2_small,
+    ``("images", 1)`` for resnet18; ``("samples", 1)`` for a case that does not say."""
+    return case.get("unit") or "samples", int(case.get("unit_per_sample") or 1)
+
+
+def workload_label(row: dict[str, Any]) -> str:
+    """The per-rank batch of a row in words: ``batch 16 images of 3x224x224``, ``batch 8 sequences of 128
+    tokens``, ``batch 16`` (a row without facts)."""
+    unit, batch = row.get("unit"), row["batch_per_rank"]
+    if unit == "images" and row.get("image_size"):
+        return f"batch {batch} images of 3x{row['image_size']}x{row['image_size']}"
+    if unit == "tokens" and row.get("seq_len"):
+        return f"batch {batch} sequences of {row['seq_len']} tokens"
+    return f"batch {batch} {unit}" if unit else f"batch {batch}"
+
+
+def model_heading(model: str, rows: list[dict[str, Any]]) -> str:
+    """``### name (P parameters in T tensors; batch ... per rank)`` from the model's rows (several batch
+    descriptions, if its rows disagree, joined by `` / ``)."""
+    mine = [r for r in rows if r["model"] == model]
+    params = f"{mine[0]['parameters']:,} parameters"
+    if mine[0].get("tensors"):
+        params += f" in {mine[0]['tensors']} tensors"
+    batches = " / ".join(dict.fromkeys(workload_label(r) for r in mine))
+    return f"### {model} ({params}; {batches} per rank)"
+
+
+def model_facts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``link.json``'s ``models``: per model, its parameters and :data:`WORKLOAD_FIELDS` (from its first row)."""
+    facts: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        facts.setdefault(r["model"], {"parameters": r["parameters"],
+                                      **{field: r.get(field) for field in WORKLOAD_FIELDS}})
+    return facts
 
 
 def front_end_prefix(compressor: str) -> str:
@@ -201,17 +267,19 @@ def format_value(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def build_tables(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one table per model, rows = compressors, for each rate: samples/s, ratio to none and to fp16,
+    """Markdown: one table per model (headed by its parameters, tensors and per-rank batch), rows = compressors,
+    for each rate: throughput (images/s, tokens/s, ...: the rows' throughput_unit; one decimal, 3 significant
+    digits below 10), ratio to none and to fp16,
     link / wire / modeled MB per step (10**6 bytes, both ranks), step time over the physical limit."""
     rates = list(dict.fromkeys(r["rate"] for r in rows))
     lines: list[str] = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = {(r["rate"], r["compressor"]): r for r in rows if r["model"] == model}
-        params = next(r["parameters"] for r in rows if r["model"] == model)
+        unit = next(r.get("throughput_unit") or "samples/s" for r in rows if r["model"] == model)
         header = ["compressor"]
         for rate in rates:
-            header += [f"{rate} samples/s", "x none", "x fp16", "link MB", "wire MB", "modeled MB", "vs limit"]
-        lines += [f"### {model} ({params:,} parameters)", "", "| " + " | ".join(header) + " |",
+            header += [f"{rate} {unit}", "x none", "x fp16", "link MB", "wire MB", "modeled MB", "vs limit"]
+        lines += [model_heading(model, rows), "", "| " + " | ".join(header) + " |",
                   "|" + " --- |" * len(header)]
         for compressor in dict.fromkeys(c for _, c in mine):
             cells = [compressor]
@@ -221,26 +289,29 @@ def build_tables(rows: list[dict[str, Any]]) -> str:
                     cells += ["-"] * 7
                     continue
                 wire = r["wire_bytes_per_step"]
-                cells += [format_value(r["samples_per_s"], ".1f"), format_value(r["ratio_to_none"], ".2f", "x"),
+                throughput = r.get("throughput_per_s", r["samples_per_s"])
+                cells += [format_value(throughput, ".1f" if throughput >= 10 else "#.3g"),
+                          format_value(r["ratio_to_none"], ".2f", "x"),
                           format_value(r["ratio_to_fp16"], ".2f", "x"),
                           format_value(r["link_bytes_per_step"] / 1e6, ".2f"),
                           format_value(None if wire is None else wire / 1e6, ".2f"),
                           format_value(r["modeled_bytes_per_step"] / 1e6, ".2f"), format_value(r["vs_limit"], ".2f")]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    lines.append("samples/s: 2 ranks x batch per rank / median step time. `x none`, `x fp16`: samples/s relative to "
-                 "that compressor on the same model and link. MB per step, both ranks together (10^6 bytes): `link` "
-                 "= loopback tx_bytes delta (TCP/IP headers and Horovod coordination included), `wire` = the "
-                 "compressors' own wire_bytes (`-`: not reported), `modeled` = modeled bits / 8. `vs limit`: step "
-                 "time / (none's step time on the unlimited link + modeled bytes / link rate); `-` without an "
-                 "unlimited run. `ddp:` rows: PyTorch DDP with that communication hook, compared with `ddp:none` "
-                 "and `ddp:fp16`.")
+    lines.append("Throughput: images/s (resnet18), tokens/s (gpt2_small, 128 per sequence), sequences/s (bytes_lm, "
+                 "64-byte windows): 2 ranks x batch per rank (x tokens per sequence) / median step time. "
+                 "`x none`, `x fp16`: throughput relative to that compressor on the same model and link. MB per "
+                 "step, both ranks together (10^6 bytes): `link` = loopback tx_bytes delta (TCP/IP headers and "
+                 "Horovod coordination included), `wire` = the compressors' own wire_bytes (`-`: not reported), "
+                 "`modeled` = modeled bits / 8. `vs limit`: step time / (none's step time on the unlimited link + "
+                 "modeled bytes / link rate); `-` without an unlimited run. `ddp:` rows: PyTorch DDP with that "
+                 "communication hook, compared with `ddp:none` and `ddp:fp16`.")
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """samples/s against link rate (log x; ``unlimited`` one decade past the fastest finite rate), one line per
-    compressor, one panel per model."""
+    """Throughput (each model's unit: images/s, tokens/s, samples/s) against link rate (log x; ``unlimited`` one
+    decade past the fastest finite rate), one line per compressor, one panel per model."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,7 +328,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     for ax, model in zip(axes[0], models, strict=True):
         mine = [r for r in rows if r["model"] == model]
         for compressor in dict.fromkeys(r["compressor"] for r in mine):
-            pts = sorted((x_of(r), r["samples_per_s"]) for r in mine if r["compressor"] == compressor)
+            pts = sorted((x_of(r), r.get("throughput_per_s", r["samples_per_s"])) for r in mine
+                         if r["compressor"] == compressor)
             style = "-" if compressor.startswith("safebits") else "--"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=compressor)
         ticks = sorted({x_of(r) for r in mine})
@@ -266,7 +338,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_xticklabels(["unlimited" if t == unlimited_x else _rate_label(t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("link rate (namespace loopback, tbf)")
-        ax.set_ylabel("samples/s (2 ranks)")
+        ax.set_ylabel(f"{mine[0].get('throughput_unit') or 'samples/s'} (2 ranks)")
         ax.set_title(f"{model}: throughput vs link rate")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -318,13 +390,23 @@ def qdisc_stats(ns: str) -> str:
 def worker_args(args: argparse.Namespace, out: str) -> list[str]:
     return ["--out", out, "--models", *args.models, "--compressors", *args.compressors,
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
-            "--cnn-batch", str(args.cnn_batch), "--lm-batch", str(args.lm_batch)]
+            "--cnn-batch", str(args.cnn_batch), "--lm-batch", str(args.lm_batch), "--gpt-batch", str(args.gpt_batch),
+            "--image-size", str(args.image_size)]
+
+
+def ddp_models(args: argparse.Namespace) -> list[str]:
+    """The selected models that the DDP worker runs (:data:`DDP_MODELS`), in ``--models`` order."""
+    return [m for m in args.models if m in DDP_MODELS]
 
 
 def ddp_worker_args(args: argparse.Namespace, out: str, quality: bool = False) -> list[str]:
+    """The DDP worker's arguments: the timed cases of :func:`ddp_models`, or (``quality``) the training run, which
+    is ResNet-18 at 32x32 whatever ``--models`` says."""
     compressors = args.ddp_compressors + (args.quality_extra if quality else [])
-    return ["--out", out, "--compressors", *compressors, "--warmup", str(args.warmup), "--steps", str(args.steps),
+    return ["--out", out, "--models", *(["resnet18"] if quality else ddp_models(args)), "--compressors",
+            *compressors, "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--rounds", str(1 if quality else args.rounds), "--cnn-batch", str(args.cnn_batch),
+            "--gpt-batch", str(args.gpt_batch), "--image-size", str(args.image_size),
             "--quality-steps", str(args.quality_steps if quality else 0)]
 
 
@@ -335,34 +417,46 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compressors", nargs="*", default=COMPRESSORS,
                         help="none, fp16, or registry names of safebits_hvd.baselines (name@budget_bits); none "
                              "given: only the DDP rows")
-    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=None, choices=MODELS,
+                        help=f"default {' '.join(DEFAULT_MODELS)} (--quick: resnet18); DDP rows for "
+                             f"{' and '.join(DDP_MODELS)}")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the compressor list this many times in turn in each launch and pool each "
                              "compressor's steps (interleaving spreads a shared machine's drift over all of them)")
     parser.add_argument("--cnn-batch", type=int, default=16, help="ResNet-18 images per rank per step")
-    parser.add_argument("--lm-batch", type=int, default=16, help="LM sequences (64 bytes) per rank per step")
+    parser.add_argument("--image-size", type=int, default=32,
+                        help="ResNet-18 image side (synthetic 3xSxS images; e.g. 224 for ImageNet-size inputs)")
+    parser.add_argument("--lm-batch", type=int, default=16, help="bytes_lm sequences (64 bytes) per rank per step")
+    parser.add_argument("--gpt-batch", type=int, default=8,
+                        help="gpt2_small sequences (128 tokens) per rank per step")
     parser.add_argument("--ddp-compressors", nargs="*", default=DDP_COMPRESSORS,
-                        help="DDP rows (ResNet-18, torchrun): ddp:none, ddp:fp16, ddp:powersgdR, ddp:safebits@B; "
-                             "none to skip them")
+                        help="DDP rows (torchrun; for the models of --models among resnet18 and gpt2_small): "
+                             "ddp:none, ddp:fp16, ddp:powersgdR, ddp:safebits@B; none to skip them")
     parser.add_argument("--quality-steps", type=int, default=0,
                         help="train every DDP compressor this many steps on the unlimited link (0: no training run)")
     parser.add_argument("--quality-extra", nargs="*", default=[],
                         help="DDP compressors of the training run only (e.g. ddp:safebits@0.3 at PowerSGD's bytes)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: first rate only, 1 warm-up and 2 timed steps, ResNet-18, "
+                        help="smoke run: first rate only, 1 warm-up and 2 timed steps, ResNet-18 unless --models "
+                             "says otherwise, "
                              + ", ".join(QUICK_COMPRESSORS + QUICK_DDP_COMPRESSORS))
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per horovodrun launch")
     args = parser.parse_args(None if argv is None else list(argv))
     args.out_dir = os.path.abspath(args.out_dir)     # the workers run in the repository root
+    if args.models is None:
+        args.models = ["resnet18"] if args.quick else list(DEFAULT_MODELS)
+    args.models = list(dict.fromkeys(args.models))
     if args.quick:
         args.rates, args.warmup, args.steps = args.rates[:1], 1, 2
-        args.models, args.compressors = ["resnet18"], QUICK_COMPRESSORS
+        args.compressors = QUICK_COMPRESSORS
         args.ddp_compressors, args.quality_steps = QUICK_DDP_COMPRESSORS, 0
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.quality_steps < 0:
         parser.error("--steps and --rounds must be >= 1, --warmup and --quality-steps >= 0")
+    if min(args.cnn_batch, args.lm_batch, args.gpt_batch, args.image_size) < 1:
+        parser.error("--cnn-batch, --lm-batch, --gpt-batch and --image-size must be >= 1")
     if not all(c.startswith("ddp:") for c in args.ddp_compressors + args.quality_extra):
         parser.error("DDP compressors are named ddp:<name>")
     return args
@@ -422,7 +516,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
                 horovodrun(2, worker, *worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
                            timeout=args.timeout, on_line=_progress)
                 raw = read_raw(raw_path)
-            if args.ddp_compressors:
+            if args.ddp_compressors and ddp_models(args):
                 torchrun(2, ddp_worker, *ddp_worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
                          timeout=args.timeout, on_line=_progress)
                 raw["cases"] += read_raw(raw_path)["cases"]
@@ -448,13 +542,15 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
     if not runs and not quality:
         return 1
     rows = summarize(runs)
-    models = {r["model"]: {"parameters": r["parameters"],
-                           "batch_per_rank": args.cnn_batch if r["model"] == "resnet18" else args.lm_batch}
-              for r in rows}
+    models = model_facts(rows)
     md = build_tables(rows)
     total = time.perf_counter() - start
     with open(os.path.join(args.out_dir, "link.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "rates": list(runs), "models": models, "compressors": args.compressors,
+                   "ddp_compressors": args.ddp_compressors, "ddp_models": ddp_models(args),
+                   "image_size": args.image_size, "batch_per_rank": {"resnet18": args.cnn_batch,
+                                                                     "bytes_lm": args.lm_batch,
+                                                                     "gpt2_small": args.gpt_batch},
                    "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "launches": meta,
                    "rows": rows, "raw": runs,
                    "failed_rates": failed, "total_s": total, "quality_steps": args.quality_steps,

@@ -1,8 +1,10 @@
 """One torchrun rank of the link benchmark's DDP rows (launched by ``bench/link.py`` inside its network namespace).
 
-The same model, batch, link and figures as ``bench/link_worker.py`` (step times, loopback ``tx_bytes``, the
+The same models, batches, link and figures as ``bench/link_worker.py`` (step times, loopback ``tx_bytes``, the
 compressor's ``wire_bytes`` and modeled bytes), with ``torch.nn.parallel.DistributedDataParallel`` over Gloo and
-one communication hook per case:
+one communication hook per case. Models (``--models``, from ``bench/link_models.py``): ``resnet18`` (synthetic
+3xSxS images, ``--image-size`` S, ``--cnn-batch``) and ``gpt2_small`` (synthetic token ids, ``--gpt-batch``
+sequences of 128 tokens); every (model, round, compressor) is one case. Hooks:
 
 * ``ddp:none``: DDP's default allreduce (no hook);
 * ``ddp:fp16``: ``default_hooks.fp16_compress_hook``;
@@ -13,7 +15,8 @@ one communication hook per case:
 
 With ``--quality-steps N`` it instead trains every case for N steps on a fixed learnable task (3x32x32 images
 labelled by a fixed random teacher, 8 batches per rank, cycled) and reports the loss on a held-out set of the same
-teacher (batch-norm on batch statistics): the short training run that compares compressors at their bytes. Not
+teacher (batch-norm on batch statistics): the short training run that compares compressors at their bytes
+(ResNet-18 at 32x32 whatever ``--models`` and ``--image-size`` say). Not
 meant to be run by hand.
 """
 
@@ -38,7 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from link_worker import ResNet18, read_tx_bytes
+from link_models import DEFAULT_IMAGE_SIZE, ResNet18, SharedWorkload, model_facts
+from link_worker import read_tx_bytes
 
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.launch import exit_without_finalization
@@ -101,21 +105,19 @@ def barrier() -> None:
     dist.all_reduce(torch.zeros(1))
 
 
-def run_case(label: str, case_id: int, batch: int, warmup: int, steps: int) -> dict[str, Any]:
+def run_case(work: SharedWorkload, label: str, case_id: int, warmup: int, steps: int) -> dict[str, Any]:
     """Warm-up steps, then timed steps between two barriers (the same protocol as link_worker.run_case)."""
     torch.manual_seed(SEED)
-    model = ResNet18()
+    model = work.model()
     ddp_model = DistributedDataParallel(model)
     state, fixed_bits = attach(label, ddp_model, model, case_id)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    facts = model_facts(model)
+    opt = work.optimizer(model)
     gen = torch.Generator().manual_seed(SEED * 7919 + dist.get_rank())
 
     def step() -> None:
         opt.zero_grad()
-        x = torch.randn(batch, 3, 32, 32, generator=gen)
-        y = torch.randint(10, (batch,), generator=gen)
-        F.cross_entropy(ddp_model(x), y).backward()
+        work.loss(ddp_model, gen).backward()
         opt.step()
 
     for _ in range(max(warmup, PSGD_START if "powersgd" in label else 0)):
@@ -146,7 +148,7 @@ def run_case(label: str, case_id: int, batch: int, warmup: int, steps: int) -> d
         dist.all_reduce(total)
         wire_total = float(total[0])
     result = {
-        "model": "resnet18", "compressor": label, "parameters": params, "batch_per_rank": batch,
+        "model": work.name, "compressor": label, **facts, **work.facts(), "batch_per_rank": work.batch,
         "ranks": dist.get_world_size(), "warmup": warmup, "steps": steps, "step_times_s": step_times,
         "elapsed_s": elapsed, "link_bytes": tx1 - tx0, "wire_bytes_total": wire_total,
         "modeled_bytes_per_step": dist.get_world_size() * statistics.fmean(modeled_bits) / 8,
@@ -207,7 +209,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1, help="times the compressor list runs, in turn")
+    parser.add_argument("--models", nargs="+", default=["resnet18"], choices=SharedWorkload.NAMES)
     parser.add_argument("--cnn-batch", type=int, default=16)
+    parser.add_argument("--gpt-batch", type=int, default=8, help="gpt2_small sequences (128 tokens) per rank")
+    parser.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE,
+                        help="ResNet-18 image side of the timed cases (the training run stays at 32)")
     parser.add_argument("--quality-steps", type=int, default=0, help="train instead of timing (0: time)")
     args = parser.parse_args()
 
@@ -217,7 +223,10 @@ def main() -> None:
     rank0 = dist.get_rank() == 0
     cases = []
     rounds = 1 if args.quality_steps else args.rounds
-    for case_id, (round_index, label) in enumerate(itertools.product(range(rounds), args.compressors)):
+    models = ["resnet18"] if args.quality_steps else args.models        # the training run: ResNet-18 only
+    batches = {"resnet18": args.cnn_batch, "gpt2_small": args.gpt_batch}
+    for case_id, (name, round_index, label) in enumerate(itertools.product(models, range(rounds),
+                                                                            args.compressors)):
         if args.quality_steps:
             result = run_quality(label, case_id, args.cnn_batch, args.quality_steps)
             if rank0:
@@ -225,9 +234,12 @@ def main() -> None:
                       f"{result['held_out_accuracy']:.3f}  link {result['link_bytes'] / args.quality_steps / 1e6:.2f}"
                       f" MB/step", flush=True)
         else:
-            result = run_case(label, case_id, args.cnn_batch, args.warmup, args.steps)
+            work = SharedWorkload(name, batches[name], args.image_size)
+            result = run_case(work, label, case_id, args.warmup, args.steps)
+            median = statistics.median(result["step_times_s"])
+            rate = result["ranks"] * work.batch * work.unit_per_sample / median
             if rank0:
-                print(f"[link] resnet18  {label:17s} step {statistics.median(result['step_times_s']) * 1e3:8.1f} ms  "
+                print(f"[link] {name:10s} {label:17s} step {median * 1e3:8.1f} ms  {rate:9.2f} {work.unit}/s  "
                       f"link {result['link_bytes'] / result['steps'] / 1e6:8.2f} MB/step  "
                       f"modeled {result['modeled_bytes_per_step'] / 1e6:8.2f} MB/step", flush=True)
         result["round"] = round_index

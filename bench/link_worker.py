@@ -8,8 +8,12 @@ says it put on the wire (``StepRecord.wire_bytes`` where the record carries it, 
 bytes (``StepRecord.modeled_bits_total``, else ``used_bits_total``; 4 or 2 bytes per parameter for Horovod's
 ``none`` and ``fp16``).
 
-Models: ``resnet18`` (a CIFAR-style ResNet-18 in plain torch on synthetic 3x32x32 images, 10 classes, SGD with
-momentum) and ``bytes_lm`` (the demo's byte-level transformer LM and data, from ``bench/demo_worker.py``).
+Models: ``resnet18`` (a CIFAR-style ResNet-18 in plain torch on synthetic 3xSxS images, ``--image-size`` S = 32 by
+default, 10 classes, SGD with momentum; batch ``--cnn-batch``), ``gpt2_small`` (a GPT-2-shaped decoder, 12 layers,
+width 256, 11.6M parameters in 148 tensors, on synthetic token ids, next-token loss, AdamW; ``--gpt-batch``
+sequences of 128 tokens), both from ``bench/link_models.py`` (shared with the DDP worker), and ``bytes_lm`` (the
+demo's byte-level transformer LM and data, from ``bench/demo_worker.py``; ``--lm-batch``). Every case records its
+model's parameter and tensor counts, the throughput unit (images, tokens or sequences) and the input shape.
 Compressors: ``none`` and ``fp16`` are ``hvd.Compression.none`` / ``hvd.Compression.fp16``; any other name is a
 :func:`safebits_hvd.baselines.make_compressor` name, ``name@bits`` giving ``budget_bits`` (``safebits@4.4``).
 
@@ -37,10 +41,11 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from link_models import DEFAULT_IMAGE_SIZE, SharedWorkload, model_facts
+
 from safebits_hvd.baselines import BUDGETED, make_compressor
 
 TX_BYTES = "/sys/class/net/lo/statistics/tx_bytes"
@@ -48,74 +53,40 @@ SEED = 0
 
 
 # ---------------------------------------------------------------------------------------------- models
-class BasicBlock(torch.nn.Module):
-    """Two 3x3 conv + batch-norm layers with an identity (or 1x1 strided) shortcut."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = torch.nn.BatchNorm2d(cout)
-        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = torch.nn.BatchNorm2d(cout)
-        self.shortcut: torch.nn.Module = torch.nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                                torch.nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
-
-
-class ResNet18(torch.nn.Module):
-    """ResNet-18 for 32x32 inputs (3x3 stem, no max-pool; stages of 64/128/256/512 channels, 2 blocks each)."""
-
-    def __init__(self, classes: int = 10) -> None:
-        super().__init__()
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(64),
-                                        torch.nn.ReLU())
-        layers: list[torch.nn.Module] = []
-        cin = 64
-        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
-            cin = cout
-        self.layers = torch.nn.Sequential(*layers)
-        self.fc = torch.nn.Linear(512, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.layers(self.stem(x))
-        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
-
-
 class Workload:
-    """A model factory, its optimizer, a per-rank batch and the loss of one step."""
+    """A model factory, its optimizer, a per-rank batch and the loss of one step: ``resnet18`` and
+    ``gpt2_small`` from :mod:`link_models` (shared with the DDP worker), ``bytes_lm`` from the demo."""
 
-    def __init__(self, name: str, batch: int) -> None:
+    NAMES = (*SharedWorkload.NAMES, "bytes_lm")
+
+    def __init__(self, name: str, batch: int, image_size: int = DEFAULT_IMAGE_SIZE) -> None:
         self.name = name
         self.batch = batch
         self.lm: Any = None
+        self.shared: SharedWorkload | None = None
         if name == "bytes_lm":
             from demo_worker import make_task  # the demo's LM, corpus and optimizer
 
             self.lm = make_task("bytes_lm", steps=0)
             self.lm.batch = batch
-        elif name != "resnet18":
-            raise ValueError(f"unknown model {name!r}")
+        else:
+            self.shared = SharedWorkload(name, batch, image_size)      # raises on an unknown name
 
     def model(self) -> torch.nn.Module:
-        return ResNet18() if self.lm is None else self.lm.model()
+        return self.lm.model() if self.shared is None else self.shared.model()
 
     def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        if self.lm is None:
-            return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        return self.lm.optimizer(model)
+        return self.lm.optimizer(model) if self.shared is None else self.shared.optimizer(model)
 
     def loss(self, model: torch.nn.Module, gen: torch.Generator) -> torch.Tensor:
-        if self.lm is not None:
-            return self.lm.batch_loss(model, gen)
-        x = torch.randn(self.batch, 3, 32, 32, generator=gen)
-        y = torch.randint(10, (self.batch,), generator=gen)
-        return F.cross_entropy(model(x), y)
+        return self.lm.batch_loss(model, gen) if self.shared is None else self.shared.loss(model, gen)
+
+    def facts(self) -> dict[str, Any]:
+        """Throughput unit and input shape (see :meth:`link_models.SharedWorkload.facts`); ``bytes_lm`` counts
+        sequences (windows of bytes)."""
+        if self.shared is not None:
+            return self.shared.facts()
+        return {"unit": "sequences", "unit_per_sample": 1, "image_size": None, "seq_len": None, "vocab": None}
 
 
 # ---------------------------------------------------------------------------------------------- one case
@@ -151,7 +122,8 @@ def run_case(work: Workload, label: str, case_id: int, warmup: int, steps: int) 
     torch.manual_seed(SEED)
     model = work.model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    facts = model_facts(model)
+    params = facts["parameters"]
     compression = build_compression(label, model, case_id)
     opt = hvd.DistributedOptimizer(work.optimizer(model), named_parameters=model.named_parameters(),
                                    compression=compression)
@@ -191,7 +163,7 @@ def run_case(work: Workload, label: str, case_id: int, warmup: int, steps: int) 
     # Every rank's record is identical under Horovod (reduced across ranks): the total is size x one rank's.
     modeled_bytes_per_step = hvd.size() * statistics.fmean(modeled_bits) / 8
     result = {
-        "model": work.name, "compressor": label, "parameters": params, "batch_per_rank": work.batch,
+        "model": work.name, "compressor": label, **facts, **work.facts(), "batch_per_rank": work.batch,
         "ranks": hvd.size(), "warmup": warmup, "steps": steps, "step_times_s": step_times,
         "elapsed_s": elapsed, "link_bytes": tx1 - tx0, "wire_bytes_total": wire_total,
         "modeled_bytes_per_step": modeled_bytes_per_step, "modeled_bits_per_rank": modeled_bits,
@@ -219,16 +191,23 @@ def link_probe(elements: int = 4 * 2**20, repeats: int = 3) -> dict[str, Any]:
             "achieved_bits_per_s": statistics.median(moved) * 8 / median if median > 0 else None}
 
 
+def batch_for(name: str, args: argparse.Namespace) -> int:
+    """The per-rank batch of ``name``: ``--cnn-batch``, ``--gpt-batch`` or ``--lm-batch``."""
+    return {"resnet18": args.cnn_batch, "gpt2_small": args.gpt_batch}.get(name, args.lm_batch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
-    parser.add_argument("--models", nargs="+", default=["resnet18", "bytes_lm"])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "bytes_lm"], choices=Workload.NAMES)
     parser.add_argument("--compressors", nargs="+", required=True)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1, help="times the compressor list runs, in turn")
     parser.add_argument("--cnn-batch", type=int, default=16)
-    parser.add_argument("--lm-batch", type=int, default=16)
+    parser.add_argument("--lm-batch", type=int, default=16, help="bytes_lm sequences per rank")
+    parser.add_argument("--gpt-batch", type=int, default=8, help="gpt2_small sequences (128 tokens) per rank")
+    parser.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE, help="ResNet-18 image side")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -243,7 +222,7 @@ def main() -> None:
     cases = []
     case_id = 0
     for name in args.models:
-        work = Workload(name, args.cnn_batch if name == "resnet18" else args.lm_batch)
+        work = Workload(name, batch_for(name, args), args.image_size)
         for round_index, label in itertools.product(range(args.rounds), args.compressors):
             result = run_case(work, label, case_id, args.warmup, args.steps)
             result["round"] = round_index
@@ -251,7 +230,8 @@ def main() -> None:
             cases.append(result)
             if rank0:
                 median = statistics.median(result["step_times_s"])
-                print(f"[link] {name:9s} {label:13s} step {median * 1e3:8.1f} ms  "
+                rate = result["ranks"] * work.batch * result["unit_per_sample"] / median
+                print(f"[link] {name:10s} {label:13s} step {median * 1e3:8.1f} ms  {rate:9.2f} {result['unit']}/s  "
                       f"link {result['link_bytes'] / result['steps'] / 1e6:8.2f} MB/step  "
                       f"modeled {result['modeled_bytes_per_step'] / 1e6:8.2f} MB/step", flush=True)
     if rank0:

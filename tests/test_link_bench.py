@@ -1,19 +1,27 @@
-"""bench/link.py's pure helpers: rate parsing, tbf burst size, derived figures and the markdown tables."""
+"""bench/link.py's pure helpers (rate parsing, tbf burst size, derived figures, the markdown tables, the workers'
+arguments) and bench/link_models.py's models (no launch)."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 _PATH = Path(__file__).resolve().parent.parent / "bench" / "link.py"
 _spec = importlib.util.spec_from_file_location("link_bench", _PATH)
 link = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(link)
+_MODELS_PATH = _PATH.parent / "link_models.py"
+_models_spec = importlib.util.spec_from_file_location("link_models", _MODELS_PATH)
+models = importlib.util.module_from_spec(_models_spec)
+sys.modules.setdefault("link_models", models)           # dataclasses look their module up there
+_models_spec.loader.exec_module(models)
 
 
 @pytest.mark.parametrize("text,bps", [("100mbit", 10**8), ("1gbit", 10**9), ("10gbit", 10**10),
@@ -166,7 +174,7 @@ def test_build_tables() -> None:
     runs = fake_runs()
     runs["1gbit"].append(case("lm", "none", [0.1], 100, 8.0, params=10))
     md = link.build_tables(link.summarize(runs))
-    assert "### cnn (1,000 parameters)" in md and "### lm (10 parameters)" in md
+    assert "### cnn (1,000 parameters; batch 16 per rank)" in md and "### lm (10 parameters; batch 16 per rank)" in md
     cnn = md.split("### cnn")[1].split("###")[0]
     header = next(line for line in cnn.splitlines() if line.startswith("| compressor"))
     assert header.count("samples/s") == 2 and header.index("1gbit") < header.index("unlimited")
@@ -186,3 +194,123 @@ def test_build_tables() -> None:
 def test_fmt_handles_missing_values() -> None:
     assert link.format_value(None, ".2f") == "-" and link.format_value(math.nan, ".2f") == "-"
     assert link.format_value(1.234, ".1f", "x") == "1.2x"
+
+
+# ---------------------------------------------------------------------------------------------- the models
+def test_gpt2_small_has_the_gpt2_shape() -> None:
+    model = models.GPT2()
+    facts = models.model_facts(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert facts["tensors"] == 148 == len(names)               # 12 x 12 + token + position + final LN (2)
+    assert facts["parameters"] == 11_607_552
+    assert abs(facts["parameters"] / 11.6e6 - 1) < 0.01
+    assert sum(n.startswith("blocks.0.") for n in names) == 12
+    assert model.pos.weight.shape == (128, 256) and model.tok.weight.shape == (8192, 256)
+    assert model.blocks[0].attn.qkv.weight.shape == (768, 256) and model.blocks[0].fc.weight.shape == (1024, 256)
+    assert len(model.blocks) == 12 and model.blocks[0].attn.heads == 4
+
+
+def test_gpt2_small_forward_backward_at_init() -> None:
+    torch.manual_seed(0)
+    model = models.GPT2()
+    ids = models.token_batch(2, torch.Generator().manual_seed(1))
+    assert ids.shape == (2, 129) and int(ids.max()) < 8192
+    assert model(ids[:, :-1]).shape == (2, 128, 8192)
+    loss = models.next_token_loss(model, ids)
+    assert abs(float(loss.detach()) - math.log(8192)) < 0.2            # uniform-ish predictions at init
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+    assert float(model.tok.weight.grad.abs().sum()) > 0         # embedding and tied head both feed it
+    with pytest.raises(ValueError):
+        model(torch.zeros(1, 129, dtype=torch.long))            # longer than the context
+
+
+def test_gpt2_attention_is_causal() -> None:
+    """Changing the last token leaves every earlier position's logits unchanged (and changes the last one)."""
+    torch.manual_seed(0)
+    model = models.GPT2(models.GPTConfig(layers=2, vocab=64, context=16)).eval()
+    ids = torch.randint(64, (1, 16), generator=torch.Generator().manual_seed(2))
+    other = ids.clone()
+    other[0, -1] = (ids[0, -1] + 1) % 64
+    with torch.no_grad():
+        a, b = model(ids), model(other)
+    assert torch.allclose(a[:, :-1], b[:, :-1], atol=1e-6)
+    assert not torch.allclose(a[:, -1], b[:, -1], atol=1e-4)
+
+
+def test_resnet18_runs_at_imagenet_size() -> None:
+    model = models.ResNet18()
+    assert models.model_facts(model) == {"parameters": 11_173_962, "tensors": 62}   # the same at every size
+    x, y = models.image_batch(1, 224, torch.Generator().manual_seed(0))
+    assert x.shape == (1, 3, 224, 224) and y.shape == (1,)
+    with torch.no_grad():
+        assert model.eval()(x).shape == (1, 10)
+
+
+def test_shared_workloads() -> None:
+    gpt = models.SharedWorkload("gpt2_small", 2)
+    assert gpt.facts() == {"unit": "tokens", "unit_per_sample": 128, "image_size": None, "seq_len": 128,
+                           "vocab": 8192}
+    cnn = models.SharedWorkload("resnet18", 2, image_size=64)
+    assert cnn.facts()["unit"] == "images" and cnn.facts()["image_size"] == 64
+    model = cnn.model()
+    assert isinstance(cnn.optimizer(model), torch.optim.SGD)
+    assert isinstance(gpt.optimizer(gpt.model()), torch.optim.AdamW)
+    assert cnn.loss(model, torch.Generator().manual_seed(0)).shape == ()
+    with pytest.raises(ValueError):
+        models.SharedWorkload("gpt3", 2)
+    with pytest.raises(ValueError):
+        models.SharedWorkload("resnet18", 2, image_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- plumbing
+def test_image_size_and_gpt_model_reach_both_workers() -> None:
+    args = link.parse_args(["--models", "resnet18", "gpt2_small", "bytes_lm", "--image-size", "224",
+                            "--gpt-batch", "4", "--cnn-batch", "2"])
+    worker = link.worker_args(args, "out.json")
+    assert worker[worker.index("--image-size") + 1] == "224" and worker[worker.index("--gpt-batch") + 1] == "4"
+    assert worker[worker.index("--models") + 1:worker.index("--compressors")] == ["resnet18", "gpt2_small",
+                                                                                  "bytes_lm"]
+    ddp = link.ddp_worker_args(args, "out.json")
+    assert ddp[ddp.index("--models") + 1:ddp.index("--compressors")] == ["resnet18", "gpt2_small"]  # no bytes_lm
+    assert ddp[ddp.index("--image-size") + 1] == "224" and ddp[ddp.index("--gpt-batch") + 1] == "4"
+    assert ddp[ddp.index("--cnn-batch") + 1] == "2"
+    quality = link.ddp_worker_args(args, "out.json", quality=True)
+    assert quality[quality.index("--models") + 1:quality.index("--compressors")] == ["resnet18"]
+    defaults = link.parse_args([])
+    assert defaults.image_size == 32 and defaults.models == link.DEFAULT_MODELS and "gpt2_small" in link.MODELS
+    assert link.ddp_models(defaults) == ["resnet18"]
+    assert link.ddp_models(link.parse_args(["--models", "bytes_lm"])) == []          # no DDP launch
+    assert link.ddp_models(link.parse_args(["--models", "gpt2_small"])) == ["gpt2_small"]
+    assert link.parse_args(["--quick", "--models", "gpt2_small"]).models == ["gpt2_small"]
+    for bad in (["--models", "gpt3"], ["--image-size", "0"], ["--gpt-batch", "0"]):
+        with pytest.raises(SystemExit):
+            link.parse_args(bad)
+
+
+def test_tables_say_the_unit_the_batch_and_the_image_size() -> None:
+    gpt = {**case("gpt2_small", "none", [2.0], 100, 8.0, params=11_607_552), "tensors": 148, "unit": "tokens",
+           "unit_per_sample": 128, "seq_len": 128, "vocab": 8192, "batch_per_rank": 8}
+    cnn = {**case("resnet18", "none", [4.0], 100, 8.0, params=11_173_962), "tensors": 62, "unit": "images",
+           "unit_per_sample": 1, "image_size": 224, "batch_per_rank": 4}
+    ddp = {**gpt, "compressor": "ddp:none", "step_times_s": [1.0]}
+    rows = link.summarize({"1gbit": [gpt, cnn, ddp]})
+    by = {(r["model"], r["compressor"]): r for r in rows}
+    assert by["gpt2_small", "none"]["samples_per_s"] == pytest.approx(2 * 8 / 2.0)
+    assert by["gpt2_small", "none"]["throughput_per_s"] == pytest.approx(2 * 8 * 128 / 2.0)
+    assert by["gpt2_small", "none"]["throughput_unit"] == "tokens/s"
+    assert by["resnet18", "none"]["throughput_per_s"] == pytest.approx(2.0)
+    assert by["resnet18", "none"]["image_size"] == 224 and by["resnet18", "none"]["tensors"] == 62
+    md = link.build_tables(rows)
+    assert "### gpt2_small (11,607,552 parameters in 148 tensors; batch 8 sequences of 128 tokens per rank)" in md
+    assert "### resnet18 (11,173,962 parameters in 62 tensors; batch 4 images of 3x224x224 per rank)" in md
+    gpt_table = md.split("### gpt2_small")[1].split("###")[0]
+    assert "| compressor | 1gbit tokens/s |" in gpt_table
+    assert "| none | 1024.0 | 1.00x |" in gpt_table and "| ddp:none | 2048.0 | 1.00x |" in gpt_table
+    assert "| compressor | 1gbit images/s |" in md.split("### resnet18")[1]
+    assert "| none | 2.00 | 1.00x |" in md.split("### resnet18")[1]              # 3 significant digits below 10
+    facts = link.model_facts(rows)
+    assert facts["gpt2_small"]["tensors"] == 148 and facts["gpt2_small"]["seq_len"] == 128
+    assert facts["resnet18"] == {"parameters": 11_173_962, "tensors": 62, "batch_per_rank": 4, "unit": "images",
+                                 "unit_per_sample": 1, "image_size": 224, "seq_len": None, "vocab": None}
