@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from safebits_hvd import actions as A
+from safebits_hvd import host, rng
 from safebits_hvd import kernels as K
-from safebits_hvd import rng
 from safebits_hvd.kernels import cuda
+from safebits_hvd.policy import BudgetPolicy
+from safebits_hvd.wire import WireFormatError
 
 from .kernel_cases import bits, make
+from .test_group_kernels import MENU, group_case
+from .test_group_kernels import SIZES as GROUP_SIZES
 
 REQUIRE_NVRTC = os.environ.get("SAFEBITS_REQUIRE_NVRTC") == "1"
 KEY = rng.stream_key(5, 9, 2)
+GROUP_KERNELS = ("sb_group_finite_kernel", "sb_group_screen_kernel", "sb_segment_sum_kernel", "sb_group_choose_kernel",
+                 "sb_group_stage_kernel", "sb_group_pack_kernel", "sb_gather_kernel", "sb_group_check_topk_kernel",
+                 "sb_group_decode_kernel")
 
 
 def _nvrtc_available() -> bool:
@@ -39,7 +47,7 @@ def test_nvrtc_compiles_cuda_source():
         pytest.skip("CuPy/NVRTC not installed")
     ptx = cuda.compile_nvrtc()
     for kernel in ("sb_quantize_ef_kernel", "sb_screen_kernel", "sb_quantize_pack_ef_kernel", "sb_decode_kernel",
-                   "sb_check_topk_kernel"):
+                   "sb_check_topk_kernel", *GROUP_KERNELS):
         assert kernel in ptx, kernel
     assert "fma." not in ptx  # --fmad=false: no contraction, bit-identical to the C backend
 
@@ -151,8 +159,6 @@ def test_quantize_pack_ef_cuda_matches_cpu(n, action):
 @gpu
 @needs_gpu
 def test_decode_cuda_rejects_bad_topk_indices():
-    from safebits_hvd.wire import WireFormatError
-
     g, e = make(5000)
     p, _ = K.quantize_pack_ef(g.cuda(), e.cuda(), A.ACTIONS["topk10"], KEY)
     p[-1] = 0xFF                                              # the last bucket's last index: out of range
@@ -160,3 +166,157 @@ def test_decode_cuda_rejects_bad_topk_indices():
     with pytest.raises(WireFormatError, match=r"grads\.w: top-k bucket 9"):
         K.decode_add(p, out, name="grads.w")
     assert not out.any()
+
+
+# ------------------------------------------------------------------------------ the batched step (group kernels)
+# cuda.send_group / cuda.decode_group against the per-tensor CUDA kernels. Payloads, residuals, q and the choice are
+# compared bitwise; the float64 sums only to 1e-12 relative (the group kernels reduce the per-bucket partials in a
+# fixed order of their own, the per-tensor kernels with torch's part.sum(dim=0)).
+
+GROUP_M = len(GROUP_SIZES)
+
+
+def _cuda_group(allocated: np.ndarray, seed: int, nan_member: int | None):
+    gradients, residuals, samples, keys, allocated = group_case(allocated, seed, nan_member)
+    return ([g.cuda() for g in gradients], [e.cuda() for e in residuals],
+            [None if s is None else s.cuda() for s in samples], keys, allocated)
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.allclose(a, b, rtol=1e-12, atol=1e-300)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("thresholds", [(0.5, 0.7), (0.02, 0.97)], ids=["loose", "tight"])
+@pytest.mark.parametrize("allocation", ["each action", "mixed", "nan"])
+def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocation):
+    max_distortion, min_cosine = thresholds
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, max_distortion, min_cosine).cost_order)
+    cases = ([np.full(GROUP_M, a) for a in range(len(MENU))] if allocation == "each action"
+             else [np.random.RandomState(s).randint(0, len(MENU), GROUP_M) for s in range(4)])
+    for seed, allocated in enumerate(cases):
+        gradients, residuals, samples, keys, allocated = _cuda_group(allocated, seed,
+                                                                     5 if allocation == "nan" else None)
+        expected_residuals = [e.clone() for e in residuals]
+        sents = [torch.empty_like(g) for g in gradients]
+        result = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys,
+                                          allocated, True, True, True, max_distortion, min_cosine), tables)
+        assert result.buffer.is_cuda and result.buffer.numel() == result.offsets[-1]
+        # the device's choice is exactly first_candidates on the statistics it returned
+        want_chosen = K.first_candidates(result.screen_stats, allocated, tables.cost_order, tables.lossless,
+                                         max_distortion, min_cosine)
+        for k, (g, e) in enumerate(zip(gradients, expected_residuals, strict=True)):
+            if g.numel() and not bool(torch.isfinite(g).all()):
+                assert not result.finite[k] and result.chosen[k] == -1
+                assert result.offsets[k + 1] == result.offsets[k] and not result.stats[k].any()
+                continue
+            assert result.finite[k] and result.chosen[k] == want_chosen[k]
+            screen = K.screen(g, e, MENU, int(keys[k]), samples[k]).cpu().numpy()
+            assert _close(result.screen_stats[k], screen), k
+            assert result.chosen[k] == K.first_candidates(screen[None], allocated[k:k + 1],
+                                                          tables.cost_order[k:k + 1], tables.lossless,
+                                                          max_distortion, min_cosine)[0]
+            sent = torch.empty_like(g)
+            payload, stats = K.quantize_pack_ef(g, e, MENU[int(result.chosen[k])], int(keys[k]), sent=sent)
+            assert torch.equal(result.buffer[result.offsets[k]:result.offsets[k + 1]], payload), k
+            assert _close(result.stats[k], stats.cpu().numpy()), k
+            assert torch.equal(bits(sents[k]), bits(sent)), k
+        for got, want in zip(residuals, expected_residuals, strict=True):
+            assert torch.equal(bits(got), bits(want))
+
+
+@gpu
+@needs_gpu
+def test_cuda_send_group_without_screen_sends_the_allocated_actions():
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.01, 0.99).cost_order)
+    gradients, residuals, samples, keys, allocated = _cuda_group(np.full(GROUP_M, 4), 0, None)
+    expected = [e.clone() for e in residuals]
+    result = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, [None] * GROUP_M, samples, keys,
+                                      allocated, False, False, False, 0.01, 0.99), tables)
+    assert (result.chosen == 4).all() and not result.screen_stats.any() and result.finite.all()
+    for k, (g, e) in enumerate(zip(gradients, expected, strict=True)):
+        payload, _ = K.quantize_pack_ef(g, e, MENU[4], int(keys[k]))
+        assert torch.equal(result.buffer[result.offsets[k]:result.offsets[k + 1]], payload)
+        assert torch.equal(bits(residuals[k]), bits(e))
+
+
+@gpu
+@needs_gpu
+def test_cuda_send_group_reads_back_once():
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.5, 0.7).cost_order)
+    gradients, residuals, samples, keys, allocated = _cuda_group(np.full(GROUP_M, 2), 0, 5)
+    request = K.GroupSend(np.arange(GROUP_M), gradients, residuals, [None] * GROUP_M, samples, keys, allocated,
+                          True, True, True, 0.5, 0.7)
+    K.send_group(request, tables)                         # warm: compile, device tables cached
+    before = host.reads()
+    K.send_group(request, tables)
+    assert host.reads() - before == 1
+
+
+def _gathered_group(ranks: int, seed: int):
+    """Payloads of every member from every rank (CUDA, misaligned as slices of a gathered buffer are), their actions
+    (every menu action appears) and each rank's q."""
+    actions = np.random.RandomState(seed).randint(0, len(MENU), (GROUP_M, ranks))
+    actions[: min(len(MENU), GROUP_M), 0] = np.arange(min(len(MENU), GROUP_M))
+    payloads, values = [], []
+    for k, n in enumerate(GROUP_SIZES):
+        member, member_values = [], []
+        for r in range(ranks):
+            g, e = make(int(n), 10 * k + r)
+            sent = torch.empty(int(n), device="cuda")
+            payload, _ = K.quantize_pack_ef(g.cuda(), e.cuda(), MENU[int(actions[k, r])], 7, sent=sent)
+            pad = torch.zeros(1 + r, dtype=torch.uint8, device="cuda")
+            member.append(torch.cat([pad, payload])[1 + r:])
+            member_values.append(sent)
+        payloads.append(member)
+        values.append(member_values)
+    return payloads, actions, values
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_cuda_decode_group_is_bitwise_decode_then_decode_add_in_rank_order(divisor, ranks):
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.5, 0.7).cost_order)
+    payloads, actions, values = _gathered_group(ranks, 0)
+    own = np.array([-1, 0, 1, -1, 0, 1, -1, 1, -1, 0]) if ranks > 1 else np.array([-1, 0] * (GROUP_M // 2))
+    outs = [values[k][own[k]].clone() if own[k] >= 0 else torch.full((int(n),), 7.0, device="cuda")
+            for k, n in enumerate(GROUP_SIZES)]
+    K.decode_group(payloads, actions, outs, own, tables, np.arange(GROUP_M), [f"t{k}" for k in range(GROUP_M)],
+                   divisor)
+    for k in range(GROUP_M):
+        if ranks == 1:        # nothing added: divided after, IEEE division (the CPU's; torch's CUDA div_ by a
+            want = K.decode(payloads[k][0]).cpu()           # scalar multiplies by the reciprocal)
+            want = want / divisor if divisor != 1.0 else want
+        else:
+            want = K.decode(payloads[k][0])
+            for r in range(1, ranks):
+                K.decode_add(payloads[k][r], want, divisor=divisor if r == ranks - 1 else 1.0)
+        assert torch.equal(bits(outs[k].cpu()), bits(want.cpu())), k
+
+
+@gpu
+@needs_gpu
+def test_cuda_decode_group_reads_back_once_and_names_an_invalid_topk_payload():
+    topk = next(a for a, action in enumerate(MENU) if action.kind == A.ActionKind.TOPK)
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.5, 0.7).cost_order)
+    names = [f"t{k}" for k in range(GROUP_M)]
+    own = np.full(GROUP_M, -1)
+    outs = [torch.empty(int(n), device="cuda") for n in GROUP_SIZES]
+    actions = np.zeros((GROUP_M, 2), dtype=np.int64)     # MENU[0] only: no top-k payload, no read back
+    payloads = [[K.quantize_pack_ef(*(t.cuda() for t in make(int(n), k)), MENU[0], 1)[0] for _ in range(2)]
+                for k, n in enumerate(GROUP_SIZES)]
+    before = host.reads()
+    K.decode_group(payloads, actions, outs, own, tables, np.arange(GROUP_M), names)
+    assert host.reads() == before
+    g, e = make(5000)
+    bad = K.quantize_pack_ef(g.cuda(), e.cuda(), MENU[topk], 1)[0]
+    bad[-1] = 255                                          # local indices out of order
+    k = int(np.flatnonzero(GROUP_SIZES == 5000)[0])
+    payloads[k][1], actions[k, 1] = bad, topk
+    before = host.reads()
+    with pytest.raises(WireFormatError, match=rf"t{k} \(rank 1\)"):
+        K.decode_group(payloads, actions, outs, own, tables, np.arange(GROUP_M), names)
+    assert host.reads() - before == 1

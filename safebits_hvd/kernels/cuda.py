@@ -8,7 +8,10 @@ Tensors are shared with CuPy via DLPack and kernels run on PyTorch's current str
 from __future__ import annotations
 
 import functools
+import weakref
+from typing import Any
 
+import numpy as np
 import torch
 
 from ..actions import Action, ActionKind, Menu
@@ -76,8 +79,6 @@ def _ints(values, device):
 
 def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
                 key: int) -> torch.Tensor:
-    import numpy as np
-
     n = e.numel()
     if n == 0:
         return torch.zeros(4, dtype=torch.float64, device=e.device)
@@ -91,8 +92,6 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
 
 def _action_args(action: Action) -> tuple:
     """kind, levels, stochastic, topk per bucket, trits: the kernels' per-action arguments (as in cpu.py)."""
-    import numpy as np
-
     topk = action.topk_per_bucket if action.kind == ActionKind.TOPK else 0
     return (np.int32(action.kind), np.int32(action.levels), np.int32(action.stochastic), np.int32(topk),
             np.int32(action.packs_trits))
@@ -102,8 +101,6 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
                      key: int, sent: torch.Tensor | None) -> torch.Tensor:
     """The fused packing pass into ``payload`` (header written, 16-byte aligned), and ``q`` into ``sent`` unless
     None; returns the statistics."""
-    import numpy as np
-
     n = e.numel()
     if n == 0:
         return torch.zeros(4, dtype=torch.float64, device=e.device)
@@ -121,8 +118,6 @@ def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate:
            divisor: float = 1.0) -> None:
     """``out = decode``, or ``out = (out + decode) / divisor``, of a payload whose header was validated (16-byte
     aligned)."""
-    import numpy as np
-
     n = header.n
     if n == 0:
         return
@@ -144,8 +139,6 @@ def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate:
 
 def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
            buckets: torch.Tensor | None = None) -> torch.Tensor:
-    import numpy as np
-
     n = e.numel()
     if n == 0:
         return torch.zeros((len(menu), 4), dtype=torch.float64, device=e.device)
@@ -166,3 +159,200 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
             _cp(stoch), _cp(topks), _cp(trits), np.uint32(key & 0xFFFFFFFF), _cp(part))
     _launch("sb_screen_kernel", m, args, e.device)
     return part.sum(dim=0)
+
+
+# ---------------------------------------------------------------------------------------------- groups of tensors
+# The batched step on the GPU (cuda_kernels.cu, "groups of tensors"): every pass is one launch over all members of
+# a group, on PyTorch's current stream, and the results come back with ONE read (safebits_hvd.host).
+
+_INT_MAX = 2**31 - 1
+_tables_cache: weakref.WeakKeyDictionary[Any, dict[torch.device, tuple[torch.Tensor, ...]]] = (
+    weakref.WeakKeyDictionary())
+
+
+@functools.lru_cache(maxsize=64)
+def _menu_arrays(menu: Menu, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """kinds, levels, stochastic, topks, trits of every action (int32 on ``device``): copied once per menu."""
+    args = [_action_args(a) for a in menu]
+    return tuple(torch.tensor([int(x[c]) for x in args], dtype=torch.int32, device=device) for c in range(5))
+
+
+def _device_tables(tables: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """payload_bytes, headers, cost_order, lossless of a :class:`~safebits_hvd.kernels.GroupTables` on ``device``:
+    copied once per tables object (they never change between steps)."""
+    per_device = _tables_cache.setdefault(tables, {})
+    if device not in per_device:
+        per_device[device] = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (
+            tables.payload_bytes, tables.headers, tables.cost_order, tables.lossless))
+    return per_device[device]
+
+
+def _prefix(sizes: np.ndarray) -> np.ndarray:
+    """``[0, s0, s0 + s1, ...]`` (int64): the ranges the group kernels' blocks search."""
+    out = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=out[1:])
+    return out
+
+
+def _pointers(tensors: list[torch.Tensor | None]) -> np.ndarray:
+    return np.fromiter((0 if t is None else t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+
+
+def _upload(device: torch.device, **columns: np.ndarray) -> dict[str, torch.Tensor]:
+    """The per-group int64 tables as views of ONE device tensor, copied from pinned memory without blocking (a
+    pageable copy would synchronize the stream)."""
+    flat = [np.asarray(c).astype(np.int64, copy=False).ravel() for c in columns.values()]
+    device_table = torch.from_numpy(np.concatenate(flat)).pin_memory().to(device, non_blocking=True)
+    views, start = {}, 0
+    for name, column in zip(columns, flat, strict=True):
+        views[name] = device_table[start:start + column.size]
+        start += column.size
+    return views
+
+
+def _grid(threads: int) -> int:
+    return -(-threads // THREADS)
+
+
+def send_group(request: Any, tables: Any) -> Any:
+    """:func:`safebits_hvd.kernels.send_group` on the GPU: the NaN/Inf check, the screen, the choice of the first
+    action, the layout and the packing pass of every member, one launch each with no synchronization in between,
+    then ONE read back (``host.to_host``) of the verdicts, choices, offsets and statistics.
+
+    Payloads and residuals are bitwise those of the per-tensor kernels (the same per-bucket device functions, keys
+    and arguments). The float64 sums are reduced per member in a fixed order (``sb_segment_sum_kernel``), which is
+    not torch's ``part.sum(dim=0)`` of :func:`screen` / :func:`quantize_pack_ef`: equal to float64 rounding, not
+    bitwise."""
+    from .. import host
+    from . import GroupSent
+
+    device = request.residuals[0].device
+    members = np.ascontiguousarray(request.members, dtype=np.int64)
+    m, nact, bucket = len(members), tables.actions, tables.menu.bucket_size
+    if m == 0:
+        return GroupSent(torch.empty(0, dtype=torch.uint8, device=device), np.ones(0, dtype=bool),
+                         np.zeros((0, nact, 4)), np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                         np.zeros((0, 4)))
+    numels = tables.numels[members]
+    bucket_off = _prefix(-(-numels // bucket))
+    # The core keeps its samples on the device (a host one would be copied here, synchronously).
+    samples = [None if s is None else s.to(device=device, dtype=torch.int64).contiguous() for s in request.samples]
+    pairs = np.array([0 if not request.do_screen else -(-int(n) // bucket) if s is None else s.numel()
+                      for n, s in zip(numels, samples, strict=True)], dtype=np.int64)
+    pair_off = _prefix(pairs)
+    largest = tables.largest_payload_bytes[members]
+    capacity = int(largest.sum())
+    # Each member packs into a 16-byte-aligned staging payload (the kernels' word-wide writes need it), then one
+    # gather lays the payloads out back to back.
+    stage_off = _prefix(-(-largest // 16) * 16)
+    stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
+    buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
+    t = _upload(device, g=_pointers(request.grads), e=_pointers(request.residuals), sent=_pointers(request.sents),
+                sample=_pointers(samples), n=numels, key=np.asarray(request.keys, dtype=np.uint32),
+                allocated=np.asarray(request.allocated), tensor=members, bucket_off=bucket_off, pair_off=pair_off,
+                stage_off=stage_off, stage_addr=stage.data_ptr() + stage_off[:-1])
+    # Everything read back, in one int64 tensor: bad (NaN/Inf) flags, chosen, offsets, then the float64 sums.
+    spans = {"bad": m, "chosen": m, "offsets": m + 1, "screen": m * nact * 4, "stats": m * 4}
+    results = torch.zeros(sum(spans.values()), dtype=torch.int64, device=device)
+    r, start = {}, 0
+    for name, size in spans.items():
+        r[name] = results[start:start + size]
+        start += size
+    screen_stats, stats = r["screen"].view(torch.float64), r["stats"].view(torch.float64)
+    payload_bytes, headers, cost_order, lossless = _device_tables(tables, device)
+    menu_args = [_cp(a) for a in _menu_arrays(tables.menu, device)]
+    buckets = int(bucket_off[-1])
+    sizes = torch.empty(m, dtype=torch.int64, device=device)
+    if request.check_finite and buckets:
+        _launch("sb_group_finite_kernel", buckets, (np.int32(m), _cp(t["bucket_off"]), _cp(t["g"]), _cp(t["n"]),
+                                                    np.int32(bucket), _cp(r["bad"])), device)
+    if request.do_screen and pair_off[-1]:
+        part = torch.empty((int(pair_off[-1]), nact, 4), dtype=torch.float64, device=device)
+        _launch("sb_group_screen_kernel", int(pair_off[-1]),
+                (np.int32(m), _cp(t["pair_off"]), _cp(t["g"]), _cp(t["e"]), _cp(t["n"]), _cp(t["sample"]),
+                 _cp(t["key"]), _cp(r["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _cp(part)), device)
+        _launch("sb_segment_sum_kernel", m * nact, (_cp(part), _cp(t["pair_off"]), np.int32(nact),
+                                                    _cp(screen_stats)), device)
+    _launch("sb_group_choose_kernel", _grid(m),
+            (np.int32(m), _cp(t["tensor"]), _cp(t["allocated"]), _cp(r["bad"]), _cp(screen_stats),
+             np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _cp(cost_order), _cp(lossless),
+             np.int32(tables.lossless_index), np.float64(request.max_distortion), np.float64(request.min_cosine),
+             _cp(payload_bytes), _cp(r["chosen"]), _cp(sizes)), device)
+    torch.cumsum(sizes, 0, out=r["offsets"][1:])        # the layout: a prefix sum on the device (int64: exact)
+    _launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
+            (np.int32(m), _cp(t["stage_off"]), _cp(t["tensor"]), _cp(r["chosen"]), _cp(r["offsets"]),
+             np.int32(nact), _cp(headers), _cp(stage)), device)
+    if buckets:
+        part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
+        _launch("sb_group_pack_kernel", buckets,
+                (np.int32(m), _cp(t["bucket_off"]), _cp(t["g"]), _cp(t["e"]), _cp(t["sent"]), _cp(t["n"]),
+                 _cp(t["key"]), _cp(r["chosen"]), _cp(t["stage_addr"]), np.int32(bucket), *menu_args, _cp(part)),
+                device)
+        _launch("sb_segment_sum_kernel", m, (_cp(part), _cp(t["bucket_off"]), np.int32(1), _cp(stats)), device)
+    _launch("sb_gather_kernel", _grid(capacity),
+            (np.int32(m), _cp(r["offsets"]), _cp(r["offsets"]), np.int32(0), _cp(t["stage_addr"]), _cp(buffer),
+             np.int64(capacity)), device)
+    data = host.to_host(results)                 # the group's one device-to-host synchronization
+    values: dict[str, np.ndarray] = {}
+    start = 0
+    for name, size in spans.items():
+        values[name] = data[start:start + size]
+        start += size
+    offsets = values["offsets"].copy()
+    return GroupSent(buffer[:int(offsets[-1])], values["bad"] == 0,
+                     values["screen"].view(np.float64).reshape(m, nact, 4), values["chosen"].copy(), offsets,
+                     values["stats"].view(np.float64).reshape(m, 4))
+
+
+def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np.ndarray, outs: list[torch.Tensor],
+                 numels: np.ndarray, own: np.ndarray, ranks: int, menu: Menu, divisor: float) -> int:
+    """:func:`safebits_hvd.kernels.decode_group` on the GPU (the arguments of ``cpu.decode_group``; ``bodies`` are
+    the whole payloads, header included): one launch decodes every bucket of every member, each block summing the
+    ranks in rank order, bitwise the per-tensor ``decode`` then ``decode_add`` sequence. Top-k payloads are checked
+    first, in one launch and ONE read back; returns -1 or the first slot (member * ranks + rank) whose top-k indices
+    are invalid (nothing is decoded then)."""
+    from .. import host
+
+    m, device, bucket = len(outs), outs[0].device, menu.bucket_size
+    actions = np.ascontiguousarray(actions, dtype=np.int64).reshape(-1)
+    own = np.ascontiguousarray(own, dtype=np.int64)
+    numels = np.ascontiguousarray(numels, dtype=np.int64)
+    decoded = (np.arange(ranks)[None, :] != own[:, None]).reshape(-1)       # own[k]'s payload is not decoded
+    sizes = np.asarray(body_bytes, dtype=np.int64) + HEADER_BYTES
+    addr = _pointers(bodies)
+    # Misaligned payloads (slices of the gathered buffer) are copied into an aligned stage first (the per-tensor
+    # path clones each one); the stage's addresses are known before any copy runs, so one upload serves all.
+    moved = decoded & (addr % 16 != 0)
+    stage_off = _prefix(-(-sizes[moved] // 16) * 16)
+    stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
+    source = addr[moved]
+    addr = addr.copy()
+    addr[moved] = stage.data_ptr() + stage_off[:-1]
+    kinds = np.array([int(a.kind) for a in menu], dtype=np.int64)
+    topk_of = np.array([a.topk_per_bucket if a.kind == ActionKind.TOPK else 0 for a in menu], dtype=np.int64)
+    slot_numels = np.repeat(numels, ranks)
+    checked = np.flatnonzero(decoded & (kinds[actions] == int(ActionKind.TOPK)) & (slot_numels > 0))
+    check_off = _prefix(-(-slot_numels[checked] // bucket))
+    bucket_off = _prefix(-(-numels // bucket))
+    t = _upload(device, stage_off=stage_off, sizes=sizes[moved], source=source, check_off=check_off, checked=checked,
+                checked_addr=addr[checked], checked_n=slot_numels[checked], checked_topk=topk_of[actions[checked]],
+                bucket_off=bucket_off, outs=_pointers(outs), n=numels, own=own, addr=addr, actions=actions)
+    if moved.any():
+        _launch("sb_gather_kernel", _grid(int(stage_off[-1])),
+                (np.int32(int(moved.sum())), _cp(t["stage_off"]), _cp(t["sizes"]), np.int32(1), _cp(t["source"]),
+                 _cp(stage), np.int64(stage_off[-1])), device)
+    if len(checked):
+        bad = torch.full((1,), _INT_MAX, dtype=torch.int32, device=device)
+        _launch("sb_group_check_topk_kernel", _grid(int(check_off[-1])),
+                (np.int32(len(checked)), _cp(t["check_off"]), _cp(t["checked"]), _cp(t["checked_addr"]),
+                 _cp(t["checked_n"]), _cp(t["checked_topk"]), np.int32(bucket), _cp(bad)), device)
+        first_bad = int(host.to_host(bad)[0])    # the group's one read back (only with top-k payloads)
+        if first_bad != _INT_MAX:
+            return first_bad
+    if bucket_off[-1]:
+        kinds_d, levels_d, _, topks_d, trits_d = (_cp(a) for a in _menu_arrays(menu, device))
+        _launch("sb_group_decode_kernel", int(bucket_off[-1]),
+                (np.int32(m), np.int32(ranks), _cp(t["bucket_off"]), _cp(t["outs"]), _cp(t["n"]), _cp(t["own"]),
+                 _cp(t["addr"]), _cp(t["actions"]), np.int32(bucket), kinds_d, levels_d, topks_d, trits_d,
+                 np.float32(divisor)), device)
+    return -1

@@ -23,6 +23,16 @@ struct sb_block_params {
     int all;         /* TOPK: keep every element (kk >= len) */
 };
 
+/* The shared memory of one block of the screen and packing passes: one struct, so that the per-bucket device
+ * functions below serve the per-tensor kernels and the group kernels alike. */
+struct sb_shared {
+    sb_block_params P;
+    unsigned u;
+    double lane[SB_SUM_LANES];
+    double sh[4 * SB_THREADS];
+    int scan[SB_THREADS];
+};
+
 __device__ __forceinline__ float sb_load(const float *g, const float *e, int has_g, long long j) {
     return has_g ? g[j] + e[j] : e[j];
 }
@@ -200,33 +210,37 @@ sb_quantize_ef_kernel(const float *g, float *e, float *out, int has_g, long long
     sb_block_stats(a0, a1, a2, a3, sh, part + 4 * b);
 }
 
-extern "C" __global__ void __launch_bounds__(SB_THREADS)
-sb_screen_kernel(const float *g, const float *e, int has_g, long long n, int bucket, const long long *buckets,
-                 int nact, const int *kinds, const int *levels, const int *stochastic, const int *topks,
-                 const int *trits, unsigned int key, double *part) {
-    __shared__ sb_block_params P;
-    __shared__ unsigned sh_u;
-    __shared__ double sh_lane[SB_SUM_LANES];
-    __shared__ double sh[4 * SB_THREADS];
-    long long b = buckets[blockIdx.x];
+/* The screen of bucket b (every action of the menu): action a's four sums into dst[4 * a .. 4 * a + 3]. */
+__device__ void sb_screen_bucket(const float *g, const float *e, int has_g, long long n, int bucket, long long b,
+                                 int nact, const int *kinds, const int *levels, const int *stochastic,
+                                 const int *topks, const int *trits, unsigned int key, double *dst, sb_shared *S) {
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     for (int a = 0; a < nact; a++) {
         int kind = kinds[a];
-        sb_block_prepare(g, e, has_g, j0, len, kind, levels[a], trits[a], topks[a], &P, &sh_u, sh_lane);
+        sb_block_prepare(g, e, has_g, j0, len, kind, levels[a], trits[a], topks[a], &S->P, &S->u, S->lane);
         double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
         for (int i = threadIdx.x; i < len; i += blockDim.x) {
             long long j = j0 + i;
             float v = sb_load(g, e, has_g, j);
-            float q = sb_element(v, kind, levels[a], stochastic[a], trits[a], &P, (sb_u32)key, j, i);
+            float q = sb_element(v, kind, levels[a], stochastic[a], trits[a], &S->P, (sb_u32)key, j, i);
             double qd = (double)q, vd = (double)v, d = qd - vd;
             a0 += d * d;
             a1 += qd * vd;
             a2 += qd * qd;
             a3 += vd * vd;
         }
-        sb_block_stats(a0, a1, a2, a3, sh, part + ((long long)blockIdx.x * nact + a) * 4);
+        sb_block_stats(a0, a1, a2, a3, S->sh, dst + 4 * a);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_screen_kernel(const float *g, const float *e, int has_g, long long n, int bucket, const long long *buckets,
+                 int nact, const int *kinds, const int *levels, const int *stochastic, const int *topks,
+                 const int *trits, unsigned int key, double *part) {
+    __shared__ sb_shared S;
+    sb_screen_bucket(g, e, has_g, n, bucket, buckets[blockIdx.x], nact, kinds, levels, stochastic, topks, trits, key,
+                     part + (long long)blockIdx.x * nact * 4, &S);
 }
 
 /* Where the sections of a payload body start (bytes from the payload start, header included). */
@@ -294,22 +308,17 @@ __device__ int sb_block_exclusive_scan(int flag, int *sh, int *total) {
     return sh[tid] - flag;
 }
 
-extern "C" __global__ void __launch_bounds__(SB_THREADS)
-sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, float *sent, int has_g,
-                           int has_sent, long long n, int bucket, int kind, int levels, int stochastic, int topk,
-                           int trits, unsigned int key, double *part) {
-    __shared__ sb_block_params P;
-    __shared__ unsigned sh_u;
-    __shared__ double sh_lane[SB_SUM_LANES];
-    __shared__ double sh[4 * SB_THREADS];
-    __shared__ int sh_scan[SB_THREADS];
-    long long b = blockIdx.x;
+/* The packing pass of bucket b of a payload whose body is zeroed (16-byte aligned): scale and codes into
+ * `payload`, e <- v - q, q into sent (has_sent), the bucket's four sums into dst. */
+__device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload, float *sent, int has_g, int has_sent,
+                               long long n, int bucket, int kind, int levels, int stochastic, int topk, int trits,
+                               unsigned int key, long long b, double *dst, sb_shared *S) {
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
-    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &P, &sh_u, sh_lane);
+    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &S->P, &S->u, S->lane);
     if (threadIdx.x == 0 && sb_has_scales(kind))
-        ((float *)(payload + L.scales_off))[b] = P.scale; /* 0 for a zero QUANT bucket */
+        ((float *)(payload + L.scales_off))[b] = S->P.scale; /* 0 for a zero QUANT bucket */
     float s = (float)levels;
     int cb = L.code_bits;
     double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
@@ -339,36 +348,36 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, flo
                 ((unsigned short *)(payload + 16))[j] = (unsigned short)sb_bf16_code(q);
                 break;
             case SB_QUANT:
-                if (sb_f2u(P.scale) != 0u) { /* a zero bucket: q = +0.0, codes 0 (already zero) */
+                if (sb_f2u(S->P.scale) != 0u) { /* a zero bucket: q = +0.0, codes 0 (already zero) */
                     float u = stochastic ? sb_uniform((sb_u32)key, j) : 0.5f;
-                    float c = sb_quant_code(v, P.scale, s, u);
+                    float c = sb_quant_code(v, S->P.scale, s, u);
                     sb_u32 neg = sb_quant_sign(v, c, trits);
-                    q = sb_quant_value(c, neg, P.scale, s);
+                    q = sb_quant_value(c, neg, S->P.scale, s);
                     sb_u32 w = sb_quant_word(c, neg, cb, trits);
                     sb_put_code_atomic(payload, L.codes_off, j, w, cb, trits);
                 }
                 break;
             case SB_LLOYD_MAX: {
-                float c = sb_lm_code(v, P.scale, levels);
+                float c = sb_lm_code(v, S->P.scale, levels);
                 sb_u32 neg = sb_quant_sign(v, c, trits);
-                q = sb_lm_value(c, neg, P.scale, levels);
+                q = sb_lm_value(c, neg, S->P.scale, levels);
                 sb_u32 w = sb_quant_word(c, neg, cb, trits);
                 sb_put_code_atomic(payload, L.codes_off, j, w, cb, trits);
                 break;
             }
             case SB_SIGN: {
                 sb_u32 code = sb_sign_code(v);
-                q = sb_sign_value(code, P.scale);
+                q = sb_sign_value(code, S->P.scale);
                 sb_put_bits_atomic(payload, L.codes_off * 8 + j, code, 1);
                 break;
             }
             case SB_TOPK:
-                q = sb_element(v, kind, levels, stochastic, trits, &P, (sb_u32)key, j, i);
-                if (P.all) {
+                q = sb_element(v, kind, levels, stochastic, trits, &S->P, (sb_u32)key, j, i);
+                if (S->P.all) {
                     kept = 1;
                 } else {
                     sb_u32 k = sb_abs_key(v);
-                    kept = k > P.thresh || (k == P.thresh && (long long)i <= P.cut);
+                    kept = k > S->P.thresh || (k == S->P.thresh && (long long)i <= S->P.cut);
                 }
                 break;
             default:
@@ -377,7 +386,7 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, flo
         }
         if (kind == SB_TOPK) {
             int total;
-            int r = sb_block_exclusive_scan(kept, sh_scan, &total);
+            int r = sb_block_exclusive_scan(kept, S->scan, &total);
             if (kept) {
                 long long entry = b * L.kept_full + kept_before + r;
                 ((unsigned short *)(payload + 16))[entry] = (unsigned short)sb_bf16_code(q);
@@ -395,7 +404,32 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, flo
             a3 += vd * vd;
         }
     }
-    sb_block_stats(a0, a1, a2, a3, sh, part + 4 * b);
+    sb_block_stats(a0, a1, a2, a3, S->sh, dst);
+}
+
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, float *sent, int has_g,
+                           int has_sent, long long n, int bucket, int kind, int levels, int stochastic, int topk,
+                           int trits, unsigned int key, double *part) {
+    __shared__ sb_shared S;
+    long long b = blockIdx.x;
+    sb_pack_bucket(g, e, payload, sent, has_g, has_sent, n, bucket, kind, levels, stochastic, topk, trits, key, b,
+                   part + 4 * b, &S);
+}
+
+/* 1 when the local indices of top-k bucket b of a payload are ascending and in range. */
+__device__ int sb_topk_bucket_valid(const unsigned char *payload, long long n, int bucket, int topk, long long b) {
+    sb_layout L = sb_body_layout(n, bucket, SB_TOPK, 0, topk, 0);
+    long long j0 = b * bucket;
+    long long len = (n - j0) < bucket ? (n - j0) : bucket;
+    long long kk = L.kept_full < len ? L.kept_full : len;
+    long long prev = -1;
+    for (long long r = 0; r < kk; r++) {
+        long long idx = sb_get_bits(payload + L.codes_off, (b * L.kept_full + r) * L.code_bits, L.code_bits);
+        if (idx <= prev || idx >= len) return 0;
+        prev = idx;
+    }
+    return 1;
 }
 
 /* TOPK payloads: *bad = the lowest bucket whose local indices are out of range or not ascending (one thread
@@ -403,20 +437,83 @@ sb_quantize_pack_ef_kernel(const float *g, float *e, unsigned char *payload, flo
 extern "C" __global__ void sb_check_topk_kernel(const unsigned char *payload, long long n, int bucket, int topk,
                                                 int *bad) {
     long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    sb_layout L = sb_body_layout(n, bucket, SB_TOPK, 0, topk, 0);
-    if (b >= L.nb) return;
-    long long j0 = b * bucket;
-    long long len = (n - j0) < bucket ? (n - j0) : bucket;
-    long long kk = L.kept_full < len ? L.kept_full : len;
-    long long prev = -1;
-    for (long long r = 0; r < kk; r++) {
-        long long idx = sb_get_bits(payload + L.codes_off, (b * L.kept_full + r) * L.code_bits, L.code_bits);
-        if (idx <= prev || idx >= len) {
-            atomicMin(bad, (int)(b < 0x7ffffffe ? b : 0x7ffffffe));
-            return;
-        }
-        prev = idx;
+    if (b >= (n + bucket - 1) / bucket) return;
+    if (!sb_topk_bucket_valid(payload, n, bucket, topk, b)) atomicMin(bad, (int)(b < 0x7ffffffe ? b : 0x7ffffffe));
+}
+
+/* What decoding one bucket of a payload needs: its sections, its scale, its top-k entries. */
+struct sb_decoder {
+    const unsigned char *payload, *codes;
+    const unsigned short *half;
+    long long first; /* TOPK: the bucket's first entry */
+    float scale, s;
+    int kind, levels, trits, cb, kk;
+};
+
+__device__ sb_decoder sb_decoder_of(const unsigned char *payload, long long n, int bucket, int kind, int levels,
+                                    int topk, int trits, long long b, int len) {
+    sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
+    sb_decoder D;
+    D.payload = payload;
+    D.codes = payload + L.codes_off;
+    D.half = (const unsigned short *)(payload + 16);
+    D.scale = sb_has_scales(kind) ? ((const float *)(payload + L.scales_off))[b] : 0.0f;
+    D.s = (float)levels;
+    D.kind = kind;
+    D.levels = levels;
+    D.trits = trits;
+    D.cb = L.code_bits;
+    D.first = b * L.kept_full;
+    D.kk = (int)(L.kept_full < len ? L.kept_full : len);
+    return D;
+}
+
+/* The value of element j (local index i in its bucket). */
+__device__ __forceinline__ float sb_decode_element(const sb_decoder *D, long long j, int i) {
+    const unsigned char *codes = D->codes;
+    int cb = D->cb, trits = D->trits;
+    float x = 0.0f;
+    switch (D->kind) {
+    case SB_FLOAT32:
+        x = ((const float *)(D->payload + 16))[j];
+        break;
+    case SB_FLOAT16:
+        x = sb_fp16_value(D->half[j]);
+        break;
+    case SB_BFLOAT16:
+        x = sb_bf16_value(D->half[j]);
+        break;
+    case SB_QUANT: {
+        sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
+        x = sb_quant_value(sb_quant_word_code(w, cb, trits), sb_quant_word_sign(w, cb, trits), D->scale, D->s);
+        break;
     }
+    case SB_LLOYD_MAX: {
+        sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
+        x = sb_lm_value(sb_quant_word_code(w, cb, trits), sb_quant_word_sign(w, cb, trits), D->scale, D->levels);
+        break;
+    }
+    case SB_SIGN:
+        x = sb_sign_value(sb_get_bits(codes, j, 1), D->scale);
+        break;
+    case SB_TOPK: { /* binary search of i among the bucket's ascending kept indices */
+        int lo = 0, hi = D->kk - 1;
+        while (lo <= hi) {
+            int mid = (lo + hi) >> 1;
+            int idx = (int)sb_get_bits(codes, (D->first + mid) * cb, cb);
+            if (idx == i) {
+                x = sb_bf16_value(D->half[D->first + mid]);
+                break;
+            }
+            if (idx < i) lo = mid + 1;
+            else hi = mid - 1;
+        }
+        break;
+    }
+    default:
+        break;
+    }
+    return x;
 }
 
 /* out = decode(payload) (accumulate == 0) or out = (out + decode(payload)) / divisor, one block per bucket. */
@@ -426,57 +523,212 @@ sb_decode_kernel(const unsigned char *payload, float *out, long long n, int buck
     long long b = blockIdx.x;
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
-    sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
-    const unsigned char *codes = payload + L.codes_off;
-    const unsigned short *half = (const unsigned short *)(payload + 16);
-    float scale = sb_has_scales(kind) ? ((const float *)(payload + L.scales_off))[b] : 0.0f;
-    float s = (float)levels;
-    int cb = L.code_bits;
-    long long first = b * L.kept_full;
-    int kk = (int)(L.kept_full < len ? L.kept_full : len);
+    sb_decoder D = sb_decoder_of(payload, n, bucket, kind, levels, topk, trits, b, len);
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
         long long j = j0 + i;
-        float x = 0.0f;
-        switch (kind) {
-        case SB_FLOAT32:
-            x = ((const float *)(payload + 16))[j];
-            break;
-        case SB_FLOAT16:
-            x = sb_fp16_value(half[j]);
-            break;
-        case SB_BFLOAT16:
-            x = sb_bf16_value(half[j]);
-            break;
-        case SB_QUANT: {
-            sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
-            x = sb_quant_value(sb_quant_word_code(w, cb, trits), sb_quant_word_sign(w, cb, trits), scale, s);
-            break;
-        }
-        case SB_LLOYD_MAX: {
-            sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
-            x = sb_lm_value(sb_quant_word_code(w, cb, trits), sb_quant_word_sign(w, cb, trits), scale, levels);
-            break;
-        }
-        case SB_SIGN:
-            x = sb_sign_value(sb_get_bits(codes, j, 1), scale);
-            break;
-        case SB_TOPK: { /* binary search of i among the bucket's ascending kept indices */
-            int lo = 0, hi = kk - 1;
-            while (lo <= hi) {
-                int mid = (lo + hi) >> 1;
-                int idx = (int)sb_get_bits(codes, (first + mid) * cb, cb);
-                if (idx == i) {
-                    x = sb_bf16_value(half[first + mid]);
-                    break;
-                }
-                if (idx < i) lo = mid + 1;
-                else hi = mid - 1;
-            }
-            break;
-        }
-        default:
-            break;
-        }
+        float x = sb_decode_element(&D, j, i);
         out[j] = !accumulate ? x : divisor != 1.0f ? __fdiv_rn(out[j] + x, divisor) : out[j] + x;
     }
+}
+
+/* ---------------------------------------------------------------------------------------------- groups of tensors
+ * The batched step (docs/DESIGN.md, "The batched step"; cuda.py send_group / decode_group): each pass is ONE launch
+ * over every member of a group, and every block runs the per-tensor kernels' per-bucket device functions above
+ * with that member's arguments, so payloads, residuals and sums are bitwise the per-tensor kernels'. A block finds
+ * its member by a binary search of an int64 prefix table (off[0] = 0, off[m] = the total; a member without blocks
+ * has an empty range). Per-member tables hold int64 pointers, sizes, keys and actions: the host uploads them in
+ * one copy per group, and nothing is read back between the launches. */
+
+/* The k < m whose range [off[k], off[k + 1]) holds x, for 0 <= x < off[m]: the largest k with off[k] <= x (an
+ * empty range before it has the same start, so the largest is the non-empty one). */
+__device__ __forceinline__ int sb_segment_of(const long long *off, int m, long long x) {
+    int lo = 0, hi = m - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (off[mid] <= x) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* bad[k] = 1 when member k's gradient has a NaN/Inf (bad is zeroed by the host); one block per bucket. */
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_group_finite_kernel(int m, const long long *bucket_off, const long long *gp, const long long *n, int bucket,
+                       long long *bad) {
+    int k = sb_segment_of(bucket_off, m, blockIdx.x);
+    const float *g = (const float *)gp[k];
+    if (!g) return; /* no gradient: nothing to check (uniform across the block) */
+    long long j0 = (blockIdx.x - bucket_off[k]) * (long long)bucket;
+    int len = (int)((n[k] - j0) < bucket ? (n[k] - j0) : bucket);
+    int any = 0;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) any |= sb_nonfinite(g[j0 + i]);
+    if (__syncthreads_or(any) && threadIdx.x == 0) bad[k] = 1; /* every writer writes 1: no atomic needed */
+}
+
+/* The screen of every (member, sampled bucket) pair, one block each: pair p of member k is its bucket
+ * samples[k][p - pair_off[k]] (all buckets in order when samples[k] is 0). part: (pairs, nact, 4); a member found
+ * non-finite gets zeros (it is not screened). */
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_group_screen_kernel(int m, const long long *pair_off, const long long *gp, const long long *ep,
+                       const long long *n, const long long *samples, const long long *keys, const long long *bad,
+                       int bucket, int nact, const int *kinds, const int *levels, const int *stochastic,
+                       const int *topks, const int *trits, double *part) {
+    __shared__ sb_shared S;
+    long long p = blockIdx.x;
+    int k = sb_segment_of(pair_off, m, p);
+    double *dst = part + p * nact * 4;
+    if (bad[k]) {
+        for (int c = threadIdx.x; c < nact * 4; c += blockDim.x) dst[c] = 0.0;
+        return;
+    }
+    long long local = p - pair_off[k];
+    const long long *sample = (const long long *)samples[k];
+    const float *e = (const float *)ep[k];
+    int has_g = gp[k] != 0;
+    sb_screen_bucket(has_g ? (const float *)gp[k] : e, e, has_g, n[k], bucket, sample ? sample[local] : local, nact,
+                     kinds, levels, stochastic, topks, trits, (unsigned int)keys[k], dst, &S);
+}
+
+/* out[s * width + w] = the sum over rows p in [seg_off[s], seg_off[s + 1]) of part[p * width + w] (4 doubles
+ * each), one block per (s, w): each thread adds its rows (p = start + tid, + SB_THREADS, ...) in order, then the
+ * fixed tree of sb_block_stats. Deterministic, but NOT the order of torch's part.sum(dim=0) that the per-tensor
+ * kernels use: the two agree to float64 rounding, not bitwise. An empty range gives zeros. */
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_segment_sum_kernel(const double *part, const long long *seg_off, int width, double *out) {
+    __shared__ double sh[4 * SB_THREADS];
+    long long s = blockIdx.x / width;
+    int w = (int)(blockIdx.x % width);
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    for (long long p = seg_off[s] + threadIdx.x; p < seg_off[s + 1]; p += blockDim.x) {
+        const double *row = part + (p * width + w) * 4;
+        a0 += row[0];
+        a1 += row[1];
+        a2 += row[2];
+        a3 += row[3];
+    }
+    sb_block_stats(a0, a1, a2, a3, sh, out + 4 * (long long)blockIdx.x);
+}
+
+/* Per member (one thread each): the action to send (sb_first_candidate on the screen's sums when `choose`, else
+ * the allocated one; -1 for a non-finite member) and its payload's bytes (0 for -1) into sizes[k]; the host turns
+ * sizes into offsets by a prefix sum on the device. */
+extern "C" __global__ void sb_group_choose_kernel(int m, const long long *tensor, const long long *allocated,
+                                                  const long long *bad, const double *screen_stats, int choose,
+                                                  int nact, const long long *cost_order,
+                                                  const unsigned char *lossless, int lossless_index,
+                                                  double max_distortion, double min_cosine,
+                                                  const long long *payload_bytes, long long *chosen,
+                                                  long long *sizes) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= m) return;
+    if (bad[k]) {
+        chosen[k] = -1;
+        sizes[k] = 0;
+        return;
+    }
+    long long t = tensor[k];
+    int a = choose ? sb_first_candidate(screen_stats + (long long)k * nact * 4, nact, (int)allocated[k],
+                                        cost_order + t * nact, lossless, lossless_index, max_distortion, min_cosine)
+                   : (int)allocated[k];
+    chosen[k] = a;
+    sizes[k] = payload_bytes[t * nact + a];
+}
+
+/* The staging payloads, each at a 16-byte-aligned stage_off[k] (the per-tensor kernels' word-wide atomics need
+ * the alignment; the back-to-back buffer has none): 16-byte chunk 0 = the header of the chosen action, the other
+ * chunks of the chosen payload zeroed (the packing pass ORs codes in). One thread per chunk of the stage. */
+extern "C" __global__ void sb_group_stage_kernel(int m, const long long *stage_off, const long long *tensor,
+                                                 const long long *chosen, const long long *offsets, int nact,
+                                                 const uint4 *headers, uint4 *stage) {
+    long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c * 16 >= stage_off[m]) return;
+    int k = sb_segment_of(stage_off, m, c * 16);
+    long long local = c - stage_off[k] / 16;
+    long long a = chosen[k];
+    if (a < 0 || local * 16 >= offsets[k + 1] - offsets[k]) return;
+    stage[c] = local == 0 ? headers[tensor[k] * nact + a] : make_uint4(0u, 0u, 0u, 0u);
+}
+
+/* The packing pass of every bucket of every member at its chosen action into its staging payload, one block per
+ * bucket (sb_pack_bucket, as sb_quantize_pack_ef_kernel); part: (buckets, 4), zeros for an unsent member. */
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_group_pack_kernel(int m, const long long *bucket_off, const long long *gp, const long long *ep,
+                     const long long *sp, const long long *n, const long long *keys, const long long *chosen,
+                     const long long *stage_addr, int bucket, const int *kinds, const int *levels,
+                     const int *stochastic, const int *topks, const int *trits, double *part) {
+    __shared__ sb_shared S;
+    int k = sb_segment_of(bucket_off, m, blockIdx.x);
+    double *dst = part + 4 * (long long)blockIdx.x;
+    int a = (int)chosen[k];
+    if (a < 0) {
+        if (threadIdx.x < 4) dst[threadIdx.x] = 0.0;
+        return;
+    }
+    float *e = (float *)ep[k];
+    int has_g = gp[k] != 0, has_sent = sp[k] != 0;
+    sb_pack_bucket(has_g ? (const float *)gp[k] : e, e, (unsigned char *)stage_addr[k], has_sent ? (float *)sp[k] : e,
+                   has_g, has_sent, n[k], bucket, kinds[a], levels[a], stochastic[a], topks[a], trits[a],
+                   (unsigned int)keys[k], blockIdx.x - bucket_off[k], dst, &S);
+}
+
+/* dst[y] = byte y - dst_off[k] of segment k (from address src_addr[k]) for y < dst_off[m], where segment k is
+ * [dst_off[k], dst_off[k + 1]); with has_len, only its first len[k] bytes (the rest is padding). One thread per
+ * byte of dst, up to `total`: the staging payloads into the back-to-back buffer (send), misaligned gathered
+ * payloads into an aligned stage (decode). */
+extern "C" __global__ void sb_gather_kernel(int m, const long long *dst_off, const long long *len, int has_len,
+                                            const long long *src_addr, unsigned char *dst, long long total) {
+    long long y = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (y >= total || y >= dst_off[m]) return;
+    int k = sb_segment_of(dst_off, m, y);
+    long long local = y - dst_off[k];
+    if (!has_len || local < len[k]) dst[y] = ((const unsigned char *)src_addr[k])[local];
+}
+
+/* The top-k payloads of a gathered group: *bad = the lowest slot id (member * ranks + rank) of a payload with a
+ * bucket whose local indices are out of range or not ascending (*bad starts at INT_MAX). One thread per bucket of
+ * every top-k payload (bucket_off: over those payloads); run before decoding so a corrupt group writes nothing. */
+extern "C" __global__ void sb_group_check_topk_kernel(int slots, const long long *bucket_off,
+                                                      const long long *slot_id, const long long *addr,
+                                                      const long long *n, const long long *topk, int bucket,
+                                                      int *bad) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= bucket_off[slots]) return;
+    int s = sb_segment_of(bucket_off, slots, t);
+    if (!sb_topk_bucket_valid((const unsigned char *)addr[s], n[s], bucket, (int)topk[s], t - bucket_off[s]))
+        atomicMin(bad, (int)slot_id[s]);
+}
+
+/* The rank-order sum of every bucket of every member of a gathered group, one block per bucket: member k's
+ * payload from rank r at addr[k * ranks + r] (16-byte aligned), action[k * ranks + r]. Each element goes through
+ * exactly the per-tensor sequence (sb_decode_kernel per rank, kernels.decode_group): own[k] < 0: rank 0 written,
+ * ranks 1.. added; own[k] = r: out[k] holds rank r's values, the other ranks are added in rank order; the last
+ * addition divides by `divisor`; nothing added: out divided after (IEEE division, as group.c). Every element is
+ * read and written by the same thread for every rank, so no synchronization is needed between ranks. */
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_group_decode_kernel(int m, int ranks, const long long *bucket_off, const long long *outp, const long long *n,
+                       const long long *own, const long long *addr, const long long *action, int bucket,
+                       const int *kinds, const int *levels, const int *topks, const int *trits, float divisor) {
+    int k = sb_segment_of(bucket_off, m, blockIdx.x);
+    long long b = blockIdx.x - bucket_off[k], nk = n[k];
+    long long j0 = b * (long long)bucket;
+    int len = (int)((nk - j0) < bucket ? (nk - j0) : bucket);
+    float *out = (float *)outp[k];
+    int mine = (int)own[k], last = mine == ranks - 1 ? ranks - 2 : ranks - 1, added = 0;
+    for (int r = 0; r < ranks; r++) {
+        if (r == mine) continue;
+        long long slot = (long long)k * ranks + r;
+        int a = (int)action[slot];
+        sb_decoder D = sb_decoder_of((const unsigned char *)addr[slot], nk, bucket, kinds[a], levels[a], topks[a],
+                                     trits[a], b, len);
+        int accumulate = mine >= 0 || r > 0;
+        float d = accumulate && r == last ? divisor : 1.0f;
+        for (int i = threadIdx.x; i < len; i += blockDim.x) {
+            long long j = j0 + i;
+            float x = sb_decode_element(&D, j, i);
+            out[j] = !accumulate ? x : d != 1.0f ? __fdiv_rn(out[j] + x, d) : out[j] + x;
+        }
+        added += accumulate;
+    }
+    if (!added && divisor != 1.0f)
+        for (int i = threadIdx.x; i < len; i += blockDim.x) out[j0 + i] = __fdiv_rn(out[j0 + i], divisor);
 }

@@ -9,38 +9,15 @@
 
 #define SB_HEADER_BYTES 16 /* safebits_hvd/wire.py HEADER_BYTES */
 
-/* 1 when every element of x[0..n) is finite: an exponent of all ones is Inf or NaN. */
+/* 1 when every element of x[0..n) is finite (no early exit: the loop vectorizes). */
 static int sb_all_finite(const float *x, sb_i64 n) {
-    const sb_u32 *bits = (const sb_u32 *)x;
-    sb_u32 bad = 0;
-    for (sb_i64 i = 0; i < n; i++) bad |= (sb_u32)((bits[i] & 0x7f800000u) == 0x7f800000u);
+    int bad = 0;
+    for (sb_i64 i = 0; i < n; i++) bad |= sb_nonfinite(x[i]);
     return !bad;
 }
 
-/* The screen's test of one action's four sums (safebits_hvd/screen.py: distortion_cosine_of, passes with margin 0),
- * in the same float64 operations: admissible when distortion <= max_distortion and cosine >= min_cosine. */
-static int sb_passes(const double *s, double max_distortion, double min_cosine) {
-    double err2 = s[0], qv = s[1], q2 = s[2], v2 = s[3], d, c, den;
-    d = v2 > 0 ? err2 / v2 : (err2 == 0 ? 0.0 : INFINITY);
-    if (!isfinite(d)) d = INFINITY;
-    den = (q2 >= 0 ? sqrt(q2) : NAN) * (v2 >= 0 ? sqrt(v2) : NAN);
-    c = den > 0 ? qv / den : ((q2 == 0 && v2 == 0) ? 1.0 : 0.0);
-    if (!isfinite(c)) c = -INFINITY;
-    return d <= max_distortion && c >= min_cosine;
-}
-
-/* The first action to send (safebits_hvd/policy.py, BudgetPolicy.send_order): the allocated one if the screen
- * admits it, else the cheapest admissible lossy action, else the lossless one. */
-static int sb_first_candidate(const double *stats, int nact, int allocated, const sb_i64 *cost_order,
-                              const unsigned char *lossless, int lossless_index, double max_distortion,
-                              double min_cosine) {
-    if (lossless[allocated] || sb_passes(stats + 4 * allocated, max_distortion, min_cosine)) return allocated;
-    for (int p = 0; p < nact; p++) {
-        int a = (int)cost_order[p];
-        if (!lossless[a] && sb_passes(stats + 4 * a, max_distortion, min_cosine)) return a;
-    }
-    return lossless_index;
-}
+/* sb_passes and sb_first_candidate (the screen's test, the first action to send) are in safebits_math.h: the CUDA
+ * group kernels make the same choice. */
 
 /* Per member k (tensor index member[k]): check g for NaN/Inf (when check_finite), screen every action on its
  * sampled buckets (when do_screen), choose the action to send (the allocated one unless screen_enabled says

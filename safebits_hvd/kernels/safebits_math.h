@@ -63,6 +63,9 @@ SB_HD float sb_u2f(sb_u32 u) {
  * above +inf. Used for the bucket max (QUANT scale) and the TOPK selection. */
 SB_HD sb_u32 sb_abs_key(float x) { return sb_f2u(x) & 0x7fffffffu; }
 
+/* NaN or +-Inf: an exponent of all ones (the NaN/Inf check of the batched step). */
+SB_HD int sb_nonfinite(float x) { return (sb_f2u(x) & 0x7f800000u) == 0x7f800000u; }
+
 /* MurmurHash3 fmix32. */
 SB_HD sb_u32 sb_mix32(sb_u32 x) {
     x ^= x >> 16;
@@ -287,5 +290,37 @@ SB_HD int sb_code_bits(int kind, int levels, int trits) {
 
 /* Kinds whose body is one fp32 scale per bucket, then the codes. */
 SB_HD int sb_has_scales(int kind) { return kind == SB_QUANT || kind == SB_SIGN || kind == SB_LLOYD_MAX; }
+
+/* The screen's test of one action's four sums [err2, qv, q2, v2] (safebits_hvd/screen.py: distortion_cosine_of,
+ * then passes with margin 0), in the same float64 operations: admissible when distortion <= max_distortion and
+ * cosine >= min_cosine. Python takes a square root of a negative sum as NaN explicitly; sqrt does so itself. */
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define SB_INF_D __longlong_as_double(0x7ff0000000000000LL)
+#else
+#define SB_INF_D ((double)INFINITY)
+#endif
+SB_HD int sb_passes(const double *s, double max_distortion, double min_cosine) {
+    double err2 = s[0], qv = s[1], q2 = s[2], v2 = s[3];
+    double d = v2 > 0 ? err2 / v2 : (err2 == 0 ? 0.0 : SB_INF_D);
+    if (!isfinite(d)) d = SB_INF_D;
+    double den = sqrt(q2) * sqrt(v2);
+    double c = den > 0 ? qv / den : ((q2 == 0 && v2 == 0) ? 1.0 : 0.0);
+    if (!isfinite(c)) c = -SB_INF_D;
+    return d <= max_distortion && c >= min_cosine;
+}
+
+/* The first action to send (safebits_hvd/policy.py, BudgetPolicy.send_order; kernels.first_candidates): the
+ * allocated one if the screen admits it (the lossless one always is), else the cheapest admissible lossy action in
+ * cost_order (this tensor's row), else the lossless one. stats: (nact, 4). */
+SB_HD int sb_first_candidate(const double *stats, int nact, int allocated, const sb_i64 *cost_order,
+                             const unsigned char *lossless, int lossless_index, double max_distortion,
+                             double min_cosine) {
+    if (lossless[allocated] || sb_passes(stats + 4 * allocated, max_distortion, min_cosine)) return allocated;
+    for (int p = 0; p < nact; p++) {
+        int a = (int)cost_order[p];
+        if (!lossless[a] && sb_passes(stats + 4 * a, max_distortion, min_cosine)) return a;
+    }
+    return lossless_index;
+}
 
 #endif /* SAFEBITS_MATH_H */
