@@ -170,13 +170,13 @@ def build(sc: Scenario, hook: Hook = sbddp.safebits_hook, tag: str = "", **state
 def decoded_sends(state: sbddp.SafeBitsState, transport: RecordingTransport, collective: str,
                   numels: dict[str, int]) -> dict[str, torch.Tensor]:
     """What this rank sent of every tensor in the step, decoded (float32): on the allgather path each tensor's
-    payload in its group's buffer (``SafeBitsCore.payload``); on the two-phase path from the recorded alltoall
+    payload in its group's buffer (``AllgatherPath.payload``); on the two-phase path from the recorded alltoall
     buffer."""
     sent: dict[str, torch.Tensor] = {}
     if collective == "allgather":
         step = state.step - 1
         for index, name in enumerate(state.names):
-            payload = state.core.payload(index, step)
+            payload = state.core.allgather.payload(index, step)
             sent[name] = decode_sequence(payload, torch.zeros(numels[name]), name)
         return sent
     # two-phase: the step's alltoall buffer holds segment r of every tensor (index order), for r = 0..P-1

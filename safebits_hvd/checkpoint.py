@@ -9,10 +9,13 @@ parameters, their sizes and the menu, so a state saved for another model is refu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .core import SafeBitsCore
 
 STATE_FORMAT = 5
 """Version of the state dict layout. Formats 2 (no second-hop residuals), 3 (no second-hop ranges) and 4 (no
@@ -90,3 +93,36 @@ def previous_statistics(state: dict[str, Any]) -> tuple[np.ndarray | None, np.nd
 def overshoot_history(state: dict[str, Any]) -> list[float]:
     """The saved overshoots of the escalation reserve, oldest first (empty before format 5: nothing learned)."""
     return [float(x) for x in state.get("overshoot_history", [])]
+
+
+def save(core: SafeBitsCore) -> dict[str, Any]:
+    """The state dict of ``core`` (between steps: a pending statistics exchange is finished first)."""
+    if core.in_step:
+        raise RuntimeError("SafeBits.state_dict() called in the middle of a step; call it between steps")
+    core.finish()
+    schedule_state = getattr(core.schedule, "state_dict", None)
+    return make_state(step=core.step, seed=core.seed, names=core.names, numels=core.numels,
+                      menu_names=core.menu.names, residuals=core.memory.state_dict(),
+                      second_hop_residuals=core.two_phase.memory.state_dict(),
+                      second_hop_ranges=core.two_phase.ranges, screened=core.previous_screened, v2=core.previous_v2,
+                      overshoot_history=core.policy.overshoot_history,
+                      schedule_state=schedule_state() if schedule_state is not None else None)
+
+
+def load(core: SafeBitsCore, state: dict[str, Any]) -> None:
+    """Restore :func:`save`'s ``state`` into ``core`` (between steps); ``ValueError`` if it was saved for another
+    model or menu."""
+    check_state(state, core.names, core.numels, core.menu.names)
+    if core.in_step or core.exchange_pending:
+        raise RuntimeError("load_state_dict() must be called between steps")
+    core.memory.load_state_dict(state["residuals"])
+    core.two_phase.load_state_dict(state.get("second_hop_residuals", {}), second_hop_ranges(state))
+    if core.two_phase.configured_for is not None:     # check the residuals against this world's segments now
+        core.two_phase.configure(core.two_phase.configured_for, core.memory if core.error_feedback else None)
+    core.step = int(state["step"])
+    core.log.truncate(core.step)                 # records of later steps describe steps undone
+    core.seed = int(state["seed"])
+    core.previous_screened, core.previous_v2 = previous_statistics(state)
+    core.policy.overshoot_history = overshoot_history(state)
+    if state["schedule"] is not None and hasattr(core.schedule, "load_state_dict"):
+        core.schedule.load_state_dict(state["schedule"])

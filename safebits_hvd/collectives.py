@@ -294,8 +294,14 @@ class AllgatherPath(CollectivePath):
         first = self.groups[group][0]
         self._handles[group] = self.transport.start_allgather(f"{self.collective_name}.payload.{first}", buffer)
 
-    def payload(self, index: int) -> torch.Tensor:
-        """This rank's payload of tensor ``index`` (its group must have been sent)."""
+    def payload(self, index: int, step: int) -> torch.Tensor:
+        """This rank's packed payload of tensor ``index`` at ``step``, once its group has been sent: when its last
+        member arrives, else now (the group is sent with zeros for its missing members, as when the step closes;
+        so every rank must ask at the same point)."""
+        if step != self.step:
+            raise RuntimeError(f"the payloads of step {step} are no longer held (a later step began)")
+        if self.has_unsent(index):
+            self.flush()
         group = int(self.group_of[index])
         if group not in self._sent:
             raise RuntimeError(f"the payload of {self.names[index]!r} is not sent yet: its group is sent when its "
@@ -364,6 +370,8 @@ class AllgatherPath(CollectivePath):
         rank 1's ``(q1 + q0) + q2 ...`` is bitwise ``(q0 + q1) + q2 ...``); the other ranks decode every payload."""
         if step != self.step:
             raise RuntimeError(f"the allgather of step {step} is no longer held (a later step began)")
+        if self.has_unsent(index):
+            self.flush()     # a step in which some registered tensors were never sent (on every rank)
         group = int(self.group_of[index])
         if group not in self._decoded:
             if group not in self._handles:

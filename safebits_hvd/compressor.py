@@ -37,8 +37,9 @@ class Context(NamedTuple):
     dtype: torch.dtype
     index: int                  # the parameter
     collective: str             # "dense", "allgather" or "two_phase"
-    # What this rank sent: the dense float32 values, the two-phase payloads, or on the allgather path the core,
-    # which holds the packed payload once the tensor's group has been sent (read it as ``wire``).
+    # What this rank sent: the dense float32 values, the two-phase payloads, or on the allgather path the path
+    # (collectives.AllgatherPath), which holds the packed payload once the tensor's group has been sent (read it as
+    # ``wire``).
     sent: Any
     # Packed paths: the gradient's own flat storage, which the reduced sum is decoded into (compress has consumed
     # its values; Horovod's uncompressed allreduce overwrites it too), so a step allocates no new gradients; on the
@@ -102,9 +103,9 @@ class CoreCompressor(CoreRecords, Compressor):
         reusable = tensor.dtype == torch.float32 and tensor.is_contiguous() and not tensor.requires_grad
         flat = tensor.detach().view(-1) if reusable else None
         sent = core.send(index, tensor if flat is None else flat, into=flat)
-        if sent.collective == "dense":
+        if not sent.packed:
             return sent.wire, Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
-        wire = core if sent.collective == "allgather" else sent.wire
+        wire = core.allgather if sent.collective == "allgather" else sent.wire
         ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, wire, flat)
         return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
 

@@ -47,7 +47,7 @@ from .policy import BudgetPolicy
 from .schedules import budget_at
 from .sending import Sender, flat_gradient
 from .statistics import StatisticsLayout, StepStatistics
-from .telemetry import StepArrays, StepLog, StepRecord, logger
+from .telemetry import StepLog, logger
 from .transports import PayloadTransport, make_transport
 from .two_phase import TwoPhasePath
 
@@ -57,7 +57,7 @@ class Sent(NamedTuple):
 
     wire: torch.Tensor | None   # dense: the dequantized float32 values; two_phase: its segments' payloads back to
     #                             back (collectives.decode_sequence); allgather: None, the group is sent later
-    #                             (SafeBitsCore.payload)
+    #                             (collectives.AllgatherPath.payload)
     step: int                   # the step it belongs to (for finish)
     collective: str             # "dense", "allgather" or "two_phase" (the step's choice, identical on every rank)
 
@@ -137,8 +137,8 @@ class SafeBitsCore:
         self.path: CollectivePath = self.paths["dense"]
         self.step = 0                                  # index of the next step to begin
         # The last finished step's reduced statistics: the next allocation's input (None before the first step).
-        self._previous_screened: np.ndarray | None = None
-        self._previous_v2: np.ndarray | None = None
+        self.previous_screened: np.ndarray | None = None
+        self.previous_v2: np.ndarray | None = None
 
         # -- the step in progress
         tensors, actions = len(names), len(self.menu)
@@ -221,8 +221,6 @@ class SafeBitsCore:
         """The sum over ranks of what every rank sent of tensor ``index`` at ``step`` on a packed path, decoded in
         rank order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a mean), as a
         flat float32 tensor (``out`` if given: written over). Waits for the collective."""
-        if step == self.allgather.step and self.allgather.has_unsent(index):
-            self.allgather.flush()     # a step in which some registered tensors were never sent (on every rank)
         return self.paths[collective].reduced_sum(index, step, out, divisor)
 
     @property
@@ -237,15 +235,10 @@ class SafeBitsCore:
         action = self.menu[int(self._allocation.choice[index])]
         return wire.HEADER_BYTES + action.cost(int(self.numels[index])) // 8
 
-    def payload(self, index: int, step: int) -> torch.Tensor:
-        """This rank's packed payload of tensor ``index`` at ``step`` on the allgather path, once its group has been
-        sent: when its last member arrives, else now (the group is sent with zeros for its missing members, as
-        when the step closes; so every rank must ask at the same point)."""
-        if step != self.allgather.step:
-            raise RuntimeError(f"the payloads of step {step} are no longer held (a later step began)")
-        if self.allgather.has_unsent(index):
-            self.allgather.flush()
-        return self.allgather.payload(index)
+    @property
+    def exchange_pending(self) -> bool:
+        """Whether a closed step's statistics exchange has not been finished yet."""
+        return self._pending is not None
 
     def finish(self, step: int | None = None) -> None:
         """Finish the pending exchange (only if it is ``step``'s, when given)."""
@@ -263,14 +256,6 @@ class SafeBitsCore:
         if self._taken >= self._pending_sent:
             self._finish()
 
-    @property
-    def last_step(self) -> StepRecord | None:
-        return self.log.last
-
-    @property
-    def history(self) -> list[StepRecord]:
-        return self.log.history
-
     # ------------------------------------------------------------------ 1. begin
     def begin(self) -> None:
         """Begin a step, unless one is in progress (the first :meth:`send` of a step does; a front end that needs
@@ -282,7 +267,7 @@ class SafeBitsCore:
         self._budget_bits_total = self.policy.budget_bits_total(bits_per_parameter, self.total_elements)
         start = time.perf_counter()
         self._allocation = self.policy.allocate(bits_per_parameter, self._budget_bits_total,
-                                                self._previous_screened, self._previous_v2)
+                                                self.previous_screened, self.previous_v2)
         self.allocation_seconds = time.perf_counter() - start
         self._digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
         if self.transport is None:
@@ -334,22 +319,9 @@ class SafeBitsCore:
         self._pending = None
         self.exchange.wait(handle)                     # the step's own vector now holds the MAX over ranks
         reduced = self._views[step % 2]
-        sent_position = reduced.sent_position.astype(np.int64)
-        nonfinite = reduced.nonfinite > 0
-        arrays = StepArrays(step=step, budget_bits_total=budget_total,
-                            modeled_bits_total=self.policy.modeled_bits(sent_position),
-                            sent=self.policy.actions_sent(sent_position), allocated=self._allocation.choice,
-                            distortion=reduced.sent_distortion.copy(), cosine=-reduced.neg_sent_cosine,
-                            escalated=reduced.escalated > 0, nonfinite=nonfinite, allocation_digest=self._digest,
-                            infeasible=not self._allocation.feasible, wire_bytes=wire_bytes,
-                            collective=collective)
-        # The next allocation's input. A non-finite tensor has no statistics: only the lossless action is known safe.
-        screened = reduced.screened
-        if nonfinite.any():
-            screened[nonfinite] = np.where(self.policy.lossless, 0.0, np.inf)
-        v2 = reduced.v2
-        self._previous_screened, self._previous_v2 = screened, np.where(np.isfinite(v2), v2, 0.0)
-        self.policy.observe(budget_total, self._allocation.cost_bits, arrays.modeled_bits_total)
+        arrays, self.previous_screened, self.previous_v2 = self.policy.take_reduced(
+            reduced, self._allocation, step=step, budget_bits_total=budget_total, allocation_digest=self._digest,
+            wire_bytes=wire_bytes, collective=collective)
         self.log.add(arrays, self.exchange.rank)
         observe = getattr(self.schedule, "observe", None)
         if observe is not None:
@@ -386,33 +358,9 @@ class SafeBitsCore:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically (see :mod:`.checkpoint`). Call between steps."""
-        if self.in_step:
-            raise RuntimeError("SafeBits.state_dict() called in the middle of a step; call it between steps")
-        self.finish()
-        schedule_state = getattr(self.schedule, "state_dict", None)
-        return checkpoint.make_state(step=self.step, seed=self.seed, names=self.names, numels=self.numels,
-                                     menu_names=self.menu.names, residuals=self.memory.state_dict(),
-                                     second_hop_residuals=self.two_phase.memory.state_dict(),
-                                     second_hop_ranges=self.two_phase.ranges,
-                                     screened=self._previous_screened, v2=self._previous_v2,
-                                     overshoot_history=self.policy.overshoot_history,
-                                     schedule_state=schedule_state() if schedule_state is not None else None)
+        """Everything needed to continue bit-identically (:func:`.checkpoint.save`). Call between steps."""
+        return checkpoint.save(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; ``ValueError`` if it was saved for another model or menu."""
-        checkpoint.check_state(state, self.names, self.numels, self.menu.names)
-        if self.in_step or self._pending is not None:
-            raise RuntimeError("load_state_dict() must be called between steps")
-        self.memory.load_state_dict(state["residuals"])
-        self.two_phase.load_state_dict(state.get("second_hop_residuals", {}), checkpoint.second_hop_ranges(state))
-        if self.two_phase.configured_for is not None:     # check the residuals against this world's segments now
-            self.two_phase.configure(self.transport, self.memory if self.error_feedback else None)
-        self.step = int(state["step"])
-        self.log.truncate(self.step)                 # records of later steps describe steps undone
-        self.seed = int(state["seed"])
-        self._previous_screened, self._previous_v2 = checkpoint.previous_statistics(state)
-        self.policy.overshoot_history = checkpoint.overshoot_history(state)
-        if state["schedule"] is not None and hasattr(self.schedule, "load_state_dict"):
-            self.schedule.load_state_dict(state["schedule"])
-
+        """Restore :meth:`state_dict` (:func:`.checkpoint.load`); ``ValueError`` if saved for another model or menu."""
+        checkpoint.load(self, state)

@@ -142,12 +142,12 @@ class CoreRecords:
     @property
     def last_step(self) -> StepRecord | None:
         """The :class:`StepRecord` of the last completed step (None before the first)."""
-        return self.core.last_step
+        return self.core.log.last
 
     @property
     def history(self) -> list[StepRecord]:
         """The last ``max_history`` :class:`StepRecord` objects, oldest first (a new list each time)."""
-        return self.core.history
+        return self.core.log.history
 
     @property
     def step(self) -> int:

@@ -37,6 +37,8 @@ import numpy as np
 from .actions import Menu
 from .allocator import Allocation, allocate
 from .screen import ACCEPT_MARGIN, admissible, passes
+from .statistics import StepStatistics
+from .telemetry import StepArrays
 
 PLANNING_MARGIN = 0.05
 """Default relative margin of the planning screen (:meth:`BudgetPolicy.plannable`), in the form of
@@ -251,6 +253,25 @@ class BudgetPolicy:
     def actions_sent(self, sent_position: np.ndarray) -> np.ndarray:
         """Menu index of the action sent per tensor (-1 where nothing was sent)."""
         return np.where(sent_position >= 0, self.cost_order[self._rows, np.maximum(sent_position, 0)], -1)
+
+    def take_reduced(self, reduced: StepStatistics, allocation: Allocation, **record: Any) -> tuple[
+            StepArrays, np.ndarray, np.ndarray]:
+        """A finished step's reduced statistics as its record (``record``: the fields that are not statistics) and
+        the next allocation's input ``(screened, v2)``; learns the step's overshoot (:meth:`observe`)."""
+        sent_position = reduced.sent_position.astype(np.int64)
+        nonfinite = reduced.nonfinite > 0
+        arrays = StepArrays(modeled_bits_total=self.modeled_bits(sent_position),
+                            sent=self.actions_sent(sent_position), allocated=allocation.choice,
+                            distortion=reduced.sent_distortion.copy(), cosine=-reduced.neg_sent_cosine,
+                            escalated=reduced.escalated > 0, nonfinite=nonfinite,
+                            infeasible=not allocation.feasible, **record)
+        # A non-finite tensor has no statistics: only the lossless action is known safe.
+        screened = reduced.screened
+        if nonfinite.any():
+            screened[nonfinite] = np.where(self.lossless, 0.0, np.inf)
+        v2 = reduced.v2
+        self.observe(arrays.budget_bits_total, allocation.cost_bits, arrays.modeled_bits_total)
+        return arrays, screened, np.where(np.isfinite(v2), v2, 0.0)
 
 
 class FixedActionPolicy(BudgetPolicy):
