@@ -217,8 +217,8 @@ class AllgatherPath(CollectivePath):
         # Member index -> the tensor the send pass wrote this rank's own q into: the sum starts from it instead of
         # decoding this rank's payload again (see reduced_sum).
         self._own: dict[int, torch.Tensor] = {}
-        # group -> (divisor, member index -> reduced sum, the gathered payloads [member][rank], their actions)
-        self._decoded: dict[int, tuple[float, dict[int, torch.Tensor], list[list[torch.Tensor]], np.ndarray]] = {}
+        # group -> (divisor, member index -> reduced sum, the gathered payloads, their actions [member, rank])
+        self._decoded: dict[int, tuple[float, dict[int, torch.Tensor], kernels.Gathered, np.ndarray]] = {}
 
     def begin(self, step: int, transport: PayloadTransport) -> None:
         """A new step: collectives of the last one that nobody waited for are completed and dropped."""
@@ -311,8 +311,8 @@ class AllgatherPath(CollectivePath):
         return buffer[int(offsets[member]):int(offsets[member + 1])]
 
     # -- the receive side
-    def _split(self, gathered: torch.Tensor, group: int, ranks: int) -> tuple[list[list[torch.Tensor]], np.ndarray]:
-        """The gathered payloads ``[member][rank]`` and their menu actions. Fast path: if every rank sent the
+    def _split(self, gathered: torch.Tensor, group: int, ranks: int) -> tuple[kernels.Gathered, np.ndarray]:
+        """Where each gathered payload starts ``[member, rank]``, and its menu action. Fast path: if every rank sent the
         allocated actions, the buffer has exactly their length and their headers at the offsets they imply; one
         comparison of all those headers proves it (by induction over payloads: each header fixes where the next
         payload starts). Else every payload is parsed in turn (a rank escalated, or the buffer is corrupt)."""
@@ -328,12 +328,11 @@ class AllgatherPath(CollectivePath):
             want = torch.from_numpy(tables.headers[members, expected]).to(gathered.device)
             host.count()
             if bool((heads == want).all()):
-                payloads = [[gathered[r * part + int(starts[k]):r * part + int(starts[k]) + int(sizes[k])]
-                             for r in range(ranks)] for k in range(m)]
-                return payloads, np.repeat(expected[:, None], ranks, axis=1)
+                offsets = starts[:, None] + part * np.arange(ranks, dtype=np.int64)[None, :]
+                return kernels.Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
         # Each payload's header must be one of its tensor's menu actions (which fixes its length); read in turn.
         data = host.to_host(gathered)
-        payloads = [[gathered] * ranks for _ in range(m)]
+        offsets = np.empty((m, ranks), dtype=np.int64)
         actions = np.empty((m, ranks), dtype=np.int64)
         offset = 0
         for r in range(ranks):
@@ -353,13 +352,13 @@ class AllgatherPath(CollectivePath):
                 if data.size - offset < size:
                     raise wire.WireFormatError(f"{self.names[member]} (rank {r}): truncated payload: "
                                                f"{data.size - offset} bytes left, expected {size}")
-                payloads[k][r] = gathered[offset:offset + size]
+                offsets[k, r] = offset
                 actions[k, r] = action
                 offset += size
         if offset != data.size:
             raise wire.WireFormatError(f"{self.collective_name} group {group} step {self.step}: "
                                        f"{data.size - offset} bytes after {ranks * m} payloads")
-        return payloads, actions
+        return kernels.Gathered(gathered, offsets), actions
 
     def reduced_sum(self, index: int, step: int, out: torch.Tensor | None, divisor: float) -> torch.Tensor:
         """The first member of a group asked for decodes the whole group, into each member's ``own`` tensor when it
@@ -396,7 +395,8 @@ class AllgatherPath(CollectivePath):
         if divisor != decoded_divisor:       # another op than the group's first member's: decode this one again
             member = int(self.member_of[index])
             total = torch.empty_like(total)
-            kernels.decode_group([payloads[member]], actions[member:member + 1], [total], np.array([-1]), self.tables,
+            one = kernels.Gathered(payloads.buffer, payloads.offsets[member:member + 1])
+            kernels.decode_group(one, actions[member:member + 1], [total], np.array([-1]), self.tables,
                                  self._members[group][member:member + 1], [self.names[index]], divisor)
         if out is None:
             return total

@@ -46,6 +46,7 @@ class Context(NamedTuple):
     # allgather path compress leaves this rank's dequantized values there, where the sum starts. None when it is
     # not contiguous float32 (a fresh tensor is decoded into then).
     gradient: torch.Tensor | None = None
+    original: torch.Tensor | None = None        # the gradient as compress got it (returned when the sum is in it)
 
     @property
     def wire(self) -> torch.Tensor:
@@ -86,6 +87,10 @@ class CoreCompressor(CoreRecords, Compressor):
         self.total_elements = core.total_elements
         self._index = GradientIndex(params)
         self._op_factor = (-1, 1.0)      # (step, what Horovod's op did to the marker at that step)
+        # The packed paths' markers: one float32 element per tensor, views of one buffer per device made once and
+        # refilled with 1 by one call per step (a new tensor per compress costs microseconds). Horovod reduces each
+        # view in place, and every marker of a step is reduced before the next step's first compress.
+        self._markers: dict[torch.device, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
         """Quantize one gradient (with error feedback) for the wire; returns what Horovod is to allreduce and the
@@ -97,17 +102,28 @@ class CoreCompressor(CoreRecords, Compressor):
         allreduce does in place). On the dense path Horovod allreduces the flat float32 dequantized values.
         """
         core = self.core
-        if not core.in_step:
+        began = not core.in_step
+        if began:
             self._follow_world()
-        index = self._index.find(tensor, core.unsent if core.in_step else None)
+        index = self._index.find(tensor, None if began else core.unsent)
         reusable = tensor.dtype == torch.float32 and tensor.is_contiguous() and not tensor.requires_grad
-        flat = tensor.detach().view(-1) if reusable else None
+        flat = (tensor if tensor.dim() == 1 else tensor.view(-1)) if reusable else None
         sent = core.send(index, tensor if flat is None else flat, into=flat)
         if not sent.packed:
             return sent.wire, Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
         wire = core.allgather if sent.collective == "allgather" else sent.wire
-        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, wire, flat)
-        return torch.ones(1, dtype=torch.float32, device=tensor.device), ctx
+        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, wire, flat, tensor)
+        return self._marker(index, tensor.device, began), ctx
+
+    def _marker(self, index: int, device: torch.device, refill: bool) -> torch.Tensor:
+        """Tensor ``index``'s marker (a float32 1) on ``device``; ``refill``: the step's first compress."""
+        markers = self._markers.get(device)
+        if markers is None:
+            buffer = torch.ones(len(self.names), dtype=torch.float32, device=device)
+            markers = self._markers[device] = (buffer, list(buffer.split(1)))
+        elif refill:
+            markers[0].fill_(1.0)
+        return markers[1][index]
 
     def decompress(self, tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
         """The reduced gradient in its shape and dtype (the step's last one also finishes its statistics
@@ -126,8 +142,12 @@ class CoreCompressor(CoreRecords, Compressor):
                                      divisor=ranks if factor == 1.0 else 1.0)
             if factor not in (1.0, ranks):
                 total.mul_(factor / ranks)
+            core.taken(ctx.step)
+            if total is ctx.gradient and ctx.original is not None:
+                return ctx.original          # the sum is in the gradient's own storage, in its shape and dtype
             tensor = total
-        core.taken(ctx.step)
+        else:
+            core.taken(ctx.step)
         if tensor.dtype != ctx.dtype:
             tensor = tensor.to(ctx.dtype)
         return tensor.view(ctx.shape)

@@ -105,6 +105,7 @@ class SafeBitsCore:
         self.names = names
         self.numels = numels
         self.total_elements = int(numels.sum())
+        self._numels: list[int] = numels.tolist()      # as Python ints (a NumPy scalar per send costs time)
         self.policy = policy
         self.menu: Menu = policy.menu
         self.schedule = schedule
@@ -183,9 +184,10 @@ class SafeBitsCore:
             self.begin()
         path = self.path
         own = into if path.batched else None
-        g = flat_gradient(self.names[index], grad, int(self.numels[index]))
-        if own is not None and (own.dtype != torch.float32 or own.dim() != 1 or not own.is_contiguous()
-                                or own.numel() != self.numels[index] or own.device != g.device):
+        g = flat_gradient(self.names[index], grad, self._numels[index])
+        if own is not None and own is not g and (
+                own.dtype != torch.float32 or own.dim() != 1 or not own.is_contiguous()
+                or own.numel() != self._numels[index] or own.device != g.device):
             raise ValueError(f"into must be a flat contiguous float32 tensor of {self.numels[index]} elements on "
                              f"{g.device}")
         if path.batched:

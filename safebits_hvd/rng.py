@@ -16,6 +16,7 @@ The constants below are the single source: the C/CUDA kernels receive them as ``
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -39,6 +40,15 @@ def mix32(x: int) -> int:
 def stream_key(seed: int, step: int, tensor_index: int) -> int:
     """The 32-bit key of the draws of one tensor at one step."""
     return mix32(mix32(mix32(seed & MASK32) ^ (step & MASK32)) ^ (tensor_index & MASK32))
+
+
+def stream_keys(seed: int, step: int, tensor_indices: np.ndarray) -> np.ndarray:
+    """:func:`stream_key` of many tensors at once (uint32: NumPy's uint32 products wrap modulo 2^32, as fmix32's)."""
+    x = np.uint32(mix32(mix32(seed & MASK32) ^ (step & MASK32))) ^ tensor_indices.astype(np.uint32)
+    for shift, multiplier in ((16, MIX_MUL1), (13, MIX_MUL2)):
+        x ^= x >> np.uint32(shift)
+        x *= np.uint32(multiplier)
+    return x ^ (x >> np.uint32(16))
 
 
 def uniform(key: int, index: torch.Tensor) -> torch.Tensor:

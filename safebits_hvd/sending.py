@@ -22,7 +22,7 @@ from .allocator import Allocation
 from .errors import SafeBitsNonFiniteError
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
-from .rng import stream_key
+from .rng import stream_key, stream_keys
 from .screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of
 from .statistics import StepStatistics
 
@@ -222,7 +222,7 @@ class Sender:
             screening = policy.allocates_from_statistics
             samples = [self.sample_of(int(i), int(self.numels[i]), device) if screening else None
                        for i in sent_members]
-            keys = np.array([stream_key(self.seed, self.step, int(i)) for i in sent_members], dtype=np.uint32)
+            keys = stream_keys(self.seed, self.step, sent_members)
             allocated = self.allocation.choice[sent_members]
             result = kernels.send_group(kernels.GroupSend(
                 sent_members, grads, residuals, owns, samples, keys, allocated, self.checks_finite, screening,

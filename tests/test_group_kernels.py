@@ -150,3 +150,13 @@ def test_an_allgather_step_reads_back_at_most_twice_per_group_and_once_more() ->
             compressor.decompress(torch.ones(1), ctx)
         assert compressor.last_step.collective == "allgather"
         assert host.reads() - before <= 2 * groups + 1, (step, host.reads() - before, groups)
+
+
+def test_stream_keys_are_stream_key_of_each_tensor() -> None:
+    """The batched step's keys (one NumPy pass per group) are the per-tensor path's keys, wrap-around included."""
+    from safebits_hvd import rng
+
+    indices = np.arange(3000, dtype=np.int64)
+    for seed, step in ((0, 0), (7, 123), (2**33 + 5, 2**40 + 3)):
+        expected = np.array([rng.stream_key(seed, step, int(i)) for i in indices], dtype=np.uint32)
+        assert np.array_equal(rng.stream_keys(seed, step, indices), expected)

@@ -342,21 +342,41 @@ def _send_group_loop(request: GroupSend, tables: GroupTables, device: torch.devi
     return GroupSent(buffer, finite, screen_stats, chosen, offsets, stats)
 
 
-def decode_group(payloads: list[list[torch.Tensor]], actions: np.ndarray, outs: list[torch.Tensor],
+class Gathered(NamedTuple):
+    """A gathered group's payloads where they arrived: member ``k``'s payload from rank ``r`` starts at byte
+    ``offsets[k, r]`` of ``buffer`` (its length is its action's, :attr:`GroupTables.payload_bytes`)."""
+
+    buffer: torch.Tensor
+    offsets: np.ndarray
+
+    def payloads(self, sizes: np.ndarray) -> list[list[torch.Tensor]]:
+        """The payloads as views, ``[member][rank]``, given their sizes ``(members, ranks)``."""
+        return [[self.buffer[int(o):int(o) + int(n)] for o, n in zip(row, size_row, strict=True)]
+                for row, size_row in zip(self.offsets, sizes, strict=True)]
+
+
+def decode_group(payloads: list[list[torch.Tensor]] | Gathered, actions: np.ndarray, outs: list[torch.Tensor],
                  own: np.ndarray, tables: GroupTables, members: np.ndarray, names: list[str],
                  divisor: float = 1.0) -> None:
     """The sum over ranks of every member of a gathered group, in rank order, divided by ``divisor``:
-    ``payloads[k][r]`` is member ``k``'s payload from rank ``r`` (its header already checked) at menu action
-    ``actions[k, r]``; ``own[k] = r`` when ``outs[k]`` already holds rank ``r``'s values (else -1: it is written
-    over). Bitwise :func:`decode` of rank 0 then :func:`decode_add` of each later rank. A payload whose top-k
-    indices are invalid raises :class:`~safebits_hvd.wire.WireFormatError` naming the tensor."""
+    ``payloads[k][r]`` (or :class:`Gathered`) is member ``k``'s payload from rank ``r`` (its header already
+    checked) at menu action ``actions[k, r]``; ``own[k] = r`` when ``outs[k]`` already holds rank ``r``'s values
+    (else -1: it is written over). Bitwise :func:`decode` of rank 0 then :func:`decode_add` of each later rank. A
+    payload whose top-k indices are invalid raises :class:`~safebits_hvd.wire.WireFormatError` naming the tensor."""
     if not outs:
         return
-    ranks = len(payloads[0])
+    ranks = actions.shape[1]
+    sizes = tables.payload_bytes[np.repeat(members, ranks), actions.reshape(-1)]
     backend = _backend(outs[0].device)
-    if backend.__name__.endswith((".cpu", ".cuda")):      # cuda: same arguments, its top-k read back counted there
+    if isinstance(payloads, Gathered) and backend.__name__.endswith(".cpu"):
+        flat: Any = payloads.buffer.data_ptr() + payloads.offsets.reshape(-1).astype(np.int64)   # no views made
+    elif isinstance(payloads, Gathered):
+        payloads = payloads.payloads(sizes.reshape(len(outs), ranks))
         flat = [p for member in payloads for p in member]
-        body_bytes = tables.payload_bytes[np.repeat(members, ranks), actions.reshape(-1)] - wire.HEADER_BYTES
+    else:
+        flat = [p for member in payloads for p in member]
+    if backend.__name__.endswith((".cpu", ".cuda")):      # cuda: same arguments, its top-k read back counted there
+        body_bytes = sizes - wire.HEADER_BYTES
         bad = backend.decode_group(flat, body_bytes, actions.reshape(-1), outs, tables.numels[members], own, ranks,
                                    tables.menu, float(divisor))
         if bad >= 0:

@@ -273,13 +273,14 @@ def send_group(request: Any, tables: Any) -> Any:
                      offsets, stats)
 
 
-def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np.ndarray, outs: list[torch.Tensor],
-                 numels: np.ndarray, own: np.ndarray, ranks: int, menu: Menu, divisor: float) -> int:
-    """``group.c``'s ``sb_decode_group``; returns -1 or the first slot (member * ranks + rank) whose top-k indices
-    are invalid."""
+def decode_group(bodies: list[torch.Tensor] | np.ndarray, body_bytes: np.ndarray, actions: np.ndarray,
+                 outs: list[torch.Tensor], numels: np.ndarray, own: np.ndarray, ranks: int, menu: Menu,
+                 divisor: float) -> int:
+    """``group.c``'s ``sb_decode_group``; ``bodies``: the payloads, or their addresses (int64); returns -1 or the
+    first slot (member * ranks + rank) whose top-k indices are invalid."""
     lib = load()
     arrays = _menu_args(menu)
-    body_pointers = _pointers(bodies) + HEADER_BYTES
+    body_pointers = (bodies if isinstance(bodies, np.ndarray) else _pointers(bodies)) + HEADER_BYTES
     body_bytes = np.ascontiguousarray(body_bytes, dtype=np.int64)
     actions = np.ascontiguousarray(actions, dtype=np.int32)
     numels = np.ascontiguousarray(numels, dtype=np.int64)
