@@ -1,0 +1,76 @@
+"""The per-tensor cost of a SafeBits step in one process: 1,000 tensors through ``compress`` and ``decompress``.
+
+The allgather path (``collective="allgather"``, the default on 2 ranks) in one process: every compress only
+registers its tensor until its fusion group is complete, the group is sent in one batched pass, and the first
+decompress of a group decodes the whole group (docs/DESIGN.md, "The batched step"). With 16-element tensors the
+kernels' own work is small, so the figure is SafeBits' cost per tensor; with 272 elements (the 1,000-tensor model
+of ``bench/horovod_overhead.py``) it includes the kernels.
+
+``extra_info``: ``us_per_tensor`` (compress plus decompress, per tensor, median step), ``host_reads_per_step``
+(reads back to the host, :mod:`safebits_hvd.host`), ``step_vs_clone`` (the step over ``torch.clone`` of the same
+1,000 gradients, the machine's speed of one small tensor operation; lower is better).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import safebits_hvd as sb
+from safebits_hvd import host
+
+TENSORS = 1000
+
+
+def make_step(numel: int) -> tuple[Any, Any, list[torch.Tensor]]:
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel))) for i in range(TENSORS)]
+    compressor = sb.SafeBits(params, budget_bits=4.4, collective="allgather")
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(numel, generator=gen) for _ in params]
+
+    def step() -> None:
+        for (_, p), g in zip(params, grads, strict=True):
+            p.grad = g.clone()           # what backward leaves (a new tensor each step, as set_to_none does)
+        pending = [compressor.compress(p.grad) for _, p in reversed(params)]      # backward's order
+        for out, ctx in pending:
+            compressor.decompress(out, ctx)
+
+    return compressor, step, grads
+
+
+def median_seconds(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@pytest.mark.parametrize("numel", [16, 272])
+def test_thousand_tensor_step(benchmark: Any, numel: int) -> None:
+    torch.set_num_threads(1)
+    compressor, step, grads = make_step(numel)
+    for _ in range(3):
+        step()                            # warm: index cache, residuals, samples
+    reads = host.reads()
+    step()
+    reads = host.reads() - reads
+    benchmark.pedantic(step, rounds=5, iterations=1)
+    seconds = benchmark.stats.stats.median
+    clone = median_seconds(lambda: [g.clone() for g in grads], 5)
+    # What the step itself does beyond setting the gradients (a clone each, timed alongside).
+    benchmark.extra_info.update({
+        "tensors": TENSORS, "numel": numel,
+        "us_per_tensor": round(1e6 * max(seconds - clone, 0.0) / TENSORS, 2),
+        "step_vs_clone": round(seconds / clone, 3),
+        "host_reads_per_step": reads,
+    })
+    record = compressor.last_step
+    assert record is not None and len(record.actions) == TENSORS
+    groups = len(sb.collectives.fusion_groups(compressor.numels))
+    assert reads <= 2 * groups + 1, (reads, groups)

@@ -1,0 +1,91 @@
+"""SafeBits' DDP hook against default DDP: the per-step overhead on a model of many small tensors.
+
+Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_overhead.py --out r.json``
+(Gloo, CPU; set ``OMP_NUM_THREADS=1`` with 2 ranks on 2 cores). Two identical MLPs of ``--layers`` square layers
+(``2 * layers`` tensors; default 500 layers of width 16: 1,000 tensors, 136,000 parameters, the model of
+``bench/horovod_overhead.py --width 16 --layers 500``), one wrapped in DDP with SafeBits' hook
+(``safebits_hvd.ddp.safebits_hook``), the other in plain DDP (its default allreduce); their training steps
+alternate, and the figure is the ratio of the median step times (each the slowest rank's). Rank 0 writes one JSON
+object to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from safebits_hvd import ddp as sbddp
+
+
+def make_model(width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    start = time.perf_counter()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--budget-bits", type=float, default=4.4)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    models = {label: nn.parallel.DistributedDataParallel(make_model(args.width, args.layers))
+              for label in ("safebits", "ddp")}
+    state = sbddp.SafeBitsState(models["safebits"].named_parameters(), budget_bits=args.budget_bits,
+                                name="safebits.bench")
+    models["safebits"].register_comm_hook(state, sbddp.safebits_hook)
+    optimizers = {label: torch.optim.SGD(m.parameters(), lr=1e-3) for label, m in models.items()}
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    times: dict[str, list[float]] = {label: [] for label in models}
+    for step in range(args.warmup + args.steps):
+        order = list(models) if step % 2 == 0 else list(models)[::-1]     # no order bias
+        for label in order:
+            seconds = timed_step(models[label], optimizers[label], x, y)
+            if step >= args.warmup:
+                times[label].append(seconds)
+    medians: dict[str, float] = {}
+    for label, values in times.items():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, statistics.median(values))
+        medians[label] = max(gathered)                                   # the step is its slowest rank's
+    record = state.last_step
+    if dist.get_rank() == 0:
+        result = {"parameters": sum(p.numel() for p in models["ddp"].parameters()),
+                  "tensors": len(list(models["ddp"].parameters())), "batch_per_rank": args.batch,
+                  "steps": args.steps, "median_step_s_safebits": medians["safebits"],
+                  "median_step_s_ddp": medians["ddp"], "step_ratio": medians["safebits"] / medians["ddp"],
+                  "collective": record.collective if record else None,
+                  "wire_bytes_per_rank": record.wire_bytes if record else None}
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        print(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
