@@ -51,19 +51,16 @@ class Escalation(NamedTuple):
 
 def escalate(codec: Codec, actions: Menu, index: int, order: list[int], g: torch.Tensor | None,
              e: torch.Tensor, key: int, own: torch.Tensor | None, accepts: Callable[[int, float, float], bool],
-             name: str, first: tuple[Any, np.ndarray] | None = None) -> Escalation:
+             name: str) -> Escalation:
     """3. Send: ``order[0]``'s pass, then, while its exact statistics fail ``accepts``, undo it (``e`` holds ``v``
-    again, to float rounding) and try the next action of ``order``, whose last action must always pass.
-    ``first``: the first action's pass, already made (the batched step), as ``(sent, statistics)``."""
+    again, to float rounding) and try the next action of ``order``, whose last action must always pass. (The
+    batched step escalates a group's failures together, round by round, in :meth:`Sender.send_group`.)"""
     source, sent, failed = g, None, []
     for attempt, action_index in enumerate(order):
         if attempt:
             codec.restore(index, sent, e, name)
             source = None
-        if attempt == 0 and first is not None:
-            sent, stats = first
-        else:
-            sent, stats = codec.encode(index, source, e, actions[action_index], key, own)
+        sent, stats = codec.encode(index, source, e, actions[action_index], key, own)
         distortion, cosine = distortion_cosine_of(stats.tolist())
         if accepts(action_index, distortion, cosine):
             break
@@ -152,11 +149,11 @@ class Sender:
         return self.send_in_order(index, policy.send_order(index, allocated, ok), g, e, key, own)
 
     def send_in_order(self, index: int, order: list[int], g: torch.Tensor | None, e: torch.Tensor, key: int,
-                      own: torch.Tensor | None, first: tuple[Any, np.ndarray] | None = None) -> Any:
+                      own: torch.Tensor | None) -> Any:
         """:func:`escalate` on the step's path, and the record of what was sent."""
         assert self.fields is not None
         sent = escalate(self.path, self.menu, index, order, g, e, key, own, self.policy.accepts,
-                        self.names[index], first)
+                        self.names[index])
         # An action that failed on the values it would have sent: the next allocation must not plan it.
         self.fields.screened[index, sent.failed] = math.inf
         self.record_sent(index, sent.action, sent.distortion, sent.cosine,
@@ -203,9 +200,9 @@ class Sender:
                    registered: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, np.ndarray,
                                                                                               int]:
         """The batched step of one group (docs/DESIGN.md, "The batched step"): one pass screens, chooses and
-        packs every member registered (:func:`.kernels.send_group`, one read back); the rare members that need
-        more (a NaN/Inf gradient, exact statistics that fail the screen) then take :meth:`send_in_order`; members
-        never registered (an incomplete step) send zeros. Returns the payloads back to back, where each member's
+        packs every member registered (:func:`.kernels.send_group`, one read back); a NaN/Inf gradient then takes
+        :meth:`send_nonfinite`, and members whose exact statistics fail the screen escalate together, one batched
+        pass (one read back) per round; members never registered (an incomplete step) send zeros. Returns the payloads back to back, where each member's
         starts (and the end), and the bytes of the registered members' payloads."""
         assert self.allocation is not None and self.fields is not None
         sent_members = np.array([i for i in members if i in registered], dtype=np.int64)
@@ -239,18 +236,42 @@ class Sender:
             self.record_sent(sent_members[accepted], actions, distortion[accepted], cosine[accepted],
                              policy.sent_passes(actions, distortion[accepted], cosine[accepted],
                                                 policy.planning_margin), result.stats[accepted, 3])
-            for k in np.flatnonzero(~accepted):
+            # Members that failed on what they sent escalate from there, all together: each round restores their
+            # residuals, packs each at its next action in one batched pass (one read back) and keeps those that
+            # pass; the lossless action always does. The same order, keys and records as the per-tensor path.
+            escalating: list[int] = []
+            orders: dict[int, list[int]] = {}
+            for k in np.flatnonzero(~accepted).tolist():
                 index = int(sent_members[k])
                 if not finite[k]:
                     payloads[index] = self.send_nonfinite(index, grads[k], owns[k])
                     continue
-                # Failed on what it sent: escalate from there, as the per-tensor path does.
                 ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
                       else np.ones(len(self.menu), dtype=bool))
-                order = policy.send_order(index, int(allocated[k]), ok)
-                first = (buffer[offsets[k]:offsets[k + 1]], result.stats[k])
-                payloads[index] = self.send_in_order(index, order, grads[k], residuals[k], int(keys[k]), owns[k],
-                                                     first)
+                orders[k] = policy.send_order(index, int(allocated[k]), ok)
+                payloads[index] = buffer[offsets[k]:offsets[k + 1]]
+                escalating.append(k)
+            attempt = 0
+            while escalating:
+                attempt += 1
+                for k in escalating:
+                    index = int(sent_members[k])
+                    fields.screened[index, orders[k][attempt - 1]] = math.inf
+                    self.path.restore(index, payloads[index], residuals[k], self.names[index])
+                rows = np.array(escalating, dtype=np.int64)
+                actions = np.array([orders[k][attempt] for k in escalating], dtype=np.int64)
+                retry = kernels.send_group(kernels.GroupSend(
+                    sent_members[rows], [None] * len(rows), [residuals[k] for k in escalating],
+                    [owns[k] for k in escalating], [None] * len(rows), keys[rows], actions, False, False, False,
+                    policy.max_distortion, policy.min_cosine), self.tables)
+                distortion, cosine = distortion_cosine(retry.stats)
+                passed = policy.sent_passes(actions, distortion, cosine, ACCEPT_MARGIN)
+                for j, k in enumerate(escalating):
+                    payloads[int(sent_members[k])] = retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
+                self.record_sent(sent_members[rows[passed]], actions[passed], distortion[passed], cosine[passed],
+                                 policy.sent_passes(actions[passed], distortion[passed], cosine[passed],
+                                                    policy.planning_margin), retry.stats[passed, 3])
+                escalating = [k for j, k in enumerate(escalating) if not passed[j]]
         sizes = np.diff(offsets)
         for k, index in enumerate(sent_members.tolist()):
             if index in payloads:
