@@ -202,8 +202,9 @@ class Sender:
         """The batched step of one group (docs/DESIGN.md, "The batched step"): one pass screens, chooses and
         packs every member registered (:func:`.kernels.send_group`, one read back); a NaN/Inf gradient then takes
         :meth:`send_nonfinite`, and members whose exact statistics fail the screen escalate together, one batched
-        pass (one read back) per round; members never registered (an incomplete step) send zeros. Returns the payloads back to back, where each member's
-        starts (and the end), and the bytes of the registered members' payloads."""
+        pass (one read back) per round; members never registered (an incomplete step) send zeros. Returns the
+        payloads back to back, where each member's starts (and the end), and the bytes of the registered members'
+        payloads."""
         assert self.allocation is not None and self.fields is not None
         sent_members = np.array([i for i in members if i in registered], dtype=np.int64)
         policy, fields = self.policy, self.fields
