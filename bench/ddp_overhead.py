@@ -14,30 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from step_timing import interleaved_times, make_model
 from torch import nn
 
 from safebits_hvd import ddp as sbddp
-
-
-def make_model(width: int, layers: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
-
-
-def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    start = time.perf_counter()
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -61,13 +45,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, args.width, generator=gen)
-    times: dict[str, list[float]] = {label: [] for label in models}
-    for step in range(args.warmup + args.steps):
-        order = list(models) if step % 2 == 0 else list(models)[::-1]     # no order bias
-        for label in order:
-            seconds = timed_step(models[label], optimizers[label], x, y)
-            if step >= args.warmup:
-                times[label].append(seconds)
+    times = interleaved_times(models, optimizers, x, y, args.warmup, args.steps)
     medians: dict[str, float] = {}
     for label, values in times.items():
         gathered: list[Any] = [None] * dist.get_world_size()

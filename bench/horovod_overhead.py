@@ -25,28 +25,11 @@ from typing import Any
 import horovod.torch as hvd
 import numpy as np
 import torch
+from step_timing import interleaved_times, make_model
 from torch import nn
 
 import safebits_hvd as sb
 from safebits_hvd.exchange import TimedExchange, make_exchange
-
-
-def make_model(width: int, layers: int) -> nn.Sequential:
-    """An MLP of ``layers`` square layers (``2 * layers`` tensors, about ``layers * width**2`` parameters)."""
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
-
-
-def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Seconds of one training step (forward, backward with Horovod's allreduces, synchronize and update)."""
-    start = time.perf_counter()
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    return time.perf_counter() - start
 
 
 def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, budget_bits: float,
@@ -66,13 +49,7 @@ def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, bud
     gen = torch.Generator().manual_seed(hvd.rank())
     x = torch.randn(batch, width, generator=gen)
     y = torch.randn(batch, width, generator=gen)
-    times: dict[str, list[float]] = {label: [] for label in models}
-    for step in range(warmup + steps):
-        order = list(models) if step % 2 == 0 else list(models)[::-1]   # no order bias
-        for label in order:
-            seconds = timed_step(models[label], optimizers[label], x, y)
-            if step >= warmup:
-                times[label].append(seconds)
+    times = interleaved_times(models, optimizers, x, y, warmup, steps)
     medians = {label: statistics.median(t) for label, t in times.items()}
     # The step is as slow as its slowest rank.
     medians = {label: max(hvd.allgather_object(m, name=f"median.{label}")) for label, m in medians.items()}

@@ -164,7 +164,19 @@ def fusion_groups(numels: np.ndarray, max_elements: int = FUSION_ELEMENTS) -> li
     return groups
 
 
-class AllgatherPath(CollectivePath):
+class PackedCodec:
+    """One packed payload per tensor: the pass (:func:`encode_packed`) and its undoing (``e <- e + q``); the
+    allgather path's and the two-phase second hop's (for :func:`.sending.escalate`)."""
+
+    def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
+               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+        return encode_packed(g, e, action, key, own)
+
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
+        kernels.decode_add(sent, e, name=name)
+
+
+class AllgatherPath(PackedCodec, CollectivePath):
     """Every rank's packed payloads to every rank, one allgather per fusion group (:func:`fusion_groups`).
 
     The core registers each member's gradient as it arrives (:meth:`register`); when the group is complete it sends
@@ -233,14 +245,7 @@ class AllgatherPath(CollectivePath):
     def abort(self) -> None:
         self._clear()
 
-    # -- the send side
-    def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
-        return encode_packed(g, e, action, key, own)
-
-    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
-        kernels.decode_add(sent, e, name=name)
-
+    # -- the send side (encode and restore: PackedCodec's)
     def zeros(self, index: int, n: int, device: torch.device) -> Any:
         return packed_zeros(self.menu[int(self.cheapest[index])], n, device)
 

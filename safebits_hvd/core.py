@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import checkpoint, collectives, kernels, wire
+from . import checkpoint, collectives, kernels
 from .actions import Menu
 from .allocator import Allocation
 from .collectives import AllgatherPath, CollectivePath, DensePath
@@ -234,8 +234,7 @@ class SafeBitsCore:
         """Bytes of tensor ``index``'s packed payload at the allocated action of the step in progress (or the last
         one begun): identical on every rank; a rank that escalates the tensor sends more."""
         assert self._allocation is not None
-        action = self.menu[int(self._allocation.choice[index])]
-        return wire.HEADER_BYTES + action.cost(int(self.numels[index])) // 8
+        return int(self.allgather.tables.payload_bytes[index, self._allocation.choice[index]])
 
     @property
     def exchange_pending(self) -> bool:

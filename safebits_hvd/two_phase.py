@@ -22,23 +22,12 @@ import torch
 
 from . import collectives, host, kernels
 from .actions import Action
-from .collectives import CollectivePath, encode_packed, packed_zeros
+from .collectives import CollectivePath, PackedCodec, packed_zeros
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .rng import stream_key
 from .sending import escalate
 from .transports import PayloadTransport
-
-
-class PackedCodec:
-    """One packed payload per call (the second hop's pass and its undoing, for :func:`.sending.escalate`)."""
-
-    def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-               own: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray]:
-        return encode_packed(g, e, action, key, own)
-
-    def restore(self, index: int, sent: torch.Tensor, e: torch.Tensor, name: str) -> None:
-        kernels.decode_add(sent, e, name=name)
 
 
 class TwoPhasePath(CollectivePath):

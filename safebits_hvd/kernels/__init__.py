@@ -368,12 +368,13 @@ def decode_group(payloads: list[list[torch.Tensor]] | Gathered, actions: np.ndar
     ranks = actions.shape[1]
     sizes = tables.payload_bytes[np.repeat(members, ranks), actions.reshape(-1)]
     backend = _backend(outs[0].device)
-    if isinstance(payloads, Gathered) and backend.__name__.endswith(".cpu"):
-        flat: Any = payloads.buffer.data_ptr() + payloads.offsets.reshape(-1).astype(np.int64)   # no views made
-    elif isinstance(payloads, Gathered):
-        payloads = payloads.payloads(sizes.reshape(len(outs), ranks))
-        flat = [p for member in payloads for p in member]
-    else:
+    flat: Any = None
+    if isinstance(payloads, Gathered):
+        if backend.__name__.endswith(".cpu"):       # the C call takes addresses: no view made per payload
+            flat = payloads.buffer.data_ptr() + payloads.offsets.reshape(-1).astype(np.int64)
+        else:
+            payloads = payloads.payloads(sizes.reshape(len(outs), ranks))
+    if flat is None:
         flat = [p for member in payloads for p in member]
     if backend.__name__.endswith((".cpu", ".cuda")):      # cuda: same arguments, its top-k read back counted there
         body_bytes = sizes - wire.HEADER_BYTES
