@@ -22,7 +22,7 @@ SIGN           one fp32 scale (mean ``|v|``) per      ``32 nb + pad8(n)``
                bucket, then one sign bit per element
 TOPK           per bucket the ``k`` largest ``|v|``:   ``16 K + pad8(ceil(log2 B) K)``, ``K = sum_b
                a bf16 value and a local index         min(k, len_b)``, ``k = max(1, round(fraction * B))``
-LLOYD_MAX      one fp32 scale (a multiple of the      ``32 nb + pad8(log2(m) n)`` for ``m`` = 4, 8, 16
+LLOYD_MAX      one fp32 scale (a multiple of the      ``32 nb + pad8(log2(m) n)`` for ``m`` = 4 ... 64
                bucket's RMS) per bucket, then the     levels; ``32 nb + 8 ceil(n / 5)`` for ``m = 3``
                index of the nearest of ``m`` fixed    (5 trits per byte)
                levels (sign-magnitude words; trits
@@ -74,9 +74,15 @@ LLOYD_MAX_LEVELS: dict[int, tuple[float, ...]] = {
     4: (0.4528, 1.5104),
     8: (0.2451, 0.7560, 1.3439, 2.1520),
     16: (0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6181, 2.0690, 2.7326),
+    32: (0.0659, 0.1981, 0.3314, 0.4667, 0.6049, 0.7471, 0.8946, 1.0488, 1.2118, 1.3863, 1.5762, 1.7872, 2.0287,
+         2.3177, 2.6911, 3.2607),
+    64: (0.0334, 0.1003, 0.1673, 0.2346, 0.3022, 0.3703, 0.4389, 0.5083, 0.5785, 0.6497, 0.7219, 0.7955, 0.8705,
+         0.9472, 1.0257, 1.1065, 1.1897, 1.2758, 1.3651, 1.4583, 1.5558, 1.6586, 1.7675, 1.8840, 2.0096, 2.1468,
+         2.2990, 2.4713, 2.6723, 2.9174, 3.2404, 3.7441),
 }
 """Non-negative magnitudes of the Lloyd-Max (MSE-optimal) quantizers of a unit Gaussian with 3, 4, 8 and 16 levels
-(the levels are ``+-`` these, one 0 for 3 levels), in units of the bucket's scale. The kernels round to the nearest
+(the levels are ``+-`` these, one 0 for 3 levels), and with 32 and 64 (5 and 6 bits; computed by Lloyd's iteration
+on the Gaussian density, ``bench/action_frontier.py --lloyd-max``), in units of the bucket's scale. The kernels round to the nearest
 level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); the tables reach the C and CUDA code as
 float32 constants from here (``kernels/source.py``). Why this scale: docs/DESIGN.md, "Quantizers"."""
 
@@ -259,7 +265,8 @@ def lloyd_max(levels: int, *, bucket_size: int = DEFAULT_BUCKET_SIZE) -> Action:
     """MSE-optimal quantizer: the nearest of the ``levels``-level Lloyd-Max levels of a unit Gaussian
     (:data:`LLOYD_MAX_LEVELS`) times the bucket's RMS. Biased (nearest rounding): safe through error feedback.
 
-    Names: ``ternary_mse`` (3 levels, 1.6 bits), ``int2_mse`` (4), ``int3_mse`` (8), ``int4_mse`` (16)."""
+    Names: ``ternary_mse`` (3 levels, 1.6 bits), ``int2_mse`` (4), ``int3_mse`` (8), ``int4_mse`` (16), ``int5_mse``
+    (32), ``int6_mse`` (64)."""
     if levels not in LLOYD_MAX_LEVELS:
         raise ValueError(f"Lloyd-Max levels must be one of {sorted(LLOYD_MAX_LEVELS)}, got {levels}")
     name = "ternary_mse" if levels == 3 else f"int{index_bits(levels)}_mse"
@@ -278,9 +285,10 @@ BF16 = Action("bf16", ActionKind.BFLOAT16, 16)
 
 def _registry(bucket_size: int = DEFAULT_BUCKET_SIZE) -> dict[str, Action]:
     actions = [FP32, FP16, BF16,
+               *(qsgd(b, stochastic=False, bucket_size=bucket_size) for b in (12, 6, 5, 3)),
                *(qsgd(b, stochastic=s, bucket_size=bucket_size) for b in (8, 4, 2) for s in (True, False)),
                ternary(bucket_size=bucket_size), scaled_sign(bucket_size=bucket_size),
-               *(lloyd_max(m, bucket_size=bucket_size) for m in (16, 8, 4, 3)),
+               *(lloyd_max(m, bucket_size=bucket_size) for m in (64, 32, 16, 8, 4, 3)),
                topk(0.1, bucket_size=bucket_size), topk(0.05, bucket_size=bucket_size),
                topk(0.01, bucket_size=bucket_size)]
     return {a.name: a for a in actions}
@@ -362,10 +370,13 @@ def make_menu(actions: Iterable[str | Action] | Menu, *, bucket_size: int | None
     return Menu(tuple(resolved))
 
 
-DEFAULT_MENU = make_menu(["fp32", "fp16", "bf16", "int8", "int4", "int3_mse", "int2", "ternary", "ternary_mse", "sign",
-                          "topk10", "topk1", "int2_mse", "topk5"])
-"""The default menu: full and half precision, QSGD 8/4/2-bit, TernGrad, the MSE-optimal 3-bit, 2-bit and ternary
-actions, EF-SignSGD and top-k at 10%, 5% and 1%. Below 4 bits the MSE-optimal actions are the admissible ones on
-the demo tasks' gradients; ``int2_mse`` and ``topk5`` fill the gaps between ``ternary_mse`` (1.66 bits) and
-``int3_mse`` / ``topk10`` (3.06 / 2.49) where a tensor's cheapest admissible action sets a tight budget's floor
-(docs/RESULTS.md, sections 6.1, 6.10 and 6.11). The order is only the tie-break; the last two came last."""
+DEFAULT_MENU = make_menu(["fp32", "fp16", "int12_nearest", "int8_nearest", "int6_nearest", "int5_nearest", "int5_mse",
+                          "int4_nearest", "int4_mse", "int3_mse", "int2_mse", "ternary_mse",
+                          "sign", "topk10", "topk5", "topk1"])
+"""The default menu: a ladder without gaps from 1 to 16 bits, no neighbouring rungs more than 1.6x apart and no
+action dominated (more bits and more distortion) by a cheaper one on Gaussian, Laplace or Student-t(3) data
+(docs/RESULTS.md, "The action frontier"). Full and half precision; max-abs-scaled uniform codes with nearest
+rounding at 12, 8, 6, 5 and 4 bits (the least distortion on heavy-tailed gradients); the
+MSE-optimal (Lloyd-Max) 5-, 4-, 3-, 2-bit and ternary codes (the least on Gaussian-like ones); EF-SignSGD; top-k at
+10%, 5% and 1%. Where two actions cost the same, the screen's statistics pick the less distorting one per tensor.
+The order is only the tie-break."""

@@ -3,8 +3,11 @@
 import math
 
 import pytest
+import torch
 
 import safebits_hvd as sb
+from safebits_hvd import kernels as K
+from safebits_hvd import rng
 from safebits_hvd.actions import (
     ACTIONS,
     LLOYD_MAX_LEVELS,
@@ -75,10 +78,38 @@ def test_qsgd_levels_and_names() -> None:
 
 
 def test_default_menu_covers_the_field() -> None:
-    names = sb.DEFAULT_MENU.names
+    """The field's actions are all built in; the default menu keeps every kind of them (QSGD's stochastic codes
+    are dominated by the MSE-optimal and nearest ones: test_default_menu_is_a_ladder_without_gaps)."""
     for wanted in ["fp32", "fp16", "bf16", "int8", "int4", "int2", "ternary", "sign", "topk10"]:
-        assert wanted in names
+        assert wanted in ACTIONS
+    kinds = {a.kind for a in sb.DEFAULT_MENU}
+    assert kinds == set(ActionKind) - {ActionKind.BFLOAT16}     # bf16: dominated by int12_nearest
     assert sb.DEFAULT_MENU[sb.DEFAULT_MENU.lossless_index].name == "fp32"
+
+
+def _distortion(action: Action, v: torch.Tensor) -> float:
+    stats = K.quantize_ef(None, v.clone(), torch.empty_like(v), action, rng.stream_key(5, 0, 0)).tolist()
+    return stats[0] / stats[3]
+
+
+@pytest.mark.parametrize("data", ["gaussian", "laplace", "student_t3"])
+def test_default_menu_is_a_ladder_without_gaps(data: str) -> None:
+    """Between 1 and 16 bits per element, the admissible quantizers of the default menu (distortion <= 0.5) leave
+    no neighbouring costs more than 1.6x apart, and none is dominated: no cheaper one has less distortion."""
+    gen = torch.Generator().manual_seed(3)
+    n = 1 << 16
+    v = {"gaussian": lambda: torch.randn(n, generator=gen),
+         "laplace": lambda: torch.distributions.Laplace(0.0, 1.0).sample((n,)),
+         "student_t3": lambda: torch.distributions.StudentT(3.0).sample((n,))}[data]()
+    rows = sorted((a.cost(n) / n, _distortion(a, v), a.name) for a in sb.DEFAULT_MENU if a.kind != ActionKind.TOPK)
+    admissible = [r for r in rows if r[1] <= 0.5 and 1.0 <= r[0] <= 16.0]
+    costs = sorted({round(bits, 6) for bits, _, _ in admissible})
+    assert costs[0] <= 2.1 and costs[-1] == 16
+    gaps = [b / a for a, b in zip(costs, costs[1:])]
+    assert max(gaps) <= 1.6, list(zip(costs, gaps))
+    for bits, distortion, name in admissible:
+        cheaper = [(b, d, m) for b, d, m in admissible if b < bits - 1e-9 and d <= distortion]
+        assert not cheaper, f"{name} ({bits:.2f} bits, distortion {distortion:.2e}) is dominated by {cheaper}"
 
 
 def test_make_menu_validates() -> None:

@@ -23,7 +23,8 @@ SIZES = [0, 1, 4, 5, 7, 511, 512, 513, 1000, 5000, 70_000, 1_000_003]
 ODD_ACTIONS = [A.qsgd(3, bucket_size=100), A.ternary(bucket_size=7), A.topk(0.3, bucket_size=10),
                A.scaled_sign(bucket_size=13), A.qsgd(16, stochastic=False, bucket_size=77), A.topk(1.0, bucket_size=6),
                A.lloyd_max(3, bucket_size=7), A.lloyd_max(8, bucket_size=100), A.lloyd_max(4, bucket_size=13),
-               A.lloyd_max(16, bucket_size=3)]
+               A.lloyd_max(16, bucket_size=3), A.lloyd_max(32, bucket_size=9), A.lloyd_max(64, bucket_size=45),
+               A.qsgd(12, stochastic=False, bucket_size=21)]
 ALL_ACTIONS = [*A.ACTIONS.values(), *ODD_ACTIONS]
 ODD_SIZES = [1, 7, 99, 1000, 70_001]
 

@@ -214,8 +214,14 @@ SB_CLONES static void sb_lm_bucket(const float *restrict v, float *restrict q, s
     case 8:
         sb_lm_bucket_at(v, q, word, scratch, len, 8, 0, scale_out);
         break;
-    default:
+    case 16:
         sb_lm_bucket_at(v, q, word, scratch, len, 16, 0, scale_out);
+        break;
+    case 32:
+        sb_lm_bucket_at(v, q, word, scratch, len, 32, 0, scale_out);
+        break;
+    default:
+        sb_lm_bucket_at(v, q, word, scratch, len, 64, 0, scale_out);
         break;
     }
 }
