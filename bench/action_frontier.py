@@ -27,17 +27,20 @@ it`` compares the best coded body with the cheapest admitted packed action at no
 entropy coding saves at equal distortion.
 
 Usage: ``.venv/bin/python bench/action_frontier.py [--steps 100] [--out results/action_frontier.json]``; prints the
-markdown tables of docs/RESULTS.md.
+markdown tables of docs/RESULTS.md. ``--lloyd-max M [M ...]`` prints the ``M``-level Lloyd-Max codebooks of a unit
+Gaussian instead (Lloyd's iteration on the density: :data:`safebits_hvd.actions.LLOYD_MAX_LEVELS` came from it).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import sys
 from collections.abc import Iterable
+from statistics import NormalDist
 from typing import Any
 
 import torch
@@ -146,6 +149,38 @@ def mark_frontier(rows: list[dict[str, Any]]) -> None:
             and (o["bits"], o["distortion"]) != (r["bits"], r["distortion"]) for o in ok)
 
 
+def lloyd_max_codebook(levels: int, tolerance: float = 1e-13) -> tuple[tuple[float, ...], float]:
+    """The non-negative magnitudes of the ``levels``-level (even) Lloyd-Max quantizer of a unit Gaussian and its
+    mean squared error: Lloyd's iteration (thresholds at midpoints, levels at the conditional means of their cells,
+    both exact for the Gaussian density)."""
+    normal = NormalDist()
+
+    def density(x: float) -> float:
+        return 0.0 if math.isinf(x) else math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+
+    def cdf(x: float) -> float:
+        return 1.0 if math.isinf(x) else normal.cdf(x)
+
+    half = levels // 2
+    mags = [(i + 0.5) * 4.0 / half for i in range(half)]
+    for _ in range(100_000):
+        edges = [0.0, *((a + b) / 2 for a, b in itertools.pairwise(mags)), math.inf]
+        new = [(density(a) - density(b)) / (cdf(b) - cdf(a)) for a, b in itertools.pairwise(edges)]
+        done = max(abs(x - y) for x, y in zip(new, mags, strict=True)) < tolerance
+        mags = new
+        if done:
+            break
+    edges = [0.0, *((a + b) / 2 for a, b in itertools.pairwise(mags)), math.inf]
+    # E[(X - m)^2; a < X < b] = E[X^2] - 2 m E[X] + m^2 P over the cell, both halves
+    error = 0.0
+    for m, (a, b) in zip(mags, itertools.pairwise(edges), strict=True):
+        p = cdf(b) - cdf(a)
+        first = density(a) - density(b)
+        second = p + (a * density(a) - (0.0 if math.isinf(b) else b * density(b)))
+        error += 2 * (second - 2 * m * first + m * m * p)
+    return tuple(mags), error
+
+
 def signed_codes(action: A.Action, v: torch.Tensor) -> torch.Tensor:
     """The action's signed integer codes of ``v`` (what its packed body carries besides the scales), from the
     reference kernels' code functions: magnitude with the sign of q (-0 becomes 0: entropy coding need not keep it)."""
@@ -231,7 +266,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="training steps of each demo task")
     parser.add_argument("--snapshots", type=int, default=5, help="steps at which gradients are recorded")
     parser.add_argument("--out", default="results/action_frontier.json")
+    parser.add_argument("--lloyd-max", type=int, nargs="+", metavar="M",
+                        help="print the M-level Lloyd-Max codebooks of a unit Gaussian and exit")
     args = parser.parse_args()
+    if args.lloyd_max:
+        for levels in args.lloyd_max:
+            mags, error = lloyd_max_codebook(levels)
+            print(f"{levels}: ({', '.join(f'{m:.4f}' for m in mags)}),  # mean squared error {error:.6g}")
+        return
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
     data = {**synthetic(), **recorded_gradients(args.steps, args.snapshots)}

@@ -81,10 +81,10 @@ LLOYD_MAX_LEVELS: dict[int, tuple[float, ...]] = {
          2.2990, 2.4713, 2.6723, 2.9174, 3.2404, 3.7441),
 }
 """Non-negative magnitudes of the Lloyd-Max (MSE-optimal) quantizers of a unit Gaussian with 3, 4, 8 and 16 levels
-(the levels are ``+-`` these, one 0 for 3 levels), and with 32 and 64 (5 and 6 bits; computed by Lloyd's iteration
-on the Gaussian density, ``bench/action_frontier.py --lloyd-max``), in units of the bucket's scale. The kernels round to the nearest
-level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); the tables reach the C and CUDA code as
-float32 constants from here (``kernels/source.py``). Why this scale: docs/DESIGN.md, "Quantizers"."""
+(the levels are ``+-`` these, one 0 for 3 levels), and with 32 and 64 (5 and 6 bits; Lloyd's iteration on the
+Gaussian density: ``bench/action_frontier.py --lloyd-max``), in units of the bucket's scale. The kernels round to
+the nearest level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); the tables reach the C and CUDA
+code as float32 constants from here (``kernels/source.py``). Why this scale: docs/DESIGN.md, "Quantizers"."""
 
 LLOYD_MAX_SCALE_FACTORS: tuple[float, ...] = (1.0, math.sqrt(2.0), 2.0)
 """Candidate scales of a LLOYD_MAX bucket, as multiples of its RMS: the encoder keeps the one with the least squared
@@ -285,7 +285,7 @@ BF16 = Action("bf16", ActionKind.BFLOAT16, 16)
 
 def _registry(bucket_size: int = DEFAULT_BUCKET_SIZE) -> dict[str, Action]:
     actions = [FP32, FP16, BF16,
-               *(qsgd(b, stochastic=False, bucket_size=bucket_size) for b in (12, 6, 5, 3)),
+               *(qsgd(b, stochastic=False, bucket_size=bucket_size) for b in (14, 12, 11, 7, 6, 5, 3)),
                *(qsgd(b, stochastic=s, bucket_size=bucket_size) for b in (8, 4, 2) for s in (True, False)),
                ternary(bucket_size=bucket_size), scaled_sign(bucket_size=bucket_size),
                *(lloyd_max(m, bucket_size=bucket_size) for m in (64, 32, 16, 8, 4, 3)),
@@ -370,13 +370,21 @@ def make_menu(actions: Iterable[str | Action] | Menu, *, bucket_size: int | None
     return Menu(tuple(resolved))
 
 
-DEFAULT_MENU = make_menu(["fp32", "fp16", "int12_nearest", "int8_nearest", "int6_nearest", "int5_nearest", "int5_mse",
+DEFAULT_MENU = make_menu(["fp32", "int14_nearest", "int11_nearest", "int8_nearest", "int7_nearest",
+                          "int6_nearest", "int5_nearest", "int5_mse",
                           "int4_nearest", "int4_mse", "int3_mse", "int2_mse", "ternary_mse",
                           "sign", "topk10", "topk5", "topk1"])
 """The default menu: a ladder without gaps from 1 to 16 bits, no neighbouring rungs more than 1.6x apart and no
 action dominated (more bits and more distortion) by a cheaper one on Gaussian, Laplace or Student-t(3) data
-(docs/RESULTS.md, "The action frontier"). Full and half precision; max-abs-scaled uniform codes with nearest
-rounding at 12, 8, 6, 5 and 4 bits (the least distortion on heavy-tailed gradients); the
-MSE-optimal (Lloyd-Max) 5-, 4-, 3-, 2-bit and ternary codes (the least on Gaussian-like ones); EF-SignSGD; top-k at
-10%, 5% and 1%. Where two actions cost the same, the screen's statistics pick the less distorting one per tensor.
-The order is only the tie-break."""
+(docs/RESULTS.md, "The action frontier"):
+
+* fp32, the lossless fallback;
+* max-abs-scaled uniform codes with nearest rounding at 14, 11, 8, 7, 6, 5 and 4 bits (the least distortion on
+  heavy-tailed gradients);
+* the MSE-optimal (Lloyd-Max) 5-, 4-, 3-, 2-bit and ternary codes (the least on Gaussian-like ones);
+* EF-SignSGD, and top-k at 10%, 5% and 1%.
+
+fp16 and bf16 are not in it: ``int14_nearest`` sends less distortion in fewer bits, and with an fp32 scale per
+bucket it cannot overflow. Where two actions cost the same, the screen's statistics pick the less distorting one per
+tensor. The rungs above 4 bits sit so that a budget of 4.4, 8, 12 or 16 bits per parameter is 85% spent even when
+one tensor holds nearly all the parameters (docs/RESULTS.md, "The budget spent"). The order is only the tie-break."""

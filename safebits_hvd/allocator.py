@@ -45,6 +45,8 @@ class Allocation:
             budget, which its plan undershoots by the escalation reserve).
         min_cost_bits: bits of the cheapest admissible configuration.
         feasible: ``min_cost_bits <= budget_bits_total``; if False, ``choice`` is that cheapest configuration.
+        reserve_bits: bits of the budget the escalation reserve left unplanned (:class:`~.policy.BudgetPolicy`).
+        guard_bits: bits the escalation guard's re-plans left unplanned beyond the reserve.
     """
 
     choice: np.ndarray
@@ -53,6 +55,8 @@ class Allocation:
     budget_bits_total: float
     min_cost_bits: int
     feasible: bool
+    reserve_bits: float = 0.0
+    guard_bits: float = 0.0
 
 
 def _check(costs: np.ndarray, errors: np.ndarray, admissible: np.ndarray | None,

@@ -128,18 +128,21 @@ class BudgetPolicy:
         errors[:, self._lossless_columns] = 0.0
         # No reserve when the budget fits every tensor lossless: then nothing can escalate past it.
         if budget_bits_total >= self._lossless_bits:
-            planned = allocate(self.costs, errors, None, budget_bits_total)
+            planned, reserve, guard = allocate(self.costs, errors, None, budget_bits_total), 0.0, 0.0
         else:
-            planned = self._plan_with_reserve(errors, screened, budget_bits_total)
+            planned, reserve, guard = self._plan_with_reserve(errors, screened, budget_bits_total)
         # Feasibility is judged against the step's whole budget: the reserve only shapes the plan. When the reserve
         # leaves too little, the plan is the cheapest admissible configuration, which still fits the budget.
         return Allocation(planned.choice, planned.cost_bits, planned.squared_error, budget_bits_total,
-                          planned.min_cost_bits, planned.min_cost_bits <= budget_bits_total)
+                          planned.min_cost_bits, planned.min_cost_bits <= budget_bits_total, reserve, guard)
 
-    def _plan_with_reserve(self, errors: np.ndarray, screened: np.ndarray, budget_bits_total: float) -> Allocation:
+    def _plan_with_reserve(self, errors: np.ndarray, screened: np.ndarray,
+                           budget_bits_total: float) -> tuple[Allocation, float, float]:
         """The plan within the budget less the escalation reserve, re-planned (at most :data:`GUARD_ROUNDS` times,
-        on a smaller budget each time) until the budget left over also covers the plan's escalation guard."""
-        plan_budget = budget_bits_total * (1.0 - self.reserve_fraction)
+        on a smaller budget each time) until the budget left over also covers the plan's escalation guard; with
+        the bits the reserve and the guard held back from the plan's budget."""
+        reserve = budget_bits_total * self.reserve_fraction
+        plan_budget = budget_bits_total - reserve
         planned = allocate(self.costs, errors, None, plan_budget)
         for _ in range(GUARD_ROUNDS):
             guard = self.escalation_guard(planned.choice, screened)
@@ -147,7 +150,7 @@ class BudgetPolicy:
                 break
             plan_budget = min(plan_budget, budget_bits_total - guard) - 1   # strictly smaller: each round changes
             planned = allocate(self.costs, errors, None, plan_budget)
-        return planned
+        return planned, reserve, budget_bits_total - reserve - plan_budget
 
     def escalation_guard(self, choice: np.ndarray, screened: np.ndarray) -> int:
         """Bits the escalations of the plan ``choice`` can add: the larger of one escalation of any tensor whose
@@ -261,6 +264,8 @@ class BudgetPolicy:
         sent_position = reduced.sent_position.astype(np.int64)
         nonfinite = reduced.nonfinite > 0
         arrays = StepArrays(modeled_bits_total=self.modeled_bits(sent_position),
+                            planned_bits_total=allocation.cost_bits, reserve_bits=allocation.reserve_bits,
+                            guard_bits=allocation.guard_bits,
                             sent=self.actions_sent(sent_position), allocated=allocation.choice,
                             distortion=reduced.sent_distortion.copy(), cosine=-reduced.neg_sent_cosine,
                             escalated=reduced.escalated > 0, nonfinite=nonfinite,

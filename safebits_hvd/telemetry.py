@@ -47,6 +47,12 @@ class StepRecord:
         wire_bytes: bytes this rank handed to the collectives for the step (packed payloads with their headers, or
             the dense values): the one field that may differ between ranks.
         collective: how the step's gradients travelled: ``"allgather"`` (packed payloads) or ``"dense"``.
+        planned_bits_total: modeled bits of the allocation (what the step sends if nothing escalates).
+        reserve_bits: bits of the budget the escalation reserve kept out of the plan (docs/DESIGN.md, "Where the
+            budget goes").
+        guard_bits: bits the escalation guard kept out of the plan beyond the reserve. The rest of the budget the
+            plan leaves, ``budget_bits_total - reserve_bits - guard_bits - planned_bits_total``, is what the menu's
+            costs could not fill.
 
     ``used_bits_total`` and ``compression_ratio`` are deprecated aliases of the ``modeled_`` fields, ``skipped`` of
     ``nonfinite`` (one release).
@@ -68,6 +74,14 @@ class StepRecord:
     infeasible: bool = False
     wire_bytes: int = 0
     collective: str = "dense"
+    planned_bits_total: int = 0
+    reserve_bits: float = 0.0
+    guard_bits: float = 0.0
+
+    @property
+    def budget_share(self) -> float:
+        """``modeled_bits_total / budget_bits_total``: the share of the budget spent (inf for a zero budget)."""
+        return self.modeled_bits_total / self.budget_bits_total if self.budget_bits_total > 0 else math.inf
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, allow_nan=True)
@@ -143,6 +157,9 @@ class StepArrays(NamedTuple):
     step: int
     budget_bits_total: float
     modeled_bits_total: int
+    planned_bits_total: int
+    reserve_bits: float
+    guard_bits: float
     sent: np.ndarray            # menu index of the action sent (the costliest over ranks), -1 if nothing
     allocated: np.ndarray       # menu index the allocation chose
     distortion: np.ndarray      # of what was sent, max over ranks
@@ -228,7 +245,9 @@ class StepLog:
             allocation_digest=arrays.allocation_digest,
             allocated=dict(zip(names, action_names[arrays.allocated].tolist(), strict=True)),
             nonfinite=self._name_array[arrays.nonfinite].tolist(),
-            infeasible=arrays.infeasible, wire_bytes=arrays.wire_bytes, collective=arrays.collective)
+            infeasible=arrays.infeasible, wire_bytes=arrays.wire_bytes, collective=arrays.collective,
+            planned_bits_total=arrays.planned_bits_total, reserve_bits=arrays.reserve_bits,
+            guard_bits=arrays.guard_bits)
 
     @property
     def last(self) -> StepRecord | None:

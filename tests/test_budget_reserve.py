@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import safebits_hvd as sb
@@ -217,3 +218,42 @@ def test_guard_covers_every_plan_likely_to_fail_escalating_together() -> None:
     assert policy.escalation_guard(choice, distortion) == step
     distortion[:2, 3] = 0.47
     assert policy.escalation_guard(choice, distortion) == 2 * step
+
+
+def _mean_share(sizes: list[int], budget: float, menu: sb.Menu, steps: int = 8) -> tuple[float, list]:
+    """Mean ``StepRecord.budget_share`` after the start step of SafeBits on fresh Gaussian gradients (which every
+    quantizer of the default menu passes), and the records."""
+    gen = torch.Generator().manual_seed(4)
+    params = [(f"t{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    compressor = sb.SafeBits(params, budget_bits=budget, menu=menu)
+    for _ in range(steps):
+        for _, p in reversed(params):
+            p.grad = torch.randn(p.shape, generator=gen)
+            compressor.decompress(*compressor.compress(p.grad))
+    records = compressor.history[1:]
+    return sum(r.budget_share for r in records) / len(records), records
+
+
+PRE_LADDER_MENU = sb.make_menu(["fp32", "fp16", "bf16", "int8", "int4", "int3_mse", "int2", "ternary", "ternary_mse",
+                                "sign", "topk10", "topk1", "int2_mse", "topk5"])
+"""The default menu before the ladder of 5- to 14-bit rungs: 3 bits (int3_mse) was the most it sent below 8."""
+
+
+@pytest.mark.parametrize("budget", [4.4, 8.0])
+def test_the_budget_is_spent_even_when_one_tensor_holds_nearly_every_parameter(budget: float) -> None:
+    sizes = [500, 500, 200_000]
+    share, records = _mean_share(sizes, budget, sb.DEFAULT_MENU)
+    assert 0.85 <= share <= 1.0
+    for r in records:      # where the rest went: the reserve's floor, nothing to the guard, the menu's granularity
+        assert r.reserve_bits == pytest.approx(MIN_RESERVE * r.budget_bits_total)
+        assert r.guard_bits == 0.0
+        assert 0 < r.planned_bits_total <= r.budget_bits_total - r.reserve_bits
+        assert r.modeled_bits_total == r.planned_bits_total and not r.escalations
+    old_share, _ = _mean_share(sizes, budget, PRE_LADDER_MENU)
+    assert old_share < 0.75                       # the gap this test guards against (70% and 39% of the budget)
+
+
+@pytest.mark.parametrize("budget", [4.4, 8.0])
+def test_the_budget_is_spent_on_many_tensors(budget: float) -> None:
+    share, _ = _mean_share([1000 + 7000 * i for i in range(12)], budget, sb.DEFAULT_MENU)
+    assert 0.9 <= share <= 1.0
