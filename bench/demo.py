@@ -11,13 +11,16 @@ bits_per_param, lr_schedule), ``results/demo.md`` (per task: mean ± std over se
 closest fixed baseline at equal bytes, paired by seed) and per task ``results/demo_<task>_loss_vs_step.png`` and
 ``results/demo_<task>_loss_vs_bytes.png`` (seed 0).
 
-Default (:data:`DEFAULT_PLAN`, :data:`LARGE_PLAN`): seeds 0, 1, 2; fp32, QSGD 4/2, SafeBits at 2 and 4.4 bits and
-unscreened budgeting at 2 bits, 250 CNN and 160 LM steps, the learning rate decaying to 0 on a cosine (``--lr-schedule
-constant`` for the protocol before docs/RESULTS.md section 6.13); then fp32, QSGD 2 and SafeBits at 2 bits on the larger
-LM (120 steps, 8 windows per rank). 45 runs, to stay under 10 minutes on 2 cores (docs/RESULTS.md section 6.13).
+Default (:data:`DEFAULT_PLAN`, :data:`CONSTANT_PLAN`): seeds 0, 1, 2; on the digits CNN and the small LM fp32, QSGD
+4 and 2, and SafeBits at 2 and 4.4 bits (the closest fixed baselines in bytes), 250 CNN and 160 LM steps, the
+learning rate decaying to 0 on a cosine (``--lr-schedule constant`` for the protocol before docs/RESULTS.md section
+6.13); then the tight regime where unscreened budgeting collapses and SafeBits does not: fp32 and both on the
+quantizer menu at 1 bit, on the CNN at a constant learning rate. 39 runs, under 10 minutes on 2 cores
+(docs/RESULTS.md, "make demo"). Each run's start prints a progress line (runs done, time so far, an estimate of the
+time left).
 ``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8 (SafeBits and
-unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, the larger LM, and
-:data:`CONSTANT_PLAN` on the CNN at a constant learning rate (its own table).
+unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, the larger LM
+(:data:`LARGE_PLAN`), and :data:`CONSTANT_PLAN` on the CNN.
 Worker options given here override the defaults (``--seeds 0``); one that chooses the runs (``--plan``,
 ``--compressors``, ``--budgets``, ``--thresholds``, ``--tasks``, ``--large-plan``, ``--constant-plan``) replaces the
 default plan, the larger LM and the constant-rate runs.
@@ -41,17 +44,18 @@ FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metr
           "compression_ratio", "violations", "escalations", "infeasible", "collapsed", "wall_s", "max_distortion",
           "min_cosine", "bits_per_param", "lr_schedule"]
 
-DEFAULT_PLAN = ["fp32", "qsgd4", "qsgd2", "safebits@2", "unscreened@2", "safebits@4.4"]
-"""``make demo``'s runs on the digits CNN and the small LM: fp32, the fixed baselines nearest in bytes to SafeBits
-at 2 and 4.4 bits per parameter (about 7.2x), and the unscreened ablation at 2 bits. The rest (scaled sign,
-unscreened budgeting at 4.4, the tight 1-bit regime) is in ``--full``: the larger LM below needs the time."""
+DEFAULT_PLAN = ["fp32", "qsgd4", "qsgd2", "safebits@2", "safebits@4.4"]
+"""``make demo``'s runs on the digits CNN and the small LM: fp32 and the fixed baselines nearest in bytes to SafeBits
+at 2 and 4.4 bits per parameter (about 7.2x). Unscreened budgeting is shown where it fails, in
+:data:`CONSTANT_PLAN`; the rest is in ``--full``."""
 LARGE_PLAN = ["fp32", "qsgd2", "safebits@2"]
-"""``make demo``'s runs on the larger LM (``bytes_lm_large``, 1.2M parameters), 120 steps of 8 windows per rank."""
+"""``--full``'s runs on the larger LM (``bytes_lm_large``, 1.2M parameters), 120 steps of 8 windows per rank: the
+small LM's comparison at 2 bits on a model 12x larger."""
 LARGE_ARGS = ["--large-plan", *LARGE_PLAN, "--large-steps", "120", "--large-batch", "8"]
 CONSTANT_PLAN = ["fp32", "unscreened_quantizers@1", "safebits_quantizers@1"]
-"""``--full``'s runs on the digits CNN at a constant learning rate: the tight regime where unscreened budgeting
-collapses and SafeBits does not (docs/RESULTS.md 6.6). Under the demo's decay it degrades without collapsing
-(section 6.13), so it keeps the rate at which it was found."""
+"""The runs on the digits CNN at a constant learning rate: the tight regime where unscreened budgeting collapses
+and SafeBits does not (docs/RESULTS.md 6.6). Under the demo's decay it degrades without collapsing (section 6.13),
+so it keeps the rate at which it was found."""
 PLAN_OPTIONS = ("--plan", "--compressors", "--budgets", "--thresholds", "--tasks", "--large-plan", "--constant-plan")
 """Worker options that choose the runs: given to ``demo.py``, they replace its default plan, the larger LM and
 ``--full``'s constant-rate runs."""
@@ -70,7 +74,7 @@ def worker_arguments(full: bool, extra: list[str]) -> list[str]:
         args = ["--seeds", "0", "1", "2", "--cnn-steps", "250", "--lm-steps", "160",
                 *([] if chosen else ["--plan", *DEFAULT_PLAN])]
     if not chosen:
-        args += LARGE_ARGS + (["--constant-plan", *CONSTANT_PLAN] if full else [])
+        args += (LARGE_ARGS if full else []) + ["--constant-plan", *CONSTANT_PLAN]
     return args + extra
 
 

@@ -326,6 +326,34 @@ def parse_run(text: str) -> tuple[str, float | None, None]:
     return name, bits, None
 
 
+class Progress:
+    """Which run is going, how many are done, and the time left: each remaining run is estimated at the mean wall
+    time of the runs of its task done so far (of all runs done, before its task's first)."""
+
+    def __init__(self, tasks: list[str]) -> None:
+        self.tasks = tasks                       # the task of every run, in order
+        self.walls: list[float] = []
+
+    def done(self, wall_s: float) -> None:
+        self.walls.append(wall_s)
+
+    def seconds_left(self) -> float | None:
+        if not self.walls:
+            return None
+        overall = sum(self.walls) / len(self.walls)
+        by_task: dict[str, list[float]] = {}
+        for task, wall in zip(self.tasks, self.walls, strict=False):
+            by_task.setdefault(task, []).append(wall)
+        return sum(sum(by_task[t]) / len(by_task[t]) if t in by_task else overall
+                   for t in self.tasks[len(self.walls):])
+
+    def line(self) -> str:
+        done, total = len(self.walls), len(self.tasks)
+        left = self.seconds_left()
+        estimate = "time left unknown until the first run ends" if left is None else f"about {left:.0f} s left"
+        return f"run {done + 1}/{total} ({done} done, {sum(self.walls):.0f} s so far, {estimate})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
@@ -383,10 +411,15 @@ def main() -> None:
             print(f"[demo] {name} corpus: {len(files)} stdlib files, {sum(map(os.path.getsize, files))} bytes, "
                   f"{os.path.basename(files[0])} .. {os.path.basename(files[-1])}", flush=True)
     run_id = 0
+    progress = Progress([task.name for task, task_plan in jobs for _ in args.seeds for _ in task_plan])
     for task, task_plan in jobs:
         for seed in args.seeds:
             for compressor, budget, thresholds in task_plan:
+                if rank0:
+                    print(f"[demo] {progress.line()}: {task.name} seed={seed} "
+                          f"{compressor}{'' if budget is None else f'@{budget:g}'}", flush=True)
                 result = run_one(task, compressor, budget, seed, run_id, thresholds)
+                progress.done(result["wall_s"])
                 run_id += 1
                 runs.append(result)
                 if rank0:

@@ -193,15 +193,27 @@ def test_runs_at_a_constant_rate_get_their_own_table() -> None:
     assert stats.section({"task": "t"}) == "t"               # records from before the schedule was recorded
 
 
-def test_full_adds_the_constant_rate_regime_unless_the_runs_are_chosen() -> None:
+def test_the_demo_shows_the_constant_rate_regime_unless_the_runs_are_chosen() -> None:
     demo = _load("demo")
-    full = demo.worker_arguments(True, [])
-    assert full[full.index("--constant-plan") + 1:][:len(demo.CONSTANT_PLAN)] == demo.CONSTANT_PLAN
-    assert "--constant-plan" not in demo.worker_arguments(False, [])
+    for full in (True, False):
+        args = demo.worker_arguments(full, [])
+        assert args[args.index("--constant-plan") + 1:][:len(demo.CONSTANT_PLAN)] == demo.CONSTANT_PLAN
+        assert ("--large-plan" in args) == full                     # the larger LM only in --full
     chosen = demo.worker_arguments(True, ["--plan", "fp32"])
     assert "--constant-plan" not in chosen and "--large-plan" not in chosen and chosen[-2:] == ["--plan", "fp32"]
     for name, bits, _ in map(_load("demo_worker").parse_run, demo.CONSTANT_PLAN):    # every name is runnable
         assert name in ("fp32", "unscreened_quantizers", "safebits_quantizers") and bits in (None, 1.0)
+
+
+def test_the_progress_line_counts_runs_and_estimates_the_time_left_per_task() -> None:
+    progress = _load("demo_worker").Progress(["cnn", "cnn", "lm", "lm"])
+    assert progress.line().startswith("run 1/4 (0 done, 0 s so far, time left unknown")
+    progress.done(2.0)
+    assert progress.seconds_left() == 6.0                     # 1 cnn at 2 s, 2 lm at the overall mean (2 s)
+    progress.done(4.0)
+    progress.done(10.0)
+    assert progress.seconds_left() == 10.0                    # the last lm at the lm mean
+    assert progress.line() == "run 4/4 (3 done, 16 s so far, about 10 s left)"
 
 
 def test_the_worker_refuses_constant_rate_runs_in_a_constant_rate_launch() -> None:
