@@ -152,6 +152,29 @@ def test_an_allgather_step_reads_back_at_most_twice_per_group_and_once_more() ->
         assert host.reads() - before <= 2 * groups + 1, (step, host.reads() - before, groups)
 
 
+def test_members_that_escalate_together_cost_one_read_back_per_round_not_per_member() -> None:
+    """Every tensor's gradient gets one huge element in a bucket the screen's one-bucket sample mostly misses: the
+    sampled estimate passes, the exact statistics of what was sent fail, and the group re-encodes its failures in
+    batched rounds, one read back each (at most one round per rung of the menu), where a per-member loop would read
+    back once per escalating tensor and round."""
+    sizes = (4096,) * 200
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    compressor = sb.SafeBits(params, budget_bits=2.0, collective="allgather", sample_buckets=1)
+    groups = len(collectives.fusion_groups(np.array(sizes)))
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        for i, (_, p) in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=gen)
+            if step == 5:
+                p.grad[(i * 517) % 4096] = 1e3
+        before = host.reads()
+        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+        for _, ctx in pending:
+            compressor.decompress(torch.ones(1), ctx)
+    assert len(compressor.last_step.escalations) == len(sizes)
+    assert host.reads() - before <= 2 * groups + 1 + groups * len(sb.DEFAULT_MENU) < 2 * len(sizes)
+
+
 def test_stream_keys_are_stream_key_of_each_tensor() -> None:
     """The batched step's keys (one NumPy pass per group) are the per-tensor path's keys, wrap-around included."""
     from safebits_hvd import rng
