@@ -39,9 +39,10 @@ import torch
 from . import checkpoint, collectives, kernels
 from .actions import Menu
 from .allocator import Allocation
+from .clock import StepClock
 from .collectives import AllgatherPath, CollectivePath, DensePath
 from .errors import SafeBitsConsistencyError
-from .exchange import StatisticsExchange, allocation_digest, digest_words
+from .exchange import StatisticsExchange, allocation_digest, digest_words, waited_seconds
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .schedules import budget_at
@@ -160,6 +161,10 @@ class SafeBitsCore:
         self._pending: tuple[int, Any, float, int, str] | None = None
         self._pending_sent = self._taken = 0
         self.allocation_seconds = 0.0                  # wall time of the last allocation (overhead telemetry)
+        # A step whose budget fits every tensor uncompressed on the dense path passes the gradients through: no
+        # screen, no packing (and the next allocation, with no statistics from it, uses the start policy).
+        self.pass_through = False
+        self.clock = StepClock()                       # this rank's telemetry (clock.py), exchanged a step later
 
         # -- records
         self.log = StepLog(names, self.menu.names, self.total_elements, max_history,
@@ -173,6 +178,7 @@ class SafeBitsCore:
         ``grad``'s storage, whose values are consumed here). On the allgather path the send pass writes this
         rank's dequantized values into it, so that the sum over ranks starts from them instead of decoding this
         rank's own payload again."""
+        start = time.perf_counter()
         if self.in_step and not self.unsent[index]:
             # A tensor came twice: the previous step never sent some registered tensors.
             missing = [self.names[i] for i in np.flatnonzero(self.unsent)]
@@ -201,6 +207,7 @@ class SafeBitsCore:
         if path.batched and group is not None:
             self.allgather.send_group(group)
         sent = Sent(wire, self.step, path.name)
+        self.clock.sent(start, time.perf_counter())
         if not self._unsent_count:
             self._close()
         return sent
@@ -223,7 +230,10 @@ class SafeBitsCore:
         """The sum over ranks of what every rank sent of tensor ``index`` at ``step`` on a packed path, decoded in
         rank order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a mean), as a
         flat float32 tensor (``out`` if given: written over). Waits for the collective."""
-        return self.paths[collective].reduced_sum(index, step, out, divisor)
+        start, waited = time.perf_counter(), waited_seconds()
+        total = self.paths[collective].reduced_sum(index, step, out, divisor)
+        self.clock.received(start, time.perf_counter(), waited_seconds() - waited)
+        return total
 
     @property
     def allocation_digest(self) -> str:
@@ -253,6 +263,8 @@ class SafeBitsCore:
         decode while later ones are still in flight."""
         if self._pending is None or self._pending[0] != step:
             return
+        now = time.perf_counter()
+        self.clock.received(now, now, 0.0)          # on the dense path, the first reduced tensor back
         self._taken += 1
         if self._taken >= self._pending_sent:
             self._finish()
@@ -269,8 +281,6 @@ class SafeBitsCore:
         start = time.perf_counter()
         self._allocation = self.policy.allocate(bits_per_parameter, self._budget_bits_total,
                                                 self.previous_screened, self.previous_v2)
-        self.allocation_seconds = time.perf_counter() - start
-        self._digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
         if self.transport is None:
             factory = self._transport_or_factory
             assert callable(factory)
@@ -280,13 +290,19 @@ class SafeBitsCore:
         self.path = self.paths[collectives.choose(self.collective_setting,
                                                   self._allocation.cost_bits / max(1, self.total_elements),
                                                   self.transport.size)]
+        self.pass_through = (self.policy.allocates_from_statistics and not self.path.packed
+                             and self._budget_bits_total >= self.policy.lossless_bits)
+        if self.pass_through:
+            self._allocation = self.policy.lossless_allocation(self._budget_bits_total)
+        self.allocation_seconds = time.perf_counter() - start
+        self._digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
         for path in self.paths.values():      # each drops what is left of the last step
             path.begin(self.step, self.transport)
         self.unsent[:] = True
         self._unsent_count = len(self.names)
         self._fields = self._views[self.step % 2]
         self.layout.reset(self._fields, self.policy.lossless, digest_words(self._digest))
-        self.sender.begin(self.step, self.seed, self._allocation, self._fields, self.path)
+        self.sender.begin(self.step, self.seed, self._allocation, self._fields, self.path, self.pass_through)
         self.in_step = True
 
     # ------------------------------------------------------------------ 4. close
@@ -300,9 +316,11 @@ class SafeBitsCore:
         if self.path.batched:
             self.allgather.flush()
         self.path.close(self.step, self._allocation.choice, self.seed)
+        self.clock.closed()
         vector = self._vectors[self.step % 2]
+        self._fields.timing[:] = self.clock.last         # the previous step's telemetry, complete by now
         self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total, self.path.wire_bytes,
-                         self.path.name)
+                         self.path.name, self.clock.last_step, self.pass_through)
         self._pending_sent, self._taken = int((~self.unsent).sum()), 0
         self.in_step = False
         self.step += 1
@@ -312,7 +330,7 @@ class SafeBitsCore:
     # ------------------------------------------------------------------ 5. finish
     def _finish(self) -> None:
         assert self._pending is not None and self.exchange is not None and self._allocation is not None
-        step, handle, budget_total, wire_bytes, collective = self._pending
+        step, handle, budget_total, wire_bytes, collective, timing_step, pass_through = self._pending
         if self.two_phase.pending_step == step:
             self.two_phase.finish()                    # before the record: it counts the second hop's bytes
         if self.two_phase.second_hop_bytes[0] == step:
@@ -320,9 +338,13 @@ class SafeBitsCore:
         self._pending = None
         self.exchange.wait(handle)                     # the step's own vector now holds the MAX over ranks
         reduced = self._views[step % 2]
+        self.clock.finished(step, wire_bytes)
         arrays, self.previous_screened, self.previous_v2 = self.policy.take_reduced(
             reduced, self._allocation, step=step, budget_bits_total=budget_total, allocation_digest=self._digest,
-            wire_bytes=wire_bytes, collective=collective)
+            wire_bytes=wire_bytes, collective=collective, timing=reduced.timing.copy(),
+            timing_step=timing_step if reduced.timing.max() >= 0 else -1, pass_through=pass_through)
+        if pass_through:             # it measured nothing: the next allocation starts afresh (the start policy)
+            self.previous_screened = self.previous_v2 = None
         self.log.add(arrays, self.exchange.rank)
         observe = getattr(self.schedule, "observe", None)
         if observe is not None:
@@ -341,6 +363,7 @@ class SafeBitsCore:
         self.unsent[:] = True
         self._unsent_count = len(self.names)
         self._pending = None
+        self.clock.abort()
         for path in self.paths.values():
             path.abort()
 

@@ -46,13 +46,31 @@ DEFAULT_TIMEOUT = 600.0
 """Seconds a rank waits for a SafeBits collective before :class:`SafeBitsTimeoutError` (``SafeBits(timeout=)``)."""
 
 
+_waited_seconds = 0.0
+
+
+def waited_seconds() -> float:
+    """Seconds this process has spent in :func:`wait_bounded` so far: waiting for SafeBits' collectives (the step
+    clock, :class:`~.clock.StepClock`, reads it before and after)."""
+    return _waited_seconds
+
+
 def wait_bounded(done: Any, timeout: float | None, what: str) -> None:
     """Return once ``done()`` is true; raise :class:`SafeBitsTimeoutError` naming ``what`` after ``timeout`` seconds
     (None: no limit). Yields the core between polls: a spinning wait starves Horovod's background thread and the
-    other ranks where ranks share cores (docs/RESULTS.md, section 3.4)."""
+    other ranks where ranks share cores (docs/RESULTS.md, section 3.4). The time spent is added to
+    :func:`waited_seconds`."""
+    global _waited_seconds
     if done():
         return
     start = time.perf_counter()
+    try:
+        _wait(done, timeout, what, start)
+    finally:
+        _waited_seconds += time.perf_counter() - start
+
+
+def _wait(done: Any, timeout: float | None, what: str, start: float) -> None:
     pause = 0.0
     while not done():
         waited = time.perf_counter() - start

@@ -113,6 +113,17 @@ class BudgetPolicy:
         self._lossless_bits = int(self.costs[:, self.lossless_index].sum())
         self._errors = np.empty((tensors, actions))   # reused every step: a fresh array faults its pages in
 
+    @property
+    def lossless_bits(self) -> int:
+        """Modeled bits of every tensor sent lossless: a budget this large needs no compression."""
+        return self._lossless_bits
+
+    def lossless_allocation(self, budget_bits_total: float) -> Allocation:
+        """Every tensor at the lossless action (a pass-through step)."""
+        choice = np.full(len(self.numels), self.lossless_index, dtype=np.int64)
+        return Allocation(choice, self._lossless_bits, 0.0, budget_bits_total, self._lossless_bits,
+                          self._lossless_bits <= budget_bits_total)
+
     # ------------------------------------------------------------------ allocation
     def allocate(self, bits_per_parameter: float, budget_bits_total: float,
                  screened: np.ndarray | None, v2: np.ndarray | None) -> Allocation:

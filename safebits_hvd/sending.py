@@ -109,9 +109,12 @@ class Sender:
         self.allocation: Allocation | None = None
         self.fields: StepStatistics | None = None
         self.path: Any = None
+        self.pass_through = False
 
-    def begin(self, step: int, seed: int, allocation: Allocation, fields: StepStatistics, path: Any) -> None:
+    def begin(self, step: int, seed: int, allocation: Allocation, fields: StepStatistics, path: Any,
+              pass_through: bool = False) -> None:
         self.step, self.seed, self.allocation, self.fields, self.path = step, seed, allocation, fields, path
+        self.pass_through = pass_through
 
     # ------------------------------------------------------------------ one tensor
     def send(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> Any:
@@ -122,6 +125,8 @@ class Sender:
         e = self.residual(index, n, g.device)
         allocated = int(self.allocation.choice[index])
         action = self.menu[allocated]
+        if self.pass_through:
+            return self.pass_on(index, g, own)
         if not self.error_feedback and not path.packed and action.kind in (ActionKind.FLOAT32, ActionKind.FLOAT16):
             # Horovod's NoneCompressor and FP16Compressor (the fp32 and fp16 baselines): no memory, at most a cast
             # on the wire, nothing measured (the fp16 cast's distortion is recorded as NaN).
@@ -147,6 +152,26 @@ class Sender:
         else:
             ok = np.ones(len(self.menu), dtype=bool)
         return self.send_in_order(index, policy.send_order(index, allocated, ok), g, e, key, own)
+
+    def pass_on(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
+        """A pass-through step (the budget fits every tensor uncompressed, on the dense path): the gradient as it
+        is, as ``Compression.none`` sends it, with no screen and no pass over it; a residual left from earlier
+        steps is added once and dropped (lossless: nothing is lost, only sent late). The NaN/Inf check runs only
+        where ``nonfinite`` asks for more than passing them on."""
+        fields = self.fields
+        assert fields is not None
+        if self.nonfinite != "propagate" and g.numel():
+            host.count()
+            if not bool(torch.isfinite(g).all()):
+                return self.send_nonfinite(index, g, own)
+        fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
+        fields.sent_distortion[index] = 0.0
+        fields.neg_sent_cosine[index] = -1.0
+        e = self.memory.pop(self.names[index]) if self.error_feedback else None
+        if e is None:
+            return g
+        out = own if own is not None else torch.empty_like(g)
+        return torch.add(g, e.to(g.device), out=out)
 
     def send_in_order(self, index: int, order: list[int], g: torch.Tensor | None, e: torch.Tensor, key: int,
                       own: torch.Tensor | None) -> Any:

@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .clock import TIMING_FIELDS
+
 DIGEST_WORDS = 4
 """The 64-bit allocation digest as four 16-bit words: exact in float64, and MAX-reducible."""
 
@@ -41,6 +43,8 @@ FIELDS: dict[str, Field] = {
     "nonfinite": Field(PER_TENSOR, 0.0, "1 if the gradient held NaN or Inf (sent unquantized, or zeros with 'skip')"),
     "digest": Field(lambda t, a: (DIGEST_WORDS,), None, "the allocation digest, four 16-bit words"),
     "neg_digest": Field(lambda t, a: (DIGEST_WORDS,), None, "the same words negated: MAX(-x) = -MIN(x)"),
+    "timing": Field(lambda t, a: (len(TIMING_FIELDS),), None,
+                    "this rank's telemetry of the previous step (clock.TIMING_FIELDS; -1 where unknown)"),
 }
 
 
@@ -56,6 +60,7 @@ class StepStatistics(NamedTuple):
     nonfinite: np.ndarray
     digest: np.ndarray
     neg_digest: np.ndarray
+    timing: np.ndarray
 
 
 assert tuple(FIELDS) == StepStatistics._fields, "FIELDS and StepStatistics must list the same fields in order"

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .clock import timing_record
+
 logger = logging.getLogger("safebits_hvd")
 
 
@@ -53,6 +55,12 @@ class StepRecord:
         guard_bits: bits the escalation guard kept out of the plan beyond the reserve. The rest of the budget the
             plan leaves, ``budget_bits_total - reserve_bits - guard_bits - planned_bits_total``, is what the menu's
             costs could not fill.
+        timing: what SafeBits measured of step ``timing_step`` (the previous one, whose receive side ends after
+            this step's exchange starts), MAX over ranks: ``backward_s``, ``send_s``, ``receive_s``, ``exposed_s``,
+            ``link_s``, ``wire_bytes``, ``span_s`` (:mod:`.clock`; NaN where unknown, empty at step 0).
+        timing_step: the step ``timing`` describes (-1: none).
+        pass_through: the step sent every gradient as it is (its budget fit them all uncompressed: no screen, no
+            packing, as ``Compression.none``; a residual left from earlier steps was added once).
 
     ``used_bits_total`` and ``compression_ratio`` are deprecated aliases of the ``modeled_`` fields, ``skipped`` of
     ``nonfinite`` (one release).
@@ -77,6 +85,9 @@ class StepRecord:
     planned_bits_total: int = 0
     reserve_bits: float = 0.0
     guard_bits: float = 0.0
+    timing: dict[str, float] = field(default_factory=dict)
+    timing_step: int = -1
+    pass_through: bool = False
 
     @property
     def budget_share(self) -> float:
@@ -160,6 +171,9 @@ class StepArrays(NamedTuple):
     planned_bits_total: int
     reserve_bits: float
     guard_bits: float
+    timing: np.ndarray          # the reduced telemetry of step timing_step (clock.TIMING_FIELDS)
+    timing_step: int
+    pass_through: bool
     sent: np.ndarray            # menu index of the action sent (the costliest over ranks), -1 if nothing
     allocated: np.ndarray       # menu index the allocation chose
     distortion: np.ndarray      # of what was sent, max over ranks
@@ -247,7 +261,9 @@ class StepLog:
             nonfinite=self._name_array[arrays.nonfinite].tolist(),
             infeasible=arrays.infeasible, wire_bytes=arrays.wire_bytes, collective=arrays.collective,
             planned_bits_total=arrays.planned_bits_total, reserve_bits=arrays.reserve_bits,
-            guard_bits=arrays.guard_bits)
+            guard_bits=arrays.guard_bits,
+            timing=timing_record(arrays.timing) if arrays.timing_step >= 0 else {},
+            timing_step=arrays.timing_step, pass_through=arrays.pass_through)
 
     @property
     def last(self) -> StepRecord | None:

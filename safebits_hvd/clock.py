@@ -1,0 +1,97 @@
+"""The step clock: what SafeBits measures of each step on each rank (issue 30; docs/DESIGN.md, "Telemetry").
+
+The core marks the points of a step it sees: each :meth:`~.core.SafeBitsCore.send` (a gradient handed over, and
+how long SafeBits took with it), the close (the last gradient of the step sent), each reduced tensor handed back
+(how long that took, and how much of it was spent waiting for a collective), and the end (the statistics exchange
+finished). Waiting is read from :func:`.exchange.waited_seconds`, which every bounded wait for a SafeBits
+collective (payloads, the exchange, DDP's bucket all_reduce) adds to. From those marks, per step:
+
+==================  ==============================================================================================
+``backward_s``      first to last gradient handed to SafeBits (the backward span, SafeBits' sends included)
+``send_s``          time spent inside SafeBits' send calls (screen, packing, starting collectives)
+``receive_s``       time spent inside SafeBits' receive calls, less the waiting in them (decoding, summing)
+``exposed_s``       time the step waited for collectives after backward: from the close to the first reduced
+                    tensor asked for (the front end's own allreduce, on the dense path), plus every wait after the
+                    close (payload collectives, the statistics exchange)
+``link_s``          the span the step's collectives were in flight: first gradient to the end of the last wait in
+                    a receive call, or to the first reduced tensor asked for if none waited
+``wire_bytes``      bytes this rank handed to the collectives (``StepRecord.wire_bytes``)
+``span_s``          first gradient to the end of the step (the part of the step SafeBits' choice can change)
+==================  ==============================================================================================
+
+A step's figures are complete only once its last reduced tensor is taken, after its own statistics exchange has
+started, so they travel in the next step's exchange (MAX over ranks: the slowest rank's) and appear in the next
+step's record (``StepRecord.timing``, for ``StepRecord.timing_step``). Unknown figures are -1 in the vector (so that a
+MAX over ranks keeps a known one) and NaN in the record.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .exchange import waited_seconds
+
+TIMING_FIELDS = ("backward_s", "send_s", "receive_s", "exposed_s", "link_s", "wire_bytes", "span_s")
+"""The figures of one step, in the order of the exchanged vector's ``timing`` field."""
+
+UNKNOWN = -1.0
+
+
+class StepClock:
+    """One rank's marks of the step in progress, and the figures of the last finished step (:attr:`last`)."""
+
+    def __init__(self) -> None:
+        self.last = np.full(len(TIMING_FIELDS), UNKNOWN)   # the last finished step's figures (UNKNOWN: none yet)
+        self.last_step = -1
+        self._reset()
+
+    def _reset(self) -> None:
+        self._first_send = self._close = self._first_receive = -1.0
+        self._send = self._receive = self._waited_after_close = 0.0
+        self._waited_at_close = 0.0
+        self._last_wait_end = -1.0
+
+    def sent(self, start: float, end: float) -> None:
+        """A gradient handed over at ``start``; SafeBits returned at ``end``."""
+        if self._first_send < 0:
+            self._first_send = start
+        self._send += end - start
+
+    def closed(self) -> None:
+        """The step's last gradient was sent."""
+        self._close = time.perf_counter()
+        self._waited_at_close = waited_seconds()
+
+    def received(self, start: float, end: float, waited: float) -> None:
+        """A reduced tensor was asked for at ``start`` and handed back at ``end``, ``waited`` of it waiting."""
+        if self._first_receive < 0:
+            self._first_receive = start
+        self._receive += end - start - waited
+        if waited > 0:
+            self._last_wait_end = end
+
+    def finished(self, step: int, wire_bytes: int) -> None:
+        """The step's exchange is done: its figures become :attr:`last`."""
+        now = time.perf_counter()
+        if self._first_send < 0 or self._close < 0:        # nothing sent on this rank (or a restored state)
+            self._reset()
+            return
+        first_receive = self._first_receive if self._first_receive >= 0 else now
+        waited = waited_seconds() - self._waited_at_close
+        self.last = np.array([self._close - self._first_send, self._send, max(0.0, self._receive),
+                              max(0.0, first_receive - self._close) + waited,
+                              max(self._last_wait_end, first_receive) - self._first_send,
+                              float(wire_bytes), now - self._first_send])
+        self.last_step = step
+        self._reset()
+
+    def abort(self) -> None:
+        """The step in progress was dropped (a failed collective)."""
+        self._reset()
+
+
+def timing_record(values: np.ndarray) -> dict[str, float]:
+    """The reduced ``timing`` field as a record's dict (unknown figures NaN)."""
+    return {name: (float(v) if v >= 0 else float("nan")) for name, v in zip(TIMING_FIELDS, values, strict=True)}
