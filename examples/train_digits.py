@@ -1,6 +1,6 @@
 """The smallest complete example of SafeBits with Horovod: an MLP on scikit-learn's bundled digits.
 
-    horovodrun -np 2 python examples/train_digits.py [--epochs 5] [--budget-bits 4.0]
+    horovodrun -np 2 python examples/train_digits.py [--epochs 5] [--budget-bits 4.0|auto]
 
 Every rank trains on its own shard of the training set; ``SafeBits`` is the ``compression=`` of Horovod's stock
 ``hvd.DistributedOptimizer``. Rank 0 prints, per epoch, the training loss (averaged over ranks), the test accuracy
@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--budget-bits", type=float, default=4.0, help="average bits per parameter per step")
+    parser.add_argument("--budget-bits", type=lambda x: x if x == "auto" else float(x), default=4.0,
+                        help="average bits per parameter per step, or 'auto'")
     args = parser.parse_args()
 
     hvd.init()

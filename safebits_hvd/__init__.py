@@ -21,11 +21,11 @@ from .actions import ACTIONS, BF16, DEFAULT_MENU, FP16, FP32, Action, ActionKind
 from .compressor import SafeBits
 from .elastic import register as _register_elastic_handler
 from .errors import SafeBitsConsistencyError, SafeBitsError, SafeBitsNonFiniteError, SafeBitsTimeoutError
-from .schedules import BandwidthAware, Constant, ConvergenceRamp, SNRAware
+from .schedules import Auto, BandwidthAware, Constant, ConvergenceRamp, SNRAware
 from .telemetry import StepRecord
 
 __all__ = [
-    "ACTIONS", "BF16", "DEFAULT_MENU", "FP16", "FP32", "Action", "ActionKind", "BandwidthAware", "Constant",
+    "ACTIONS", "BF16", "DEFAULT_MENU", "FP16", "FP32", "Action", "ActionKind", "Auto", "BandwidthAware", "Constant",
     "ConvergenceRamp", "Menu", "SNRAware", "SafeBits", "SafeBitsConsistencyError", "SafeBitsError",
     "SafeBitsNonFiniteError", "SafeBitsTimeoutError", "StepRecord", "make_menu",
 ]

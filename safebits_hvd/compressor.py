@@ -195,7 +195,9 @@ class SafeBits(CoreCompressor):
             For ``hvd.DistributedOptimizer(opt)`` without ``named_parameters``, pass ``opt`` (or
             ``model.parameters()``): parameters are then named as Horovod names them.
         budget_bits: average bits per parameter per step (32 = no compression; 4.4 is about 7.2x), or a schedule,
-            any callable ``step -> bits`` (see :mod:`safebits_hvd.schedules`). Default 4.0.
+            any callable ``step -> bits`` (see :mod:`safebits_hvd.schedules`), or ``"auto"``
+            (:class:`~safebits_hvd.schedules.Auto`: the budget, or no compression, that makes the step fastest,
+            from the telemetry SafeBits measures). Default 4.0.
         max_distortion: ``d_bar`` in (0, 1]. Default 0.5.
         min_cosine: ``c_min`` in [-1, 1]. Default 0.7. Why these defaults (docs/RESULTS.md sections 6.5 and
             6.11): ``max_distortion=0.5`` is the contraction error feedback needs. For an action whose scale
@@ -247,7 +249,7 @@ class SafeBits(CoreCompressor):
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | Iterable[torch.Tensor] | Any,
-                 budget_bits: float | Callable[[int], float] = 4.0, max_distortion: float = 0.5,
+                 budget_bits: float | str | Callable[[int], float] = 4.0, max_distortion: float = 0.5,
                  min_cosine: float = 0.7, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
                  log_path: str | os.PathLike[str] | None = None, *, sample_buckets: int = 16,
                  consistency_check_every: int = 1, nonfinite: str = "propagate", screen: bool = True,

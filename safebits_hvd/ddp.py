@@ -76,7 +76,7 @@ class SafeBitsState(CoreRecords):
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | Any,
-                 budget_bits: float | Callable[[int], float] = 4.0, max_distortion: float = 0.5,
+                 budget_bits: float | str | Callable[[int], float] = 4.0, max_distortion: float = 0.5,
                  min_cosine: float = 0.7, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
                  log_path: str | os.PathLike[str] | None = None, *, process_group: Any = None,
                  sample_buckets: int = 16, consistency_check_every: int = 1, nonfinite: str = "propagate",

@@ -18,7 +18,7 @@ from .core import SafeBitsCore
 from .exchange import StatisticsExchange
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
-from .schedules import as_schedule
+from .schedules import Constant, as_schedule
 from .telemetry import StepRecord
 from .transports import PayloadTransport
 
@@ -97,7 +97,7 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
     that make them when the first step needs them; ``fusion_elements``: see :class:`~.core.SafeBitsCore`."""
     names, params = registered_parameters(named_parameters)
     schedule = as_schedule(budget_bits)
-    if not callable(budget_bits):
+    if isinstance(schedule, Constant):
         schedule(0)    # a constant is checked now
     max_distortion = check_number("max_distortion", max_distortion, 0.0, 1.0, low_open=True)
     min_cosine = check_number("min_cosine", min_cosine, -1.0, 1.0)

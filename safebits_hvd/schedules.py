@@ -124,13 +124,177 @@ class SNRAware:
         self.mean_cosine = state["mean_cosine"]
 
 
-def as_schedule(budget_bits: float | Callable[[int], float]) -> Callable[[int], float]:
-    """A number becomes :class:`Constant`; a callable is used as it is (its values are checked when read)."""
+PASS_THROUGH_BITS = 32.0
+"""Bits per parameter at which a step needs no compression: every tensor fits uncompressed, and on the dense path
+the core passes the gradients through (no screen, no packing: ``StepRecord.pass_through``)."""
+
+AUTO_CANDIDATES = (2.0, 3.0, 4.4, 6.0, 8.0, 16.0, PASS_THROUGH_BITS)
+"""The budgets :class:`Auto` chooses among (those within its bounds), bits per parameter; 32 is no compression."""
+
+
+class Auto:
+    """``budget_bits="auto"``: each step's bits per parameter, no compression included, chosen from the telemetry
+    SafeBits measures itself (``StepRecord.timing``, docs/DESIGN.md, "budget_bits='auto'").
+
+    Reads, through :meth:`observe`, each record's telemetry of the step before it: the span from its first gradient
+    to its end (``span_s``, the part of a step the choice can change), its backward span, SafeBits' own send and
+    receive time, the bytes it moved and how long its collectives were in flight. Then, per candidate budget
+    (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
+
+    1. **Measure**: a candidate's estimate is the least of its last three measured spans.
+    2. **Predict** one never measured (or measured before the link changed) from the others: ``max(backward +
+       send(b), bytes(b) / rate) + receive(b)``, with the link rate from the steps whose communication was exposed,
+       bytes and SafeBits' own time scaled from the nearest measured budget (none: SafeBits' time 0).
+    3. **Probe** candidates without a measurement: those the model cannot predict yet, the costliest first, then
+       the one predicted fastest, unless its prediction is above ``1 + prune`` times the best estimate; and every
+       ``probe_every`` steps the one measured longest ago.
+    4. **Choose**, among the candidates within ``tolerance`` of the fastest estimate, the most bits: more bits are
+       never worse for quality.
+    5. **Follow the link**: when the chosen budget's new span differs from its estimate by more than ``change``
+       (relative), every other estimate is dropped; and an estimate measured at another link rate is dropped when
+       the model says the new rate moves it by more than ``change``. Dropped ones are probed again (3).
+
+    Every rank sees the same reduced records, so every rank chooses alike; the choice enters the allocation digest
+    like any budget. Its state is checkpointed (:meth:`state_dict`)."""
+
+    def __init__(self, min_bits: float = 2.0, max_bits: float = PASS_THROUGH_BITS, tolerance: float = 0.03,
+                 probe_every: int = 50, change: float = 0.25, prune: float = 0.5) -> None:
+        self.min_bits, self.max_bits = _positive("min_bits", min_bits), _positive("max_bits", max_bits)
+        if self.min_bits > self.max_bits:
+            raise ValueError(f"min_bits ({min_bits}) must be <= max_bits ({max_bits})")
+        if self.max_bits > PASS_THROUGH_BITS:
+            raise ValueError(f"max_bits must be <= {PASS_THROUGH_BITS:g} (no compression), got {max_bits}")
+        if not 0 <= tolerance < 1 or not change > 0 or not prune > 0:
+            raise ValueError("tolerance must be in [0, 1), change and prune > 0")
+        if not isinstance(probe_every, int) or probe_every < 1:
+            raise ValueError(f"probe_every must be an int >= 1, got {probe_every!r}")
+        candidates = [b for b in AUTO_CANDIDATES if self.min_bits <= b <= self.max_bits]
+        self.candidates = sorted({self.min_bits, self.max_bits, *candidates})
+        self.tolerance, self.probe_every, self.change, self.prune = tolerance, probe_every, change, prune
+        # Learned (checkpointed): per candidate, its last measured spans (oldest first) and the step of the last;
+        # per step, the budget chosen (kept for the steps whose telemetry has not arrived yet).
+        self.spans: dict[float, list[float]] = {b: [] for b in self.candidates}
+        self.measured_at: dict[float, int] = {}
+        self.figures: dict[float, dict[str, float]] = {}      # the last telemetry of each candidate
+        self.rate = 0.0                                         # link bytes per second, from exposed steps
+        self.rate_at: dict[float, float] = {}                   # the rate when each candidate was last measured
+        self.chosen: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ 1 and 5: measure, follow the link
+    def observe(self, record: StepRecord) -> None:
+        step, timing = record.timing_step, record.timing
+        bits = self.chosen.pop(step, None)
+        for old in [s for s in self.chosen if s < step]:
+            del self.chosen[old]
+        span = timing.get("span_s", math.nan)
+        if bits is None or not math.isfinite(span):
+            return
+        if timing["link_s"] > 0 and timing["wire_bytes"] > 0:
+            measured = timing["wire_bytes"] / timing["link_s"]
+            # Exposed communication measures the link; hidden, it only says the link is at least this fast.
+            self.rate = measured if timing["exposed_s"] > 0.1 * span else max(self.rate, measured)
+        history = self.spans[bits]
+        estimate = min(history[-3:]) if history else None
+        if estimate is not None and abs(span - estimate) > self.change * estimate:
+            # The link (or the load) changed: what was measured before no longer holds.
+            self.spans = {b: [] for b in self.candidates}
+        self.spans[bits] = (self.spans[bits] + [span])[-3:]
+        self.measured_at[bits] = step
+        self.figures[bits] = dict(timing)
+        self.rate_at[bits] = self.rate
+
+    def estimate(self, bits: float) -> float | None:
+        """The candidate's measured span (the least of its last three), None if it has none."""
+        history = self.spans[bits]
+        return min(history) if history else None
+
+    # ------------------------------------------------------------------ 2. predict
+    def predict(self, bits: float, rate: float | None = None) -> float | None:
+        """The span predicted for ``bits`` from the telemetry of the nearest measured candidate of the same kind
+        (compressed, or not): ``max(backward + send, bytes / rate) + receive``, the bytes scaled by the ratio of
+        the budgets, SafeBits' own time taken as it was (0 without compression). None when nothing fits: no link
+        rate measured yet, or a compressed budget and no compressed one measured (its own time is unknown).
+        ``rate``: the link's bytes per second (default: the current estimate)."""
+        rate = self.rate if rate is None else rate
+        compressed = bits < PASS_THROUGH_BITS
+        measured = [b for b in self.candidates if b in self.figures and (b < PASS_THROUGH_BITS) == compressed]
+        if not measured or rate <= 0:
+            fallback = [b for b in self.candidates if b in self.figures]
+            if compressed or not fallback or rate <= 0:
+                return None
+            measured = fallback
+        near = min(measured, key=lambda b: (abs(math.log(b / bits)), -b))
+        f = self.figures[near]
+        send = f["send_s"] if compressed else 0.0
+        receive = f["receive_s"] if compressed else 0.0
+        backward = f["backward_s"] - f["send_s"]                   # backward's own compute, without SafeBits
+        return max(backward + send, f["wire_bytes"] * bits / near / rate) + receive
+
+    # ------------------------------------------------------------------ 3 and 4: probe, choose
+    def __call__(self, step: int) -> float:
+        bits = self._choose(step)
+        self.chosen[step] = bits
+        return bits
+
+    def _choose(self, step: int) -> float:
+        for bits in self.candidates:
+            # A measurement made at another link rate: if the model says the rate changes its span by more than
+            # ``change``, it no longer holds and is probed again.
+            then = self.predict(bits, self.rate_at.get(bits, 0.0)) if self.spans[bits] else None
+            now = self.predict(bits)
+            if then is not None and now is not None and abs(now - then) > self.change * then:
+                self.spans[bits] = []
+        known = {b: e for b in self.candidates if (e := self.estimate(b)) is not None}
+        pending = set(self.chosen.values())                      # chosen, telemetry not arrived yet
+        best = min(known.values()) if known else None
+        # Probe the unmeasured candidates: those the model cannot predict, the costliest first, then the one
+        # predicted fastest, unless even that is predicted above (1 + prune) times the best measured.
+        unmeasured = [(self.predict(b), b) for b in self.candidates if b not in known and b not in pending]
+        unpredicted = [b for p, b in unmeasured if p is None]
+        if unpredicted:
+            return max(unpredicted)
+        if unmeasured:
+            predicted, bits = min(unmeasured, key=lambda pb: (pb[0], -pb[1]))
+            if best is None or predicted <= (1 + self.prune) * best:
+                return bits
+        if not known:
+            return max(pending) if pending else self.candidates[-1]
+        if step % self.probe_every == 0:                          # now and then, the one measured longest ago
+            stalest = min(known, key=lambda b: self.measured_at.get(b, -1))
+            predicted = self.predict(stalest)
+            if predicted is None or predicted <= (1 + self.prune) * best:
+                return stalest
+        return max(b for b, e in known.items() if e <= (1 + self.tolerance) * best)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"spans": {str(b): list(v) for b, v in self.spans.items()},
+                "measured_at": {str(b): s for b, s in self.measured_at.items()},
+                "figures": {str(b): dict(f) for b, f in self.figures.items()},
+                "rate": self.rate, "rate_at": {str(b): r for b, r in self.rate_at.items()},
+                "chosen": {str(s): b for s, b in self.chosen.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.spans = {b: [float(x) for x in state["spans"].get(str(b), [])] for b in self.candidates}
+        self.measured_at = {float(b): int(s) for b, s in state["measured_at"].items()}
+        self.figures = {float(b): {k: float(v) for k, v in f.items()} for b, f in state["figures"].items()}
+        self.rate = float(state["rate"])
+        self.rate_at = {float(b): float(r) for b, r in state["rate_at"].items()}
+        self.chosen = {int(s): float(b) for s, b in state["chosen"].items()}
+
+    def __repr__(self) -> str:
+        return f"Auto(min_bits={self.min_bits:g}, max_bits={self.max_bits:g})"
+
+
+def as_schedule(budget_bits: float | str | Callable[[int], float]) -> Callable[[int], float]:
+    """A number becomes :class:`Constant`, ``"auto"`` :class:`Auto`; a callable is used as it is (its values are
+    checked when read)."""
+    if isinstance(budget_bits, str) and budget_bits == "auto":
+        return Auto()
     if callable(budget_bits):
         return budget_bits
     if isinstance(budget_bits, bool) or not isinstance(budget_bits, int | float):
-        raise TypeError(f"budget_bits must be a number of bits per parameter or a callable step -> bits, "
-                        f"got {type(budget_bits).__name__}")
+        raise TypeError(f"budget_bits must be a number of bits per parameter, 'auto' or a callable step -> bits, "
+                        f"got {budget_bits!r}")
     return Constant(budget_bits)
 
 
