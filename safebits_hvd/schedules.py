@@ -8,6 +8,7 @@ methods, if present, are checkpointed with the compressor.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -131,6 +132,14 @@ the core passes the gradients through (no screen, no packing: ``StepRecord.pass_
 AUTO_CANDIDATES = (2.0, 3.0, 4.4, 6.0, 8.0, 16.0, PASS_THROUGH_BITS)
 """The budgets :class:`Auto` chooses among (those within its bounds), bits per parameter; 32 is no compression."""
 
+AUTO_JUMP = 2.0
+"""A single span this many times its candidate's estimate (or this many times smaller) means the link changed:
+beyond any step-to-step noise measured here (:data:`AUTO_WINDOW`)."""
+
+AUTO_WINDOW = 7
+"""Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step
+noise of shared machines (a third of a step, between consecutive steps of one budget, on 2 busy cores)."""
+
 
 class Auto:
     """``budget_bits="auto"``: each step's bits per parameter, no compression included, chosen from the telemetry
@@ -141,18 +150,23 @@ class Auto:
     receive time, the bytes it moved and how long its collectives were in flight. Then, per candidate budget
     (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
 
-    1. **Measure**: a candidate's estimate is the least of its last three measured spans.
-    2. **Predict** one never measured (or measured before the link changed) from the others: ``max(backward +
-       send(b), bytes(b) / rate) + receive(b)``, with the link rate from the steps whose communication was exposed,
-       bytes and SafeBits' own time scaled from the nearest measured budget (none: SafeBits' time 0).
-    3. **Probe** candidates without a measurement: those the model cannot predict yet, the costliest first, then
-       the one predicted fastest, unless its prediction is above ``1 + prune`` times the best estimate; and every
-       ``probe_every`` steps the one measured longest ago.
+    1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, each from a step
+       whose previous step had the same budget (the first step at a new budget pays for the change, not for the
+       budget), none from the first two steps of a run (warm-up).
+    2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the same
+       kind: ``max(backward + send, bytes / rate) + receive``, with the link rate from the steps whose
+       communication was exposed, the bytes scaled by the budgets' ratio, SafeBits' own time as measured (none
+       without compression).
+    3. **Probe** candidates without a measurement, two steps each: those the model cannot predict yet, the
+       costliest first, then the one predicted fastest, unless its prediction is above ``1 + prune`` times the
+       best estimate; and every ``probe_every`` steps the one measured longest ago, under the same condition.
     4. **Choose**, among the candidates within ``tolerance`` of the fastest estimate, the most bits: more bits are
        never worse for quality.
-    5. **Follow the link**: when the chosen budget's new span differs from its estimate by more than ``change``
-       (relative), every other estimate is dropped; and an estimate measured at another link rate is dropped when
-       the model says the new rate moves it by more than ``change``. Dropped ones are probed again (3).
+    5. **Follow the link**: when the chosen budget's last three spans all lie more than ``change`` (relative) on
+       the same side of its estimate before them, or one lies :data:`AUTO_JUMP` times off, every other estimate
+       is dropped; and an estimate measured at
+       another link rate is dropped when the model says the new rate moves it by more than ``change``. Dropped
+       ones are probed again (3).
 
     Every rank sees the same reduced records, so every rank chooses alike; the choice enters the allocation digest
     like any budget. Its state is checkpointed (:meth:`state_dict`)."""
@@ -171,58 +185,61 @@ class Auto:
         candidates = [b for b in AUTO_CANDIDATES if self.min_bits <= b <= self.max_bits]
         self.candidates = sorted({self.min_bits, self.max_bits, *candidates})
         self.tolerance, self.probe_every, self.change, self.prune = tolerance, probe_every, change, prune
-        # Learned (checkpointed): per candidate, its last measured spans (oldest first) and the step of the last;
-        # per step, the budget chosen (kept for the steps whose telemetry has not arrived yet).
+        # Learned (checkpointed): per candidate, its last spans (oldest first), the step of the last, its last
+        # telemetry and the link rate then; the link rate now; the budget of each recent step (the telemetry of a
+        # step arrives a step later); the probe in progress (budget, steps left).
         self.spans: dict[float, list[float]] = {b: [] for b in self.candidates}
         self.measured_at: dict[float, int] = {}
-        self.figures: dict[float, dict[str, float]] = {}      # the last telemetry of each candidate
-        self.rate = 0.0                                         # link bytes per second, from exposed steps
-        self.rate_at: dict[float, float] = {}                   # the rate when each candidate was last measured
+        self.figures: dict[float, dict[str, float]] = {}
+        self.rate_at: dict[float, float] = {}
+        self.rate = 0.0
         self.chosen: dict[int, float] = {}
+        self.probe: tuple[float, int] | None = None
 
     # ------------------------------------------------------------------ 1 and 5: measure, follow the link
     def observe(self, record: StepRecord) -> None:
         step, timing = record.timing_step, record.timing
-        bits = self.chosen.pop(step, None)
-        for old in [s for s in self.chosen if s < step]:
+        bits = self.chosen.get(step)
+        for old in [s for s in self.chosen if s < step - 1]:
             del self.chosen[old]
         span = timing.get("span_s", math.nan)
-        if bits is None or not math.isfinite(span):
+        if bits is None or not math.isfinite(span) or step < 2 or self.chosen.get(step - 1) != bits:
             return
         if timing["link_s"] > 0 and timing["wire_bytes"] > 0:
             measured = timing["wire_bytes"] / timing["link_s"]
             # Exposed communication measures the link; hidden, it only says the link is at least this fast.
             self.rate = measured if timing["exposed_s"] > 0.1 * span else max(self.rate, measured)
-        history = self.spans[bits]
-        estimate = min(history[-3:]) if history else None
-        if estimate is not None and abs(span - estimate) > self.change * estimate:
-            # The link (or the load) changed: what was measured before no longer holds.
-            self.spans = {b: [] for b in self.candidates}
-        self.spans[bits] = (self.spans[bits] + [span])[-3:]
+        history = self.spans[bits] = (self.spans[bits] + [span])[-AUTO_WINDOW:]
+        before = history[:-3]
+        if len(history) >= 3:
+            estimate = statistics.median(before if len(before) >= 2 else history[:-1])
+            if (all(x > (1 + self.change) * estimate for x in history[-3:])
+                    or all(x < (1 - self.change) * estimate for x in history[-3:])
+                    or not estimate / AUTO_JUMP <= span <= estimate * AUTO_JUMP):
+                # The link (or the load) changed: what was measured before no longer holds.
+                self.spans = {b: [] for b in self.candidates}
+                self.spans[bits] = history[-3:]
         self.measured_at[bits] = step
         self.figures[bits] = dict(timing)
         self.rate_at[bits] = self.rate
 
     def estimate(self, bits: float) -> float | None:
-        """The candidate's measured span (the least of its last three), None if it has none."""
+        """The candidate's measured span (the median of its last spans), None if it has none."""
         history = self.spans[bits]
-        return min(history) if history else None
+        return statistics.median(history) if history else None
 
     # ------------------------------------------------------------------ 2. predict
     def predict(self, bits: float, rate: float | None = None) -> float | None:
-        """The span predicted for ``bits`` from the telemetry of the nearest measured candidate of the same kind
-        (compressed, or not): ``max(backward + send, bytes / rate) + receive``, the bytes scaled by the ratio of
-        the budgets, SafeBits' own time taken as it was (0 without compression). None when nothing fits: no link
-        rate measured yet, or a compressed budget and no compressed one measured (its own time is unknown).
+        """The span predicted for ``bits`` (see the class docstring, 2); None when nothing fits: no link rate
+        measured yet, or a compressed budget and no compressed one measured (its own time is unknown).
         ``rate``: the link's bytes per second (default: the current estimate)."""
         rate = self.rate if rate is None else rate
         compressed = bits < PASS_THROUGH_BITS
         measured = [b for b in self.candidates if b in self.figures and (b < PASS_THROUGH_BITS) == compressed]
+        if not measured and not compressed:
+            measured = [b for b in self.candidates if b in self.figures]
         if not measured or rate <= 0:
-            fallback = [b for b in self.candidates if b in self.figures]
-            if compressed or not fallback or rate <= 0:
-                return None
-            measured = fallback
+            return None
         near = min(measured, key=lambda b: (abs(math.log(b / bits)), -b))
         f = self.figures[near]
         send = f["send_s"] if compressed else 0.0
@@ -232,23 +249,27 @@ class Auto:
 
     # ------------------------------------------------------------------ 3 and 4: probe, choose
     def __call__(self, step: int) -> float:
-        bits = self._choose(step)
+        if self.probe is not None:
+            bits, left = self.probe
+            self.probe = (bits, left - 1) if left > 1 else None
+        else:
+            bits = self._choose(step)
+            if self.estimate(bits) is None or bits != self.chosen.get(step - 1):
+                self.probe = (bits, 1)                           # a new budget: hold it one more step
         self.chosen[step] = bits
         return bits
 
     def _choose(self, step: int) -> float:
         for bits in self.candidates:
-            # A measurement made at another link rate: if the model says the rate changes its span by more than
-            # ``change``, it no longer holds and is probed again.
+            # Measured at another link rate: if the model says the rate moves its span by more than ``change``,
+            # the measurement no longer holds.
             then = self.predict(bits, self.rate_at.get(bits, 0.0)) if self.spans[bits] else None
             now = self.predict(bits)
             if then is not None and now is not None and abs(now - then) > self.change * then:
                 self.spans[bits] = []
         known = {b: e for b in self.candidates if (e := self.estimate(b)) is not None}
-        pending = set(self.chosen.values())                      # chosen, telemetry not arrived yet
         best = min(known.values()) if known else None
-        # Probe the unmeasured candidates: those the model cannot predict, the costliest first, then the one
-        # predicted fastest, unless even that is predicted above (1 + prune) times the best measured.
+        pending = {self.chosen[s] for s in (step - 1, step - 2) if s in self.chosen}   # telemetry not in yet
         unmeasured = [(self.predict(b), b) for b in self.candidates if b not in known and b not in pending]
         unpredicted = [b for p, b in unmeasured if p is None]
         if unpredicted:
@@ -257,8 +278,8 @@ class Auto:
             predicted, bits = min(unmeasured, key=lambda pb: (pb[0], -pb[1]))
             if best is None or predicted <= (1 + self.prune) * best:
                 return bits
-        if not known:
-            return max(pending) if pending else self.candidates[-1]
+        if best is None:                                          # waiting for the probes' telemetry
+            return self.chosen.get(step - 1, self.candidates[-1])
         if step % self.probe_every == 0:                          # now and then, the one measured longest ago
             stalest = min(known, key=lambda b: self.measured_at.get(b, -1))
             predicted = self.predict(stalest)
@@ -270,16 +291,17 @@ class Auto:
         return {"spans": {str(b): list(v) for b, v in self.spans.items()},
                 "measured_at": {str(b): s for b, s in self.measured_at.items()},
                 "figures": {str(b): dict(f) for b, f in self.figures.items()},
-                "rate": self.rate, "rate_at": {str(b): r for b, r in self.rate_at.items()},
-                "chosen": {str(s): b for s, b in self.chosen.items()}}
+                "rate_at": {str(b): r for b, r in self.rate_at.items()}, "rate": self.rate,
+                "chosen": {str(s): b for s, b in self.chosen.items()}, "probe": list(self.probe or [])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.spans = {b: [float(x) for x in state["spans"].get(str(b), [])] for b in self.candidates}
         self.measured_at = {float(b): int(s) for b, s in state["measured_at"].items()}
         self.figures = {float(b): {k: float(v) for k, v in f.items()} for b, f in state["figures"].items()}
-        self.rate = float(state["rate"])
         self.rate_at = {float(b): float(r) for b, r in state["rate_at"].items()}
+        self.rate = float(state["rate"])
         self.chosen = {int(s): float(b) for s, b in state["chosen"].items()}
+        self.probe = (float(state["probe"][0]), int(state["probe"][1])) if state["probe"] else None
 
     def __repr__(self) -> str:
         return f"Auto(min_bits={self.min_bits:g}, max_bits={self.max_bits:g})"

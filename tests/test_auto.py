@@ -52,7 +52,7 @@ def _record(step: int, timing: dict[str, float], timing_step: int) -> StepRecord
 def test_a_fast_link_gets_no_compression() -> None:
     chosen = drive(Auto(), lambda step: 10e9, 60)          # 10 GB/s: even 32 bits hide behind backward
     assert chosen[0] == PASS_THROUGH_BITS                   # the costliest first, as PowerSGD's hook starts
-    assert chosen[-20:].count(PASS_THROUGH_BITS) >= 19       # one probe of a neighbour every probe_every steps
+    assert chosen[-20:].count(PASS_THROUGH_BITS) >= 18       # a two-step probe every probe_every steps
 
 
 def test_a_slow_link_gets_the_most_bits_that_still_hide_communication() -> None:
@@ -71,9 +71,10 @@ def test_a_link_that_changes_is_followed_within_twenty_steps() -> None:
         return rates[max(s for s in rates if s <= step)]
 
     chosen = drive(Auto(), rate, 300)
-    assert chosen[80:100].count(PASS_THROUGH_BITS) >= 19
+    assert chosen[80:100].count(PASS_THROUGH_BITS) >= 18
+    assert all(b <= 3.0 for b in chosen[120:200])           # settled within 20 steps of the change
     assert sum(b <= 2.0 for b in chosen[120:200]) >= 76     # 100 Mbit/s: 2 bits take 160 ms, 3 bits 240 ms
-    assert chosen[220:300].count(8.0) >= 75
+    assert chosen[220:300].count(8.0) >= 68                  # all but the two-step probes
 
 
 def test_bounds_and_checkpoint() -> None:
