@@ -124,7 +124,7 @@ class Scenario:
     name: str
     steps: int = 8
     collective: str = "auto"
-    budget_bits: float = 4.0
+    budget_bits: float | str = 4.0       # or "auto": then some steps pass through (dense), the others compress
     bucket_cap_mb: float = 0.01          # several buckets per step
     find_unused_parameters: bool = False
     unused_param: bool = False           # aux head used only on even steps
@@ -347,6 +347,10 @@ def run_training(sc: Scenario) -> dict[str, Any]:
 
     packed = sc.collective if sc.collective != "auto" else ("allgather" if ranks == 2 else "two_phase")
     expected = {"dense"} if sc.collective == "dense" or ranks == 1 else {packed}
+    if sc.budget_bits == "auto" and ranks > 1:
+        expected = {"dense", packed}              # pass-through steps (32 bits), and the compressed budgets probed
+        check(any(r.pass_through for r in state.history) and any(r.timing for r in state.history),
+              "budget_bits='auto' never passed through, or recorded no telemetry")
     check(collectives == expected, f"collectives used {collectives}, expected {expected}")
     last_loss = global_loss(model)
     if sc.loss_must_fall:
@@ -467,6 +471,7 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
         Scenario("frozen", frozen=True),
         Scenario("nonfinite", nonfinite_step=2),
         Scenario("escalations", budget_bits=1.0, max_distortion=0.05, min_cosine=0.97, expect_escalation=True),
+        Scenario("auto", steps=20, budget_bits="auto", lr=0.5, loss_must_fall=True),
     ]
     table: dict[str, Callable[[], dict[str, Any]]] = {c.name: (lambda c=c: run_training(c)) for c in configs}
     table["checkpoint_restore"] = run_checkpoint_restore

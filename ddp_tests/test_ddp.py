@@ -17,9 +17,10 @@ from safebits_hvd import launch
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "ddp_tests" / "ddp_worker.py"
 EXAMPLE = REPO / "examples" / "train_digits_ddp.py"
-SCENARIOS = 20
+SCENARIOS = 21
 # Scenarios of the 4-rank run (the machine has 2 cores: keep it short).
-NP4_SCENARIOS = "train,no_sync,find_unused,nonfinite,escalations,checkpoint_restore,front_end_parity,inconsistent"
+NP4_SCENARIOS = ("train,no_sync,find_unused,nonfinite,escalations,auto,checkpoint_restore,front_end_parity,"
+                 "inconsistent")
 
 
 def torchrun(ranks: int, script: Path, *args: str, timeout: float) -> str:

@@ -1,6 +1,6 @@
 """The smallest complete example of SafeBits with PyTorch DDP: an MLP on scikit-learn's bundled digits.
 
-    torchrun --nproc_per_node 2 examples/train_digits_ddp.py [--epochs 5] [--budget-bits 4.0]
+    torchrun --nproc_per_node 2 examples/train_digits_ddp.py [--epochs 5] [--budget-bits 4.0|auto]
 
 Every rank trains on its own shard of the training set; SafeBits is DDP's communication hook
 (``register_comm_hook(state, safebits_hook)``). Rank 0 prints, per epoch, the training loss (averaged over ranks),
@@ -28,7 +28,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--budget-bits", type=float, default=4.0, help="average bits per parameter per step")
+    parser.add_argument("--budget-bits", type=lambda x: x if x == "auto" else float(x), default=4.0,
+                        help="average bits per parameter per step, or 'auto'")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")                   # "nccl" on GPUs

@@ -20,7 +20,7 @@ EXAMPLE = REPO / "examples" / "train_digits.py"
 
 # Scenarios of the 4-rank Gloo run (the machine has 2 cores: keep it short).
 NP4_SCENARIOS = ("train_average,dense_average,op_sum,groups_int,unused_param,zero_grad_keep,checkpoint_two_phase,"
-                 "inconsistent,inconsistent_menu")
+                 "auto,inconsistent,inconsistent_menu")
 
 pytestmark = pytest.mark.skipif(launch.horovodrun_path() is None, reason="horovodrun not installed")
 
@@ -51,7 +51,7 @@ def test_scenarios(np_: int, transport: str, scenarios: str, expect_transport: s
     summary = [line for line in lines if line.startswith("SUMMARY")]
     assert summary, f"no summary line in the output:\n{output[-8000:]}"
     assert not [line for line in lines if line.startswith("FAIL")], "\n".join(lines)
-    expected = 17 if scenarios == "all" else len(scenarios.split(","))
+    expected = 18 if scenarios == "all" else len(scenarios.split(","))
     assert summary[-1].startswith(f"SUMMARY {expected}/{expected}"), "\n".join(lines)
 
 
