@@ -11,7 +11,7 @@ sequences of 128 tokens); every (model, round, compressor) is one case. Hooks:
 * ``ddp:powersgd1`` / ``ddp:powersgd4``: ``powerSGD_hook`` at rank 1 / 4 (error feedback and warm start on;
   PowerSGD starts after its one required uncompressed step, within the warm-up), completed inside the hook
   (:func:`powersgd_in_order`);
-* ``ddp:safebits@B``: :func:`safebits_hvd.ddp.safebits_hook` at ``budget_bits=B``.
+* ``ddp:safebits@B``: :func:`safebits_hvd.ddp.safebits_hook` at ``budget_bits=B`` (a number, or ``auto``).
 
 With ``--quality-steps N`` it instead trains every case for N steps on a fixed learnable task (3x32x32 images
 labelled by a fixed random teacher, 8 batches per rank, cycled) and reports the loss on a held-out set of the same
@@ -95,7 +95,8 @@ def attach(label: str, ddp_model: DistributedDataParallel, model: torch.nn.Modul
     name, _, budget = label.removeprefix("ddp:").partition("@")
     if name != "safebits":
         raise ValueError(f"unknown DDP compressor {label!r}")
-    state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=float(budget or 4.0), seed=SEED,
+    bits: float | str = budget if budget == "auto" else float(budget or 4.0)
+    state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=bits, seed=SEED,
                                 name=f"safebits.ddp.{case_id}")
     ddp_model.register_comm_hook(state, sbddp.safebits_hook)
     return state, None

@@ -15,7 +15,8 @@ sequences of 128 tokens), both from ``bench/link_models.py`` (shared with the DD
 demo's byte-level transformer LM and data, from ``bench/demo_worker.py``; ``--lm-batch``). Every case records its
 model's parameter and tensor counts, the throughput unit (images, tokens or sequences) and the input shape.
 Compressors: ``none`` and ``fp16`` are ``hvd.Compression.none`` / ``hvd.Compression.fp16``; any other name is a
-:func:`safebits_hvd.baselines.make_compressor` name, ``name@bits`` giving ``budget_bits`` (``safebits@4.4``).
+:func:`safebits_hvd.baselines.make_compressor` name, ``name@bits`` giving ``budget_bits`` (``safebits@4.4``,
+``safebits@auto``).
 
 Every case builds its model from the same seed, broadcasts it from rank 0, wraps a fresh optimizer in
 ``hvd.DistributedOptimizer``, runs ``--warmup`` untimed steps, a barrier, then ``--steps`` timed steps and a
@@ -103,8 +104,8 @@ def build_compression(label: str, model: torch.nn.Module, case_id: int) -> Any:
         return hvd.Compression.fp16
     name, _, budget = label.partition("@")
     kwargs: dict[str, Any] = {"name": f"safebits.link.{case_id}"} if name in BUDGETED else {}
-    return make_compressor(name, model.named_parameters(), seed=SEED,
-                           budget_bits=float(budget) if budget else None, **kwargs)
+    bits: float | str | None = budget if budget == "auto" else float(budget) if budget else None
+    return make_compressor(name, model.named_parameters(), seed=SEED, budget_bits=bits, **kwargs)
 
 
 def barrier(tag: str) -> None:

@@ -134,7 +134,7 @@ def _fixed(action: Action, error_feedback: bool, wire_dtype: torch.dtype | None 
 
 def _safebits(screen: bool, menu: Menu | None = None, menu_name: str = "") -> Factory:
     def factory(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], *, seed: int = 0,
-                budget_bits: float | None = None, **kwargs: Any) -> SafeBits:
+                budget_bits: float | str | None = None, **kwargs: Any) -> SafeBits:
         if budget_bits is None:
             raise ValueError("SafeBits needs budget_bits (bits per parameter per step)")
         if menu is not None:
@@ -173,7 +173,7 @@ BUDGETED = frozenset({"unscreened", "safebits", "unscreened_maxscaled", "safebit
 
 
 def make_compressor(name: str, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], /, *, seed: int = 0,
-                    budget_bits: float | None = None, **kwargs: Any) -> Compressor:
+                    budget_bits: float | str | None = None, **kwargs: Any) -> Compressor:
     """Build the registry's compressor ``name`` (see :data:`REGISTRY`)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; known: {sorted(REGISTRY)}")
