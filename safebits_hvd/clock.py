@@ -49,8 +49,7 @@ class StepClock:
 
     def _reset(self) -> None:
         self._first_send = self._close = self._first_receive = -1.0
-        self._send = self._receive = self._waited_after_close = 0.0
-        self._waited_at_close = 0.0
+        self._send = self._receive = self._waited_at_close = 0.0
         self._last_wait_end = -1.0
 
     def sent(self, start: float, end: float) -> None:

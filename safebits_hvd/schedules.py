@@ -164,9 +164,8 @@ class Auto:
        never worse for quality.
     5. **Follow the link**: when the chosen budget's last three spans all lie more than ``change`` (relative) on
        the same side of its estimate before them, or one lies :data:`AUTO_JUMP` times off, every other estimate
-       is dropped; and an estimate measured at
-       another link rate is dropped when the model says the new rate moves it by more than ``change``. Dropped
-       ones are probed again (3).
+       is dropped; and an estimate measured at another link rate is dropped when the model says the new rate
+       moves it by more than ``change``. Dropped ones are probed again (3).
 
     Every rank sees the same reduced records, so every rank chooses alike; the choice enters the allocation digest
     like any budget. Its state is checkpointed (:meth:`state_dict`)."""

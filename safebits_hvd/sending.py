@@ -49,6 +49,16 @@ class Escalation(NamedTuple):
     failed: list[int]
 
 
+def holds_nonfinite(g: torch.Tensor) -> bool:
+    """Whether ``g`` holds NaN or Inf: one read back of its sum, and a second, exact one only if the sum is not
+    finite (a finite gradient's sum can overflow to Inf)."""
+    host.count()
+    if math.isfinite(float(g.sum())):
+        return False
+    host.count()
+    return not bool(torch.isfinite(g).all())
+
+
 def escalate(codec: Codec, actions: Menu, index: int, order: list[int], g: torch.Tensor | None,
              e: torch.Tensor, key: int, own: torch.Tensor | None, accepts: Callable[[int, float, float], bool],
              name: str) -> Escalation:
@@ -120,13 +130,13 @@ class Sender:
     def send(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> Any:
         """Screen and send tensor ``index`` (flat float32 ``g``) on the step's path; returns what travels."""
         assert self.allocation is not None and self.fields is not None
+        if self.pass_through:            # before the residual is looked up: a missing one is not made
+            return self.pass_on(index, g, own)
         fields, policy, path = self.fields, self.policy, self.path
         n = g.numel()
         e = self.residual(index, n, g.device)
         allocated = int(self.allocation.choice[index])
         action = self.menu[allocated]
-        if self.pass_through:
-            return self.pass_on(index, g, own)
         if not self.error_feedback and not path.packed and action.kind in (ActionKind.FLOAT32, ActionKind.FLOAT16):
             # Horovod's NoneCompressor and FP16Compressor (the fp32 and fp16 baselines): no memory, at most a cast
             # on the wire, nothing measured (the fp16 cast's distortion is recorded as NaN).
@@ -134,12 +144,8 @@ class Sender:
             fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
             fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
             return g if action.lossless else g.to(torch.float16)
-        if self.checks_finite and n:
-            host.count()
-            if not math.isfinite(float(g.sum())):
-                host.count()
-                if not bool(torch.isfinite(g).all()):
-                    return self.send_nonfinite(index, g, own)
+        if self.checks_finite and n and holds_nonfinite(g):
+            return self.send_nonfinite(index, g, own)
         key = stream_key(self.seed, self.step, index)
         if policy.allocates_from_statistics:
             estimate = host.to_host(kernels.screen(g, e, self.menu, key, self.sample_of(index, n, g.device)))
@@ -160,10 +166,8 @@ class Sender:
         where ``nonfinite`` asks for more than passing them on."""
         fields = self.fields
         assert fields is not None
-        if self.nonfinite != "propagate" and g.numel():
-            host.count()
-            if not bool(torch.isfinite(g).all()):
-                return self.send_nonfinite(index, g, own)
+        if self.nonfinite != "propagate" and g.numel() and holds_nonfinite(g):
+            return self.send_nonfinite(index, g, own)
         fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
         fields.sent_distortion[index] = 0.0
         fields.neg_sent_cosine[index] = -1.0
