@@ -34,21 +34,21 @@ ddp: setup
 	$(PY) -m pytest ddp_tests -q
 
 bench-smoke: setup
-	$(PY) -m pytest bench -q --benchmark-enable --benchmark-min-rounds=3 --benchmark-max-time=0.05 \
+	$(PY) -m pytest bench/suites -q --benchmark-enable --benchmark-min-rounds=3 --benchmark-max-time=0.05 \
 	  --benchmark-json=results/bench.json -m "not full"
-	$(PY) bench/check_regression.py results/bench.json bench/baseline.json
+	$(PY) -m bench.suites.check_regression results/bench.json bench/suites/baseline.json
 
 bench: setup
-	$(PY) -m pytest bench -q --benchmark-enable --benchmark-json=results/bench-full.json
+	$(PY) -m pytest bench/suites -q --benchmark-enable --benchmark-json=results/bench-full.json
 
 bench-link: setup
-	$(PY) bench/link.py
+	$(PY) -m bench.link
 
 demo: setup
-	$(PY) bench/demo.py
+	$(PY) -m bench.demo
 
 demo-full: setup
-	$(PY) bench/demo.py --full
+	$(PY) -m bench.demo --full
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .ruff_cache

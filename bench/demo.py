@@ -1,6 +1,6 @@
 """The main job (``make demo``): compressors end to end, on 2 Horovod ranks on localhost, 3 seeds.
 
-Launches ONE ``horovodrun -np 2 --gloo`` of ``bench/demo_worker.py``, which trains, one run after another in the
+Launches ONE ``horovodrun -np 2 --gloo`` of ``bench.hvd_worker demo``, which trains, one run after another in the
 same two processes, fixed baselines of :mod:`safebits_hvd.baselines` and SafeBits / unscreened global budgeting
 on a small CNN (scikit-learn digits), a byte-level transformer LM (CPython standard-library sources) and the same
 LM at 1.2M parameters, with the same initialization and data order for every compressor of a seed.
@@ -35,11 +35,11 @@ import sys
 import time
 from typing import Any
 
-from demo_stats import other_schedule, run_label, section, table
-
+from bench.demo_stats import other_schedule, run_label, section, table
 from safebits_hvd import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HVD_WORKER = ("-m", "bench.hvd_worker", "demo")   # a module, run from the repository root (the launcher's cwd)
 FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metric", "metric_name",
           "compression_ratio", "violations", "escalations", "infeasible", "collapsed", "wall_s", "max_distortion",
           "min_cosine", "bits_per_param", "lr_schedule"]
@@ -64,9 +64,9 @@ FULL_BUDGETS = [1.0, 2.0, 4.4, 8.0]
 
 
 def worker_arguments(full: bool, extra: list[str]) -> list[str]:
-    """``demo_worker.py``'s arguments: the default run or ``--full``'s, then ``extra`` (the worker options given to
-    ``demo.py``; later options win in argparse). One that chooses the runs (:data:`PLAN_OPTIONS`) replaces the
-    default plan, the larger LM and the constant-rate runs."""
+    """``bench.hvd_worker demo``'s arguments: the default run or ``--full``'s, then ``extra`` (the worker options
+    given to ``bench.demo``; later options win in argparse). One that chooses the runs (:data:`PLAN_OPTIONS`)
+    replaces the default plan, the larger LM and the constant-rate runs."""
     chosen = any(arg.split("=")[0] in PLAN_OPTIONS for arg in extra)
     if full:
         args = ["--seeds", "0", "1", "2", "--cnn-steps", "500", "--lm-steps", "320", "--budgets",
@@ -155,9 +155,8 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     raw_path = os.path.join(args.out_dir, "demo_raw.json")
     worker_args = worker_arguments(args.full, extra)
-    worker = os.path.join(ROOT, "bench", "demo_worker.py")
-    command = ["horovodrun", "-np", "2", "--mpi" if args.mpi else "--gloo", "python", worker, "--out", raw_path,
-               *worker_args]
+    command = ["horovodrun", "-np", "2", "--mpi" if args.mpi else "--gloo", "python", *HVD_WORKER, "--out",
+               raw_path, *worker_args]
     print("[demo] " + " ".join(command), flush=True)
     start = time.perf_counter()
     if os.path.exists(raw_path):
@@ -168,7 +167,7 @@ def main() -> int:
             print(line.split("<stdout>:", 1)[-1], flush=True)
 
     try:
-        launch.horovodrun(2, worker, "--out", raw_path, *worker_args,
+        launch.horovodrun(2, *HVD_WORKER, "--out", raw_path, *worker_args,
                           transport="mpi" if args.mpi else "gloo", timeout=7200, env={"OMP_NUM_THREADS": "1"},
                           on_line=progress)
     except launch.LaunchError as exc:
@@ -184,7 +183,7 @@ def main() -> int:
         json.dump({"runs": [{k: r[k] for k in FIELDS} for r in runs]}, f, indent=1)
     total_s = time.perf_counter() - start
     md = table(runs, raw["collapse_factor"])
-    header = (f"# SafeBits demo results\n\nCommand: `{' '.join(['python', 'bench/demo.py', *sys.argv[1:]])}`; "
+    header = (f"# SafeBits demo results\n\nCommand: `{' '.join(['python -m bench.demo', *sys.argv[1:]])}`; "
               f"{len(runs)} runs on 2 Horovod ranks; learning rate: "
               f"{'/'.join(sorted({r['lr_schedule'] for r in runs}))}; "
               f"LM corpus: {len(raw['corpus_files'])} CPython stdlib files "

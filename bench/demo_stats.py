@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from bench.tasks import SCHEDULES
 from safebits_hvd import SafeBits
 from safebits_hvd.baselines import label as compressor_label
 
@@ -18,9 +19,6 @@ _DEFAULTS = inspect.signature(SafeBits.__init__).parameters
 DEFAULT_THRESHOLDS = (float(_DEFAULTS["max_distortion"].default), float(_DEFAULTS["min_cosine"].default))
 """The library's ``(max_distortion, min_cosine)``."""
 
-SCHEDULES = ("cosine", "constant")
-"""Learning-rate schedules of the demo's tasks (``demo_worker.Task``); the first is the demo's, and the threshold
-sweep's."""
 
 COLLAPSE_FACTOR = 0.9
 """A run has collapsed when its loss is non-finite or its final validation loss exceeds this multiple of the

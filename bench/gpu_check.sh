@@ -18,12 +18,12 @@ echo "== GPU tests"
 SAFEBITS_REQUIRE_NVRTC=1 timeout 240 $PY -m pytest tests/test_cuda_kernels.py -q -x -p no:cacheprovider
 rc=$?
 echo "== GPU wire benchmarks (pytest-benchmark: pack and decode_add of 16M floats)"
-SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m pytest bench/bench_kernels.py -q -p no:cacheprovider \
+SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m pytest bench/suites/bench_kernels.py -q -p no:cacheprovider \
   --benchmark-enable -k "quantize_pack_ef or decode_add" --benchmark-columns=min,mean || rc=1
 echo "== GPU group kernels (the batched step's tests, then time / torch.clone of the group's bytes, host reads)"
 SAFEBITS_REQUIRE_NVRTC=1 timeout 120 $PY -m pytest tests/test_cuda_kernels.py -q -p no:cacheprovider \
   -k "group or nvrtc" || rc=1
-SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY bench/bench_group.py || rc=1
+SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m bench.suites.bench_group || rc=1
 echo "== GPU kernel ratios (kernel time / torch.clone, same process)"
-SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY bench/bench_kernels.py
+SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m bench.suites.bench_kernels
 exit $rc

@@ -3,7 +3,7 @@
 What it measures. Two Horovod ranks (``horovodrun -np 2 --gloo``) run inside a private network namespace whose
 loopback is limited with a token-bucket filter (``tc qdisc ... tbf rate R``); Gloo talks TCP over that loopback,
 so every byte of every collective crosses the limited link and nothing else on the machine is touched. For each
-link rate, ONE launch of ``bench/link_worker.py`` runs every (model, compressor) case in sequence and records:
+link rate, ONE launch of ``bench.hvd_worker link`` runs every (model, compressor) case in sequence and records:
 
 * step time (median over the timed steps, rank 0) and throughput: samples/s (2 ranks x batch per rank / step
   time; images or sequences) and the model's own unit (images/s, tokens/s for ``gpt2_small``: samples/s x 128);
@@ -17,7 +17,7 @@ link rate, ONE launch of ``bench/link_worker.py`` runs every (model, compressor)
 * against the physical limit: step time / (``none`` step time on the unlimited link + modeled bytes / link rate),
   when ``unlimited`` was measured in the same invocation.
 
-Models (``--models``; ``bench/link_models.py`` unless said otherwise):
+Models (``--models``; :mod:`bench.tasks`):
 
 * ``resnet18``: a CIFAR-style ResNet-18 (3x3 stem, no max-pool; 11.2M parameters in 62 tensors) on synthetic
   3xSxS images, S = ``--image-size`` (32 by default; e.g. 224 for ImageNet-size inputs: the same gradient bytes,
@@ -26,14 +26,14 @@ Models (``--models``; ``bench/link_models.py`` unless said otherwise):
   8,192, context 128, learned positions, LM head tied to the token embedding; 11.6M parameters in 148 tensors)
   on synthetic token ids, next-token cross-entropy, causal ``scaled_dot_product_attention``, AdamW;
   ``--gpt-batch`` sequences of 128 tokens per rank; tokens/s. Not in the default ``--models``.
-* ``bytes_lm``: the demo's byte-level transformer LM (``bench/demo_worker.py``), ``--lm-batch`` windows of 64
+* ``bytes_lm``: the demo's byte-level transformer LM (``bench.tasks``), ``--lm-batch`` windows of 64
   bytes per rank, Horovod rows only; sequences/s.
 
 Default ``--models``: ``resnet18 bytes_lm``. Compressors: ``none`` and ``fp16`` (Horovod's), ``qsgd4``,
 ``topk10_ef``, ``safebits@2``, ``safebits@4.4``, ``safebits@8``.
 
 DDP rows (``resnet18`` and ``gpt2_small``, those of ``--models``; no launch when neither is selected): one
-``torchrun`` launch of ``bench/link_ddp_worker.py`` per rate, on the same link, running every selected DDP model,
+``torchrun`` launch of ``bench.ddp_worker`` per rate, on the same link, running every selected DDP model,
 with PyTorch DDP and a communication hook: ``ddp:none`` (DDP's default allreduce), ``ddp:fp16``
 (``fp16_compress_hook``), ``ddp:powersgd1`` and ``ddp:powersgd4`` (PowerSGD at rank 1 and 4), ``ddp:safebits@B``
 (SafeBits' DDP hook). Their ``x none`` / ``x fp16`` columns compare with ``ddp:none`` / ``ddp:fp16``. With
@@ -44,12 +44,12 @@ and link bytes go in a table of their own: the compressors' quality at their byt
 Run it as root (it needs CAP_NET_ADMIN for ``ip netns`` and ``tc``; without it, it says so and exits 0)::
 
     make bench-link                                       # --rates 1gbit
-    .venv/bin/python bench/link.py --rates 100mbit 1gbit 10gbit unlimited
-    .venv/bin/python bench/link.py --quick                # smoke run: 1 rate, 2 steps, CNN, 3 + 3 compressors
-    .venv/bin/python bench/link.py --quick --models gpt2_small --gpt-batch 4     # the same for the transformer
-    .venv/bin/python bench/link.py --rates 1gbit unlimited --models resnet18 gpt2_small --image-size 224 \
+    .venv/bin/python -m bench.link --rates 100mbit 1gbit 10gbit unlimited
+    .venv/bin/python -m bench.link --quick                # smoke run: 1 rate, 2 steps, CNN, 3 + 3 compressors
+    .venv/bin/python -m bench.link --quick --models gpt2_small --gpt-batch 4     # the same for the transformer
+    .venv/bin/python -m bench.link --rates 1gbit unlimited --models resnet18 gpt2_small --image-size 224 \
         --cnn-batch 4 --gpt-batch 8                       # ImageNet-size images and the GPT-2-shaped decoder
-    .venv/bin/python bench/link.py --rates 1gbit unlimited --models resnet18 --compressors none \
+    .venv/bin/python -m bench.link --rates 1gbit unlimited --models resnet18 --compressors none \
         --quality-steps 40                                # the DDP rows and their training run
 
 Writes ``results/link.json`` (raw and derived figures, the command, rates, the image size and per-rank batches,
@@ -75,7 +75,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from bench import specs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HVD_WORKER = ("-m", "bench.hvd_worker")      # launched as modules from the repository root (the launchers' cwd)
+DDP_WORKER = ("-m", "bench.ddp_worker")
 RATES = ["100mbit", "1gbit", "10gbit", "unlimited"]
 COMPRESSORS = ["none", "fp16", "qsgd4", "topk10_ef", "safebits@2", "safebits@4.4", "safebits@8"]
 QUICK_COMPRESSORS = ["none", "fp16", "safebits@4.4"]
@@ -457,8 +461,15 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
         parser.error("--steps and --rounds must be >= 1, --warmup and --quality-steps >= 0")
     if min(args.cnn_batch, args.lm_batch, args.gpt_batch, args.image_size) < 1:
         parser.error("--cnn-batch, --lm-batch, --gpt-batch and --image-size must be >= 1")
-    if not all(c.startswith("ddp:") for c in args.ddp_compressors + args.quality_extra):
-        parser.error("DDP compressors are named ddp:<name>")
+    for texts, ddp in ((args.compressors, False), (args.ddp_compressors + args.quality_extra, True)):
+        for text in texts:
+            try:
+                spec = specs.parse(text)
+            except ValueError as exc:
+                parser.error(str(exc))
+            if spec.ddp != ddp:
+                parser.error(f"{text!r}: --compressors takes Horovod specs, --ddp-compressors and --quality-extra "
+                             f"ddp: ones")
     return args
 
 
@@ -494,9 +505,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
     from safebits_hvd.launch import LaunchError, horovodrun, torchrun
 
     os.makedirs(args.out_dir, exist_ok=True)
-    command = " ".join(["python", "bench/link.py", *sys.argv[1:]])
-    worker = os.path.join(ROOT, "bench", "link_worker.py")
-    ddp_worker = os.path.join(ROOT, "bench", "link_ddp_worker.py")
+    command = " ".join(["python -m bench.link", *sys.argv[1:]])
     env = {"OMP_NUM_THREADS": "1"}
     runs: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -513,11 +522,11 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         try:
             raw: dict[str, Any] = {"cases": []}
             if args.compressors:
-                horovodrun(2, worker, *worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
+                horovodrun(2, *HVD_WORKER, "link", *worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
                            timeout=args.timeout, on_line=_progress)
                 raw = read_raw(raw_path)
             if args.ddp_compressors and ddp_models(args):
-                torchrun(2, ddp_worker, *ddp_worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
+                torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
                          timeout=args.timeout, on_line=_progress)
                 raw["cases"] += read_raw(raw_path)["cases"]
         except LaunchError as exc:
@@ -533,7 +542,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         configure_link(ns, None)
         raw_path = os.path.join(args.out_dir, ".link_raw_quality.json")
         try:
-            torchrun(2, ddp_worker, *ddp_worker_args(args, raw_path, quality=True), prefix=_in_ns(ns), env=env,
+            torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path, quality=True), prefix=_in_ns(ns), env=env,
                      timeout=args.timeout, on_line=_progress)
             quality = read_raw(raw_path)["cases"]
         except LaunchError as exc:

@@ -1,17 +1,13 @@
-"""bench/check_regression.py: ratios regress beyond the tolerance, tiny ratios have a floor, merged baselines."""
+"""bench.suites.check_regression: ratios regress beyond the tolerance, tiny ratios have a floor, merged baselines."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "check_regression.py"
-_spec = importlib.util.spec_from_file_location("check_regression", _PATH)
-check_regression = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_regression)
+from bench.suites import check_regression
 
 
 def write(path: Path, ratios: dict[str, dict[str, float]]) -> str:

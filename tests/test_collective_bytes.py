@@ -1,22 +1,15 @@
-"""bench/collective_bytes.py's pure parts: the per-rank bits of each collective, the auto column, the header note,
-the markdown and the check of measured records."""
+"""The pure parts of bench.experiments.collective_bytes: the per-rank bits of each collective, the auto column, the
+header note, the markdown and the check of measured records."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.experiments import collective_bytes as cb
 from safebits_hvd import collectives
 from safebits_hvd.wire import HEADER_BYTES
-
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "collective_bytes.py"
-_spec = importlib.util.spec_from_file_location("collective_bytes_bench", _PATH)
-assert _spec is not None and _spec.loader is not None
-cb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cb)
 
 RANKS = cb.RANKS
 BITS = cb.PAYLOAD_BITS

@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(_BENCH))
+from bench import demo, tasks
+from bench import demo_stats as stats
+from bench import hvd_worker as worker
+from bench.experiments import threshold_sweep as sweep
 
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"eval13_{name}", _BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-stats = _load("demo_stats")
-sweep = _load("threshold_sweep")
+REPO = Path(__file__).resolve().parent.parent
+WORKER = [sys.executable, "-m", "bench.hvd_worker", "demo"]   # run from the repository root, as the launchers do
 
 
 def run(compressor: str, seed: int, metric: float, *, task: str = "t", budget: float | None = None,
@@ -129,9 +119,8 @@ def test_sweep_table_rows_and_cells() -> None:
 
 
 def test_large_lm_task_has_a_million_parameters_and_a_larger_corpus() -> None:
-    worker = _load("demo_worker")
-    small = worker.Task("bytes_lm", "val_bits_per_byte", steps=1, lr=3e-3)
-    large = worker.Task("bytes_lm_large", "val_bits_per_byte", steps=1, lr=1e-3)
+    small = tasks.Task("bytes_lm", "val_bits_per_byte", steps=1, lr=3e-3)
+    large = tasks.Task("bytes_lm_large", "val_bits_per_byte", steps=1, lr=1e-3)
     assert sum(p.numel() for p in small.model().parameters()) == 104_192
     assert sum(p.numel() for p in large.model().parameters()) == 1_202_432
     assert len(large.train_bytes) > 4 * len(small.train_bytes)
@@ -139,7 +128,6 @@ def test_large_lm_task_has_a_million_parameters_and_a_larger_corpus() -> None:
 
 
 def test_worker_plan_and_thresholds() -> None:
-    worker = _load("demo_worker")
     assert worker.parse_thresholds("0.3:0.9") == (0.3, 0.9)
     with pytest.raises(argparse.ArgumentTypeError):
         worker.parse_thresholds("0.3")
@@ -156,25 +144,24 @@ def test_worker_plan_and_thresholds() -> None:
 
 
 def test_the_demo_tasks_decay_the_learning_rate_on_a_cosine_unless_asked_for_a_constant_one() -> None:
-    worker = _load("demo_worker")
-    task = worker.make_task("digits_cnn", steps=100)
+    task = tasks.make_task("digits_cnn", steps=100)
     assert task.schedule == "cosine"
-    assert task.lr_at(0) == task.lr == worker.CNN_LEARNING_RATE
+    assert task.lr_at(0) == task.lr == tasks.CNN_LEARNING_RATE
     assert math.isclose(task.lr_at(50), task.lr / 2)
     assert 0 < task.lr_at(99) < 0.001 * task.lr             # nearly 0 at the last step, never negative
     model = task.model()
     optimizer = task.optimizer(model)
     task.set_lr(optimizer, 50)
     assert all(math.isclose(group["lr"], task.lr / 2) for group in optimizer.param_groups)
-    constant = worker.make_task("digits_cnn", steps=100, schedule="constant")
+    constant = tasks.make_task("digits_cnn", steps=100, schedule="constant")
     assert {constant.lr_at(s) for s in range(100)} == {constant.lr}
     with pytest.raises(ValueError, match="schedule"):
-        worker.make_task("digits_cnn", steps=100, schedule="linear")
+        tasks.make_task("digits_cnn", steps=100, schedule="linear")
 
 
 def test_the_worker_refuses_a_large_plan_for_a_task_it_already_trains() -> None:
-    result = subprocess.run([sys.executable, str(_BENCH / "demo_worker.py"), "--out", "unused.json", "--tasks",
-                             "bytes_lm_large", "--large-plan", "fp32"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*WORKER, "--out", "unused.json", "--tasks", "bytes_lm_large", "--large-plan", "fp32"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2 and "leave it out of --tasks" in result.stderr
 
 
@@ -194,19 +181,18 @@ def test_runs_at_a_constant_rate_get_their_own_table() -> None:
 
 
 def test_the_demo_shows_the_constant_rate_regime_unless_the_runs_are_chosen() -> None:
-    demo = _load("demo")
     for full in (True, False):
         args = demo.worker_arguments(full, [])
         assert args[args.index("--constant-plan") + 1:][:len(demo.CONSTANT_PLAN)] == demo.CONSTANT_PLAN
         assert ("--large-plan" in args) == full                     # the larger LM only in --full
     chosen = demo.worker_arguments(True, ["--plan", "fp32"])
     assert "--constant-plan" not in chosen and "--large-plan" not in chosen and chosen[-2:] == ["--plan", "fp32"]
-    for name, bits, _ in map(_load("demo_worker").parse_run, demo.CONSTANT_PLAN):    # every name is runnable
+    for name, bits, _ in map(worker.parse_run, demo.CONSTANT_PLAN):    # every name is runnable
         assert name in ("fp32", "unscreened_quantizers", "safebits_quantizers") and bits in (None, 1.0)
 
 
 def test_the_progress_line_counts_runs_and_estimates_the_time_left_per_task() -> None:
-    progress = _load("demo_worker").Progress(["cnn", "cnn", "lm", "lm"])
+    progress = worker.Progress(["cnn", "cnn", "lm", "lm"])
     assert progress.line().startswith("run 1/4 (0 done, 0 s so far, time left unknown")
     progress.done(2.0)
     assert progress.seconds_left() == 6.0                     # 1 cnn at 2 s, 2 lm at the overall mean (2 s)
@@ -217,7 +203,6 @@ def test_the_progress_line_counts_runs_and_estimates_the_time_left_per_task() ->
 
 
 def test_the_worker_refuses_constant_rate_runs_in_a_constant_rate_launch() -> None:
-    result = subprocess.run([sys.executable, str(_BENCH / "demo_worker.py"), "--out", "unused.json",
-                             "--lr-schedule", "constant", "--constant-plan", "fp32"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*WORKER, "--out", "unused.json", "--lr-schedule", "constant", "--constant-plan", "fp32"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2 and "give them in --plan" in result.stderr

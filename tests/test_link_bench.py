@@ -1,27 +1,17 @@
-"""bench/link.py's pure helpers (rate parsing, tbf burst size, derived figures, the markdown tables, the workers'
-arguments) and bench/link_models.py's models (no launch)."""
+"""bench.link's pure helpers (rate parsing, tbf burst size, derived figures, the markdown tables, the workers'
+arguments), bench.specs' parser and bench.tasks' models (no launch)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "link.py"
-_spec = importlib.util.spec_from_file_location("link_bench", _PATH)
-link = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(link)
-_MODELS_PATH = _PATH.parent / "link_models.py"
-_models_spec = importlib.util.spec_from_file_location("link_models", _MODELS_PATH)
-models = importlib.util.module_from_spec(_models_spec)
-sys.modules.setdefault("link_models", models)           # dataclasses look their module up there
-_models_spec.loader.exec_module(models)
+from bench import link, specs
+from bench import tasks as models
 
 
 @pytest.mark.parametrize("text,bps", [("100mbit", 10**8), ("1gbit", 10**9), ("10gbit", 10**10),
@@ -248,20 +238,47 @@ def test_resnet18_runs_at_imagenet_size() -> None:
         assert model.eval()(x).shape == (1, 10)
 
 
-def test_shared_workloads() -> None:
-    gpt = models.SharedWorkload("gpt2_small", 2)
+def test_workloads() -> None:
+    gpt = models.Workload("gpt2_small", 2)
     assert gpt.facts() == {"unit": "tokens", "unit_per_sample": 128, "image_size": None, "seq_len": 128,
                            "vocab": 8192}
-    cnn = models.SharedWorkload("resnet18", 2, image_size=64)
+    cnn = models.Workload("resnet18", 2, image_size=64)
     assert cnn.facts()["unit"] == "images" and cnn.facts()["image_size"] == 64
     model = cnn.model()
     assert isinstance(cnn.optimizer(model), torch.optim.SGD)
     assert isinstance(gpt.optimizer(gpt.model()), torch.optim.AdamW)
     assert cnn.loss(model, torch.Generator().manual_seed(0)).shape == ()
+    lm = models.Workload("bytes_lm", 3)                      # the demo's LM and corpus, timed like the others
+    assert lm.facts()["unit"] == "sequences" and isinstance(lm.optimizer(lm.model()), torch.optim.Adam)
+    assert lm.loss(lm.model(), torch.Generator().manual_seed(0)).shape == ()
+    assert set(models.Workload.DDP_NAMES) < set(models.Workload.NAMES)
     with pytest.raises(ValueError):
-        models.SharedWorkload("gpt3", 2)
+        models.Workload("gpt3", 2)
     with pytest.raises(ValueError):
-        models.SharedWorkload("resnet18", 2, image_size=0)
+        models.Workload("resnet18", 2, image_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- specs
+@pytest.mark.parametrize("text,name,bits,ddp", [
+    ("none", "none", None, False), ("fp16", "fp16", None, False), ("fp32", "fp32", None, False),
+    ("qsgd4", "qsgd4", None, False), ("safebits@4.4", "safebits", 4.4, False),
+    ("safebits@auto", "safebits", "auto", False),
+    ("unscreened_quantizers@1", "unscreened_quantizers", 1.0, False), ("ddp:none", "none", None, True),
+    ("ddp:powersgd4", "powersgd4", None, True), ("ddp:safebits@2", "safebits", 2.0, True),
+    ("ddp:safebits@auto", "safebits", "auto", True)])
+def test_one_parser_reads_every_compressor_spec(text: str, name: str, bits: float | str | None, ddp: bool) -> None:
+    spec = specs.parse(text)
+    assert (spec.text, spec.name, spec.budget_bits, spec.ddp) == (text, name, bits, ddp)
+    assert spec.budgeted == (bits is not None)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("safebits", "take @BITS"), ("fp32@4", "take no @budget"), ("safebits@0", "> 0"), ("safebits@x", "a number"),
+    ("nope", "unknown compressor"), ("ddp:qsgd4", "unknown DDP"), ("ddp:powersgd0", "unknown DDP"),
+    ("ddp:safebits", "take @BITS")])
+def test_a_bad_spec_says_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        specs.parse(text)
 
 
 # ---------------------------------------------------------------------------------------------- plumbing

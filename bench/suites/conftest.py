@@ -1,9 +1,9 @@
 """pytest configuration of the benchmark suites (``pytest bench``).
 
-Collection: the suites are ``bench/bench_*.py`` (pytest's default ``python_files`` is ``test_*.py``, so this
+Collection: the suites are ``bench/suites/bench_*.py`` (pytest's default ``python_files`` is ``test_*.py``, so this
 conftest collects them unless the ini configuration already does).
 Markers: ``full`` marks long cases that ``make bench-smoke`` (``-m "not full"``) leaves out.
-Convention for ``extra_info`` (read by ``bench/check_regression.py``): keys ending in ``_vs_clone`` or
+Convention for ``extra_info`` (read by ``bench.suites.check_regression``): keys ending in ``_vs_clone`` or
 ``_vs_reference`` are time ratios (lower is better); ``compression_ratio`` is 32 bits over modeled bits per
 element (higher is better). Absolute times are never compared.
 """
@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config) -> None:

@@ -1,7 +1,7 @@
 """Which tensors keep a tight budget infeasible: the cost of what each tensor sent on the steps where no admitted
 configuration fitted the budget (issue 13; docs/RESULTS.md section 6.10).
 
-Trains one demo task (``bench/demo_worker.py``'s model, data, optimizer and learning-rate schedule) with SafeBits at
+Trains one demo task (``bench.tasks``' model, data, optimizer and learning-rate schedule) with SafeBits at
 ``--budget`` bits per parameter and the default thresholds, through ``hvd.DistributedOptimizer``: in one process,
 or under ``horovodrun -np P`` as the demo runs it (there the screen's statistics are the MAX over ranks, so an
 action is admitted only where every rank admits it). On an infeasible step the allocator falls back to each
@@ -16,8 +16,8 @@ script found the gaps they fill (docs/RESULTS.md, sections 6.10 and 6.11).
 
 Usage::
 
-    .venv/bin/python bench/budget_floor.py --task digits_cnn --budget 2 --steps 250
-    horovodrun -np 2 --gloo .venv/bin/python bench/budget_floor.py --task bytes_lm --budget 2 --extra topk2
+    .venv/bin/python -m bench.experiments.budget_floor --task digits_cnn --budget 2 --steps 250
+    horovodrun -np 2 --gloo .venv/bin/python -m bench.experiments.budget_floor --task bytes_lm --budget 2 --extra topk2
 """
 
 from __future__ import annotations
@@ -25,17 +25,12 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
-import os
 import re
-import sys
 
 import horovod.torch as hvd
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from demo_worker import SCHEDULES, TASK_NAMES, make_task
-
+from bench.tasks import SCHEDULES, TASK_NAMES, make_task
 from safebits_hvd import DEFAULT_MENU, SafeBits, make_menu
 from safebits_hvd.actions import ACTIONS, Action, topk
 

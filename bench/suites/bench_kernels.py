@@ -1,6 +1,6 @@
 """Kernel benchmarks: time per action and tensor size as a ratio to ``torch.clone`` of the same tensor.
 
-Run: ``.venv/bin/python -m pytest bench/bench_kernels.py --benchmark-enable -q`` (add ``--device cuda`` via
+Run: ``.venv/bin/python -m pytest bench/suites/bench_kernels.py --benchmark-enable -q`` (add ``--device cuda`` via
 ``SAFEBITS_BENCH_DEVICE=cuda``). The ratio (kernel / clone, clone timed in the same process) is stored in
 ``benchmark.extra_info['ratio_to_clone']``.
 

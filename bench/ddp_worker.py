@@ -1,8 +1,8 @@
-"""One torchrun rank of the link benchmark's DDP rows (launched by ``bench/link.py`` inside its network namespace).
+"""One torchrun rank of the link benchmark's DDP rows (launched by ``bench.link`` inside its network namespace).
 
-The same models, batches, link and figures as ``bench/link_worker.py`` (step times, loopback ``tx_bytes``, the
-compressor's ``wire_bytes`` and modeled bytes), with ``torch.nn.parallel.DistributedDataParallel`` over Gloo and
-one communication hook per case. Models (``--models``, from ``bench/link_models.py``): ``resnet18`` (synthetic
+The same models, batches, link and figures as ``bench.hvd_worker link`` (the protocol of :mod:`bench.protocol`),
+with ``torch.nn.parallel.DistributedDataParallel`` over Gloo and one communication hook per case. Models
+(``--models``, from :mod:`bench.tasks`): ``resnet18`` (synthetic
 3xSxS images, ``--image-size`` S, ``--cnn-batch``) and ``gpt2_small`` (synthetic token ids, ``--gpt-batch``
 sequences of 128 tokens); every (model, round, compressor) is one case. Hooks:
 
@@ -27,10 +27,7 @@ import gc
 import itertools
 import json
 import logging
-import os
 import statistics
-import sys
-import time
 from typing import Any
 
 import torch
@@ -39,15 +36,12 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from link_models import DEFAULT_IMAGE_SIZE, ResNet18, SharedWorkload, model_facts
-from link_worker import read_tx_bytes
-
+from bench import specs
+from bench.protocol import SEED, case_line, case_result, measure, read_tx_bytes
+from bench.tasks import DEFAULT_IMAGE_SIZE, ResNet18, Workload, model_facts
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.launch import exit_without_finalization
 
-SEED = 0
 PSGD_START = 2          # PowerSGD needs one uncompressed step first (start_powerSGD_iter > 1 with error feedback)
 
 
@@ -78,25 +72,21 @@ def powersgd_in_order(state: powerSGD_hook.PowerSGDState,
     return future
 
 
-def attach(label: str, ddp_model: DistributedDataParallel, model: torch.nn.Module, case_id: int) -> Any:
-    """Register ``label``'s hook; returns the SafeBits state (None for the others) and the modeled bits."""
+def attach(spec: specs.Spec, ddp_model: DistributedDataParallel, model: torch.nn.Module, case_id: int) -> Any:
+    """Register ``spec``'s hook; returns the SafeBits state (None for the others) and the modeled bits."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if label == "ddp:none":
+    if spec.name == "none":
         return None, 32.0 * params
-    if label == "ddp:fp16":
+    if spec.name == "fp16":
         ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None, 16.0 * params
-    if label.startswith("ddp:powersgd"):
-        rank = int(label.removeprefix("ddp:powersgd"))
+    if spec.name.startswith("powersgd"):
+        rank = int(spec.name.removeprefix("powersgd"))
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=PSGD_START,
                                             random_seed=SEED)
         ddp_model.register_comm_hook(state, powersgd_in_order)
         return None, powersgd_modeled_bits(model, rank)
-    name, _, budget = label.removeprefix("ddp:").partition("@")
-    if name != "safebits":
-        raise ValueError(f"unknown DDP compressor {label!r}")
-    bits: float | str = budget if budget == "auto" else float(budget or 4.0)
-    state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=bits, seed=SEED,
+    state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=spec.budget_bits, seed=SEED,
                                 name=f"safebits.ddp.{case_id}")
     ddp_model.register_comm_hook(state, sbddp.safebits_hook)
     return state, None
@@ -106,12 +96,12 @@ def barrier() -> None:
     dist.all_reduce(torch.zeros(1))
 
 
-def run_case(work: SharedWorkload, label: str, case_id: int, warmup: int, steps: int) -> dict[str, Any]:
-    """Warm-up steps, then timed steps between two barriers (the same protocol as link_worker.run_case)."""
+def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps: int) -> dict[str, Any]:
+    """One case under :func:`bench.protocol.measure`; its JSON record (meaningful on rank 0)."""
     torch.manual_seed(SEED)
     model = work.model()
     ddp_model = DistributedDataParallel(model)
-    state, fixed_bits = attach(label, ddp_model, model, case_id)
+    state, fixed_bits = attach(spec, ddp_model, model, case_id)
     facts = model_facts(model)
     opt = work.optimizer(model)
     gen = torch.Generator().manual_seed(SEED * 7919 + dist.get_rank())
@@ -121,41 +111,16 @@ def run_case(work: SharedWorkload, label: str, case_id: int, warmup: int, steps:
         work.loss(ddp_model, gen).backward()
         opt.step()
 
-    for _ in range(max(warmup, PSGD_START if "powersgd" in label else 0)):
-        step()
-    barrier()
-    tx0 = read_tx_bytes()
-    start = time.perf_counter()
-    step_times, wire, modeled_bits = [], [], []
-    collective, violations = None, 0
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        step_times.append(time.perf_counter() - t0)
-        if state is None:
-            modeled_bits.append(fixed_bits)
-            continue
-        record = state.last_step
-        wire.append(float(record.wire_bytes))
-        modeled_bits.append(float(record.modeled_bits_total))
-        collective = record.collective
-        violations += int(record.violation)
-    barrier()
-    elapsed = time.perf_counter() - start
-    tx1 = read_tx_bytes()
+    warmup_steps = max(warmup, PSGD_START if spec.name.startswith("powersgd") else 0)
+    measured = measure(step, barrier, lambda: None if state is None else state.last_step, fixed_bits,
+                       warmup_steps, steps)
     wire_total = None
-    if state is not None:
-        total = torch.tensor([sum(wire)], dtype=torch.float64)
+    if measured["wire_bytes"] is not None:
+        total = torch.tensor([measured["wire_bytes"]], dtype=torch.float64)
         dist.all_reduce(total)
         wire_total = float(total[0])
-    result = {
-        "model": work.name, "compressor": label, **facts, **work.facts(), "batch_per_rank": work.batch,
-        "ranks": dist.get_world_size(), "warmup": warmup, "steps": steps, "step_times_s": step_times,
-        "elapsed_s": elapsed, "link_bytes": tx1 - tx0, "wire_bytes_total": wire_total,
-        "modeled_bytes_per_step": dist.get_world_size() * statistics.fmean(modeled_bits) / 8,
-        "modeled_bits_per_rank": modeled_bits, "collective": collective, "violations": violations,
-    }
-    return result
+    return case_result(work.name, spec.text, facts, work.facts(), work.batch, dist.get_world_size(), warmup, steps,
+                       measured, wire_total)
 
 
 def teacher_batch(index: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,12 +132,12 @@ def teacher_batch(index: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (F.adaptive_avg_pool2d(x, 4).flatten(1) @ w).argmax(dim=1)
 
 
-def run_quality(label: str, case_id: int, batch: int, steps: int) -> dict[str, Any]:
+def run_quality(spec: specs.Spec, case_id: int, batch: int, steps: int) -> dict[str, Any]:
     """Train ``steps`` steps on the teacher task; the held-out loss and accuracy at the end, and the link bytes."""
     torch.manual_seed(SEED)
     model = ResNet18()
     ddp_model = DistributedDataParallel(model)
-    state, fixed_bits = attach(label, ddp_model, model, case_id)
+    state, fixed_bits = attach(spec, ddp_model, model, case_id)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)     # the timed cases' optimizer
     rank = dist.get_rank()
     data = [teacher_batch(8 * rank + k, batch) for k in range(8)]
@@ -196,7 +161,7 @@ def run_quality(label: str, case_id: int, batch: int, steps: int) -> dict[str, A
         out = model(x)
         held_out = float(F.cross_entropy(out, y))
         accuracy = float((out.argmax(dim=1) == y).float().mean())
-    result = {"compressor": label, "steps": steps, "batch_per_rank": batch, "link_bytes": tx1 - tx0,
+    result = {"compressor": spec.text, "steps": steps, "batch_per_rank": batch, "link_bytes": tx1 - tx0,
               "modeled_bytes_per_step": dist.get_world_size() * statistics.fmean(bits) / 8,
               "train_loss_last5": statistics.fmean(losses[-5:]), "train_loss_first": losses[0],
               "held_out_loss": held_out, "held_out_accuracy": accuracy}
@@ -206,17 +171,19 @@ def run_quality(label: str, case_id: int, batch: int, steps: int) -> dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
-    parser.add_argument("--compressors", nargs="+", required=True)
+    parser.add_argument("--compressors", nargs="+", required=True, type=specs.argument, metavar="SPEC")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1, help="times the compressor list runs, in turn")
-    parser.add_argument("--models", nargs="+", default=["resnet18"], choices=SharedWorkload.NAMES)
+    parser.add_argument("--models", nargs="+", default=["resnet18"], choices=Workload.DDP_NAMES)
     parser.add_argument("--cnn-batch", type=int, default=16)
     parser.add_argument("--gpt-batch", type=int, default=8, help="gpt2_small sequences (128 tokens) per rank")
     parser.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE,
                         help="ResNet-18 image side of the timed cases (the training run stays at 32)")
     parser.add_argument("--quality-steps", type=int, default=0, help="train instead of timing (0: time)")
     args = parser.parse_args()
+    if not all(spec.ddp for spec in args.compressors):
+        parser.error("this worker runs ddp: specs only (ddp:none, ddp:fp16, ddp:powersgdR, ddp:safebits@BITS)")
 
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations are counted per case
@@ -226,23 +193,19 @@ def main() -> None:
     rounds = 1 if args.quality_steps else args.rounds
     models = ["resnet18"] if args.quality_steps else args.models        # the training run: ResNet-18 only
     batches = {"resnet18": args.cnn_batch, "gpt2_small": args.gpt_batch}
-    for case_id, (name, round_index, label) in enumerate(itertools.product(models, range(rounds),
-                                                                            args.compressors)):
+    for case_id, (name, round_index, spec) in enumerate(itertools.product(models, range(rounds),
+                                                                           args.compressors)):
         if args.quality_steps:
-            result = run_quality(label, case_id, args.cnn_batch, args.quality_steps)
+            result = run_quality(spec, case_id, args.cnn_batch, args.quality_steps)
             if rank0:
-                print(f"[link] quality {label:17s} held-out loss {result['held_out_loss']:.4f} accuracy "
+                print(f"[link] quality {spec.text:17s} held-out loss {result['held_out_loss']:.4f} accuracy "
                       f"{result['held_out_accuracy']:.3f}  link {result['link_bytes'] / args.quality_steps / 1e6:.2f}"
                       f" MB/step", flush=True)
         else:
-            work = SharedWorkload(name, batches[name], args.image_size)
-            result = run_case(work, label, case_id, args.warmup, args.steps)
-            median = statistics.median(result["step_times_s"])
-            rate = result["ranks"] * work.batch * work.unit_per_sample / median
+            work = Workload(name, batches[name], args.image_size)
+            result = run_case(work, spec, case_id, args.warmup, args.steps)
             if rank0:
-                print(f"[link] {name:10s} {label:17s} step {median * 1e3:8.1f} ms  {rate:9.2f} {work.unit}/s  "
-                      f"link {result['link_bytes'] / result['steps'] / 1e6:8.2f} MB/step  "
-                      f"modeled {result['modeled_bytes_per_step'] / 1e6:8.2f} MB/step", flush=True)
+                print(case_line(name, spec.text, result), flush=True)
         result["round"] = round_index
         cases.append(result)
         gc.collect()                      # the case's model, DDP wrapper and hook state

@@ -1,9 +1,9 @@
 """SafeBits' DDP hook against default DDP: the per-step overhead on a model of many small tensors.
 
-Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_overhead.py --out r.json``
+Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.suites.ddp_overhead --out r.json``
 (Gloo, CPU; set ``OMP_NUM_THREADS=1`` with 2 ranks on 2 cores). Two identical MLPs of ``--layers`` square layers
 (``2 * layers`` tensors; default 500 layers of width 16: 1,000 tensors, 136,000 parameters, the model of
-``bench/horovod_overhead.py --width 16 --layers 500``), one wrapped in DDP with SafeBits' hook
+``bench.suites.horovod_overhead --width 16 --layers 500``), one wrapped in DDP with SafeBits' hook
 (``safebits_hvd.ddp.safebits_hook``), the other in plain DDP (its default allreduce); their training steps
 alternate, and the figure is the ratio of the median step times (each the slowest rank's). Rank 0 writes one JSON
 object to ``--out``.
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from step_timing import interleaved_times, make_model
 from torch import nn
 
+from bench.suites.step_timing import interleaved_times, make_model
 from safebits_hvd import ddp as sbddp
 
 

@@ -1,6 +1,6 @@
 """The batched step's group kernels on the GPU: ``kernels.send_group`` and ``kernels.decode_group`` of one fusion
 group, timed as a ratio to ``torch.clone`` of the group's float32 bytes (one flat tensor), and the reads back to
-the host (``safebits_hvd.host``) per group. Run: ``SAFEBITS_BENCH_DEVICE=cuda python bench/bench_group.py``
+the host (``safebits_hvd.host``) per group. Run: ``SAFEBITS_BENCH_DEVICE=cuda python -m bench.suites.bench_group``
 (bench/gpu_check.sh does). Groups: many small tensors (a transformer layer's biases and norms), and a few large."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 import torch
-from bench_kernels import best_time  # the suites' timer (the script's folder is on sys.path)
 
+from bench.suites.bench_kernels import best_time  # the suites' timer
 from safebits_hvd import host
 from safebits_hvd import kernels as K
 from safebits_hvd.actions import DEFAULT_MENU, make_menu

@@ -1,13 +1,13 @@
 """SafeBits under Horovod, 2 ranks: per-step overhead and the statistics exchange plus allocation.
 
-Each case is one ``horovodrun -np 2`` launch of ``bench/horovod_overhead.py`` (timed by pytest-benchmark once,
+Each case is one ``horovodrun -np 2`` launch of ``bench.suites.horovod_overhead`` (timed by pytest-benchmark once,
 ``rounds=1``); the worker's figures go to ``benchmark.extra_info``:
 
 * ``step_ratio``: median training-step time with SafeBits over the same step with ``hvd.Compression.none``
   (16 layers 512x512, 4.2M parameters in 32 tensors, batch 256 per rank, interleaved); target <= 1.25.
 * ``exchange_allocation_ms``: per-step statistics exchange plus allocation for 1,000 tensors; target < 2 ms.
 
-``pytest bench/bench_horovod.py -m "not full"`` runs only the short Gloo exchange case.
+``pytest bench/suites/bench_horovod.py -m "not full"`` runs only the short Gloo exchange case.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import pytest
 
 from safebits_hvd import launch
 
-REPO = Path(__file__).resolve().parent.parent
-WORKER = REPO / "bench" / "horovod_overhead.py"
+WORKER = ("-m", "bench.suites.horovod_overhead")   # a module, run from the repository root
 
 STEP_RATIO_TARGET = 1.25
 EXCHANGE_MS_TARGET = 2.0
@@ -32,7 +31,7 @@ pytestmark = pytest.mark.skipif(launch.horovodrun_path() is None, reason="horovo
 def run_worker(transport: str, parts: str, out: Path, *args: str, timeout: float = 400) -> dict[str, Any]:
     """Run the worker on 2 ranks and return its JSON (fails the test on a non-zero exit or a timeout)."""
     try:
-        launch.horovodrun(2, WORKER, "--parts", parts, "--out", str(out), *args, transport=transport,
+        launch.horovodrun(2, *WORKER, "--parts", parts, "--out", str(out), *args, transport=transport,
                           timeout=timeout)
     except launch.LaunchError as exc:
         pytest.fail(str(exc))

@@ -1,221 +1,73 @@
-"""One Horovod rank of the end-to-end comparison (launched by ``bench/demo.py`` under ``horovodrun -np 2``).
+"""One Horovod rank of the end-to-end harnesses: ``demo`` (launched by ``bench.demo`` and
+``bench.experiments.threshold_sweep``) or ``link`` (launched by ``bench.link`` inside its network namespace).
 
-Within the same processes it trains, one run after another, every compressor of
-:data:`safebits_hvd.baselines.REGISTRY` (SafeBits and the unscreened ablation at several budgets, in bits per
-parameter per step) on two tasks, with the same seed, data order, initial weights and learning-rate schedule (by
-default a cosine decay to 0 over the run) for every compressor:
+``demo``: within the same processes it trains, one run after another, every compressor of its plan (registry
+names of :data:`safebits_hvd.baselines.REGISTRY`; SafeBits and the unscreened ablation at several budgets, in
+bits per parameter per step) on the tasks of :mod:`bench.tasks`, with the same seed, data order, initial weights
+and learning-rate schedule (by default a cosine decay to 0 over the run) for every compressor. Rank 0 prints one
+line per run and writes the raw per-step curves to ``--out`` (JSON); ``bench.demo`` turns them into
+``results/demo.json``, ``results/demo.md`` and the plots.
 
-* ``digits_cnn``: a small CNN on scikit-learn's bundled 8x8 digits (SGD with momentum); metric: validation
-  accuracy.
-* ``bytes_lm``: a byte-level causal transformer on CPython standard-library sources found on this machine
-  (Adam); metric: validation bits per byte.
-* ``bytes_lm_large`` (only when asked for with ``--tasks``): the same LM at width 256 (1.2M parameters) on about
-  2 MB of the same sources.
+``link``: for every (model, compressor spec) case, one after another in the same two processes, the figures of
+:mod:`bench.protocol`. Compressors: ``none`` and ``fp16`` are ``hvd.Compression.none`` / ``hvd.Compression.fp16``;
+any other name is a registry name, ``name@bits`` giving ``budget_bits`` (``safebits@4.4``, ``safebits@auto``).
+Before the cases, a link probe times plain fp32 allreduces (no model, no compressor) and divides the loopback bytes
+they moved by their time: the rate the link really gave. Rank 0 writes the raw figures to ``--out`` (JSON).
 
-Rank 0 prints one line per run and writes the raw per-step curves to ``--out`` (JSON); ``demo.py`` turns them
-into ``results/demo.json``, ``results/demo.md`` and the plots.
+Not meant to be run by hand: ``python -m bench.demo`` and ``python -m bench.link`` launch it.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
+import gc
+import importlib.metadata
+import itertools
 import json
 import logging
 import math
 import os
-import sys
-import sysconfig
+import platform
+import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from demo_stats import COLLAPSE_FACTOR, SCHEDULES, collapsed, run_label, section
-
-from safebits_hvd.baselines import BUDGETED, REGISTRY, make_compressor
+from bench import specs
+from bench.demo_stats import COLLAPSE_FACTOR, collapsed, run_label, section
+from bench.protocol import SEED, case_line, case_result, measure, read_tx_bytes
+from bench.tasks import (
+    DEFAULT_IMAGE_SIZE,
+    LM_SHAPES,
+    SCHEDULES,
+    TASK_NAMES,
+    Task,
+    Workload,
+    corpus_files,
+    make_task,
+    model_facts,
+)
+from safebits_hvd.baselines import BUDGETED, make_compressor
 
 FIXED = ["fp32", "fp16", "qsgd8", "qsgd4", "qsgd2", "terngrad", "signsgd_ef", "topk10_ef", "topk1_ef"]
-"""Fixed-action baselines, in table order."""
+"""Fixed-action baselines of the demo's default plan, in table order."""
 
 BUDGETS = [2.0, 4.4, 8.0]
-"""Budgets (bits per parameter per step) of SafeBits and of unscreened global budgeting."""
+"""Budgets (bits per parameter per step) of SafeBits and of unscreened global budgeting in the default plan."""
 
 MAX_SCALED_BUDGET = 2.0
 """Budgets up to this also run SafeBits and unscreened budgeting on ``baselines.MAX_SCALED_MENU`` and
 ``baselines.QUANTIZER_MENU``: the tight regime in which those menus' only cheap actions do not contract
-(docs/RESULTS.md 6.6)."""
+(docs/RESULTS.md, section 9)."""
 
 
-# ---------------------------------------------------------------------------------------------- tasks
-class DigitsCNN(torch.nn.Module):
-    """Two 3x3 conv layers (16, 32 channels) with 2x2 max-pooling, then a 64-unit MLP head: 13,706 parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = torch.nn.Linear(32 * 2 * 2, 64)
-        self.fc2 = torch.nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+def barrier(tag: str) -> None:
+    hvd.allreduce(torch.zeros(1), name=f"barrier.{tag}")
 
 
-class ByteLM(torch.nn.Module):
-    """Pre-norm causal transformer over bytes: vocabulary 256, ``width`` channels, ``layers`` blocks."""
-
-    def __init__(self, context: int, width: int = 64, layers: int = 2, heads: int = 4) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, width)
-        self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
-        block = torch.nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
-                                                 norm_first=True)
-        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.norm = torch.nn.LayerNorm(width)
-        self.head = torch.nn.Linear(width, 256)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context),
-                             persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        h = self.embed(x) + self.position[:t]
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
-        return self.head(self.norm(h))
-
-
-LM_SHAPES = {"bytes_lm": (64, 400_000, 3e-3), "bytes_lm_large": (256, 2_000_000, 1e-3)}
-"""LM task -> (width, corpus bytes, Adam learning rate): the demo's LM (104,192 parameters) and a larger one
-(1,202,432 parameters; 2 layers and 4 heads both). At width 256, 1e-3 ended 160 steps of fp32 training slightly
-lower than 3e-3 (3.221 against 3.230 validation bits per byte, one process, batch 32)."""
-
-
-@dataclass
-class Task:
-    """Data, model factory, optimizer, learning-rate schedule and metric of one task."""
-
-    name: str
-    metric_name: str
-    steps: int
-    lr: float
-    batch: int = 0          # examples (CNN) or 64-byte windows (LM) per rank and step; 0: the task's default
-    # The learning rate over the steps (one of SCHEDULES): "cosine" decays from lr towards 0 at the last step, so
-    # the final evaluation reads a settled model, not the last noisy iterate of a constant rate, where one seed's
-    # validation loss of a near-lossless compressor strayed 30% from fp32's (docs/RESULTS.md, section 6.13).
-    schedule: str = SCHEDULES[0]
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown learning-rate schedule {self.schedule!r}; known: {SCHEDULES}")
-        if self.name == "digits_cnn":
-            from sklearn.datasets import load_digits
-
-            digits = load_digits()
-            x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-            y = torch.tensor(digits.target, dtype=torch.int64)
-            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
-            x, y = x[order], y[order]
-            self.train_x, self.train_y = x[300:], y[300:]
-            self.val_x, self.val_y = x[:300], y[:300]
-            self.batch = self.batch or 32
-        else:
-            self.context = 64
-            self.batch = self.batch or 16
-            self.width, corpus_bytes, _ = LM_SHAPES[self.name]
-            self.corpus_files = corpus_files(corpus_bytes)
-            data = load_corpus(self.corpus_files)
-            split = int(len(data) * 0.9)
-            self.train_bytes, self.val_bytes = data[:split], data[split:]
-            starts = torch.linspace(0, len(self.val_bytes) - self.context - 2, 256).long()
-            self.val_windows = torch.stack([self.val_bytes[s:s + self.context + 1] for s in starts])
-
-    def model(self) -> torch.nn.Module:
-        return DigitsCNN() if self.name == "digits_cnn" else ByteLM(self.context, self.width)
-
-    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        if self.name == "digits_cnn":
-            return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
-        return torch.optim.Adam(model.parameters(), lr=self.lr)
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based, of :attr:`steps`) under :attr:`schedule`."""
-        if self.schedule == "cosine":
-            return self.lr * 0.5 * (1.0 + math.cos(math.pi * step / self.steps))
-        return self.lr
-
-    def set_lr(self, optimizer: torch.optim.Optimizer, step: int) -> None:
-        """Give every parameter group of ``optimizer`` the learning rate of step ``step``."""
-        for group in optimizer.param_groups:
-            group["lr"] = self.lr_at(step)
-
-    def batch_loss(self, model: torch.nn.Module, gen: torch.Generator) -> torch.Tensor:
-        if self.name == "digits_cnn":
-            idx = torch.randint(len(self.train_y), (self.batch,), generator=gen)
-            return F.cross_entropy(model(self.train_x[idx]), self.train_y[idx])
-        starts = torch.randint(len(self.train_bytes) - self.context - 1, (self.batch,), generator=gen)
-        windows = torch.stack([self.train_bytes[s:s + self.context + 1] for s in starts])
-        logits = model(windows[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, 256), windows[:, 1:].reshape(-1))
-
-    @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
-        """(validation loss in nats, metric): accuracy for the CNN, bits per byte for the LM."""
-        model.eval()
-        try:
-            if self.name == "digits_cnn":
-                logits = model(self.val_x)
-                loss = float(F.cross_entropy(logits, self.val_y))
-                return loss, float((logits.argmax(1) == self.val_y).float().mean())
-            logits = model(self.val_windows[:, :-1])
-            loss = float(F.cross_entropy(logits.reshape(-1, 256), self.val_windows[:, 1:].reshape(-1)))
-            return loss, loss / math.log(2)
-        finally:
-            model.train()
-
-
-TASK_NAMES = ("digits_cnn", *LM_SHAPES)
-CNN_LEARNING_RATE = 0.1     # SGD with momentum 0.9 (the LMs' Adam rates are in LM_SHAPES)
-
-
-def make_task(name: str, steps: int, batch: int = 0, schedule: str = SCHEDULES[0]) -> Task:
-    """Task ``name`` (one of :data:`TASK_NAMES`) with the demo's metric, learning rate and schedule (``batch`` 0:
-    the task's default, 32 digits or 16 windows per rank)."""
-    if name == "digits_cnn":
-        return Task(name, "val_accuracy", steps, lr=CNN_LEARNING_RATE, batch=batch, schedule=schedule)
-    if name in LM_SHAPES:
-        return Task(name, "val_bits_per_byte", steps, lr=LM_SHAPES[name][2], batch=batch, schedule=schedule)
-    raise ValueError(f"unknown task {name!r}; known: {TASK_NAMES}")
-
-
-def corpus_files(target_bytes: int = LM_SHAPES["bytes_lm"][1]) -> list[str]:
-    """CPython standard-library ``.py`` files of this interpreter, in sorted name order, until ``target_bytes``."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    chosen, total = [], 0
-    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
-        size = os.path.getsize(path)
-        if size < 2_000 or size > 120_000:   # skip stubs and the very largest modules
-            continue
-        chosen.append(path)
-        total += size
-        if total >= target_bytes:
-            break
-    return chosen
-
-
-def load_corpus(files: list[str]) -> torch.Tensor:
-    """The corpus (``files``, from :func:`corpus_files`) as a uint8 -> int64 tensor of bytes."""
-    raw = b"".join(open(p, "rb").read() for p in files)  # noqa: SIM115 - read-and-close
-    return torch.tensor(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
-
-
-# ---------------------------------------------------------------------------------------------- one run
+# ---------------------------------------------------------------------------------------------- demo: one run
 def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, run_id: int,
             thresholds: tuple[float, float] | None = None) -> dict[str, Any]:
     """Train ``task`` with one compressor under Horovod; returns the run's summary and per-step curves.
@@ -312,18 +164,13 @@ def make_plan(budgets: list[float], thresholds: list[tuple[float, float] | None]
 
 
 def parse_run(text: str) -> tuple[str, float | None, None]:
-    """``"safebits@2"`` -> ``("safebits", 2.0, None)``, ``"fp32"`` -> ``("fp32", None, None)``: one run of a plan."""
-    name, _, budget = text.partition("@")
-    try:
-        bits = float(budget) if budget else None
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NAME or NAME@BITS, got {text!r}") from None
-    if name not in REGISTRY:
-        raise argparse.ArgumentTypeError(f"unknown compressor {name!r}; known: {sorted(REGISTRY)}")
-    if (bits is None) == (name in BUDGETED) or (bits is not None and not bits > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: budgeted compressors ({', '.join(sorted(BUDGETED))}) take "
-                                         f"@BITS > 0, the fixed ones none")
-    return name, bits, None
+    """``"safebits@2"`` -> ``("safebits", 2.0, None)``, ``"fp32"`` -> ``("fp32", None, None)``: one run of a plan
+    (a :mod:`bench.specs` spec of the registry; Horovod's own ``none``/``fp16`` are ``fp32``/``fp16`` here, and
+    ``auto`` is for the link benchmark, whose link it measures)."""
+    spec = specs.argument(text)
+    if spec.ddp or spec.name in specs.HOROVOD_BUILTIN or spec.budget_bits == "auto":
+        raise argparse.ArgumentTypeError(f"{text!r}: the demo runs registry compressors at a number of bits")
+    return spec.name, None if spec.budget_bits is None else float(spec.budget_bits), None
 
 
 class Progress:
@@ -354,9 +201,7 @@ class Progress:
         return f"run {done + 1}/{total} ({done} done, {sum(self.walls):.0f} s so far, {estimate})"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--cnn-steps", type=int, default=150)
     parser.add_argument("--lm-steps", type=int, default=150)
@@ -382,16 +227,15 @@ def main() -> None:
     parser.add_argument("--thresholds", type=parse_thresholds, nargs="+", default=[None],
                         help="SafeBits screens as MAX_DISTORTION:MIN_COSINE (one SafeBits run per budget and "
                              "pair); default: the library's")
-    args = parser.parse_args()
+def check_demo_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.large_plan and "bytes_lm_large" in args.tasks:     # else one of the two would be silently ignored
         parser.error("--large-plan trains bytes_lm_large itself: leave it out of --tasks")
     if args.constant_plan and args.lr_schedule == "constant":  # else both would land in one table
         parser.error("--constant-plan adds constant-rate runs to decayed ones: with --lr-schedule constant, "
                      "give them in --plan")
 
-    torch.set_num_threads(1)
-    logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations/escalations are counted per run
-    hvd.init()
+
+def demo_main(args: argparse.Namespace) -> None:
     rank0 = hvd.rank() == 0
     plan = args.plan or make_plan(args.budgets, args.thresholds, args.compressors)
     tasks = {name: make_task(name, args.cnn_steps if name == "digits_cnn" else args.lm_steps,
@@ -437,6 +281,121 @@ def main() -> None:
                                                                        if "bytes_lm" in tasks else corpus_files())],
                        **({"large_corpus_files": [os.path.basename(p) for p in tasks["bytes_lm_large"].corpus_files]}
                           if "bytes_lm_large" in tasks else {})}, f)
+
+
+# ---------------------------------------------------------------------------------------------- link: one case
+def build_compression(spec: specs.Spec, model: torch.nn.Module, case_id: int) -> Any:
+    """Horovod's ``none`` / ``fp16`` or a registry compressor at its budget."""
+    if spec.name == "none":
+        return hvd.Compression.none
+    if spec.name == "fp16":
+        return hvd.Compression.fp16
+    kwargs: dict[str, Any] = {"name": f"safebits.link.{case_id}"} if spec.budgeted else {}
+    return make_compressor(spec.name, model.named_parameters(), seed=SEED, budget_bits=spec.budget_bits, **kwargs)
+
+
+def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps: int) -> dict[str, Any]:
+    """One case under :func:`bench.protocol.measure`; its JSON record (meaningful on rank 0)."""
+    torch.manual_seed(SEED)
+    model = work.model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    facts = model_facts(model)
+    compression = build_compression(spec, model, case_id)
+    opt = hvd.DistributedOptimizer(work.optimizer(model), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    gen = torch.Generator().manual_seed(SEED * 7919 + hvd.rank())
+
+    def step() -> None:
+        opt.zero_grad()
+        work.loss(model, gen).backward()
+        opt.step()
+
+    measured = measure(step, lambda: barrier(f"{case_id}"), lambda: getattr(compression, "last_step", None),
+                       (16 if spec.name == "fp16" else 32) * facts["parameters"], warmup, steps)
+    wire_total: float | None = None
+    if measured["wire_bytes"] is not None:         # this rank's bytes, summed over steps, then over ranks
+        wire_total = float(hvd.allreduce(torch.tensor([measured["wire_bytes"]], dtype=torch.float64),
+                                         op=hvd.Sum, name=f"link.wire.{case_id}"))
+    result = case_result(work.name, spec.text, facts, work.facts(), work.batch, hvd.size(), warmup, steps,
+                         measured, wire_total)
+    return result
+
+
+def link_probe(elements: int = 4 * 2**20, repeats: int = 3) -> dict[str, Any]:
+    """Communication alone: fp32 allreduces of ``elements`` values (no model, no compressor). The loopback bytes
+    they move over their median time is the rate the link really gave, a check that the limit is in place."""
+    x = torch.ones(elements)
+    hvd.allreduce(x, name="link.probe.warm")
+    times, moved = [], []
+    for k in range(repeats):
+        barrier(f"probe.{k}")
+        tx0, t0 = read_tx_bytes(), time.perf_counter()
+        hvd.allreduce(x, name="link.probe")
+        times.append(time.perf_counter() - t0)
+        moved.append(read_tx_bytes() - tx0)
+    median = statistics.median(times)
+    return {"elements": elements, "times_s": times, "link_bytes": moved,
+            "achieved_bits_per_s": statistics.median(moved) * 8 / median if median > 0 else None}
+
+
+def batch_for(name: str, args: argparse.Namespace) -> int:
+    """The per-rank batch of ``name``: ``--cnn-batch``, ``--gpt-batch`` or ``--lm-batch``."""
+    return {"resnet18": args.cnn_batch, "gpt2_small": args.gpt_batch}.get(name, args.lm_batch)
+
+
+def link_main(args: argparse.Namespace) -> None:
+    rank0 = hvd.rank() == 0
+    probe = link_probe()
+    if rank0:
+        print(f"[link] probe: fp32 allreduce of {probe['elements']:,} values moved "
+              f"{statistics.median(probe['link_bytes']) / 1e6:.1f} MB in {statistics.median(probe['times_s']):.3f} s "
+              f"= {probe['achieved_bits_per_s'] / 1e9:.2f} Gbit/s on the link", flush=True)
+    cases = []
+    case_id = 0
+    for name in args.models:
+        work = Workload(name, batch_for(name, args), args.image_size)
+        for round_index, spec in itertools.product(range(args.rounds), args.compressors):
+            result = run_case(work, spec, case_id, args.warmup, args.steps)
+            result["round"] = round_index
+            case_id += 1
+            cases.append(result)
+            gc.collect()                  # the case's model, optimizer and compressor
+            if rank0:
+                print(case_line(name, spec.text, result), flush=True)
+    if rank0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"cases": cases, "probe": probe, "torch": torch.__version__,
+                       "horovod": importlib.metadata.version("horovod"), "threads": torch.get_num_threads(),
+                       "python": platform.python_version()}, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train the demo's tasks with every compressor of a plan")
+    demo.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
+    add_demo_arguments(demo)
+    link = commands.add_parser("link", help="time every (model, compressor) case on the link")
+    link.add_argument("--out", required=True, help="raw results JSON (written by rank 0)")
+    link.add_argument("--models", nargs="+", default=["resnet18", "bytes_lm"], choices=Workload.NAMES)
+    link.add_argument("--compressors", nargs="+", required=True, type=specs.argument, metavar="SPEC")
+    link.add_argument("--warmup", type=int, default=2)
+    link.add_argument("--steps", type=int, default=6)
+    link.add_argument("--rounds", type=int, default=1, help="times the compressor list runs, in turn")
+    link.add_argument("--cnn-batch", type=int, default=16)
+    link.add_argument("--lm-batch", type=int, default=16, help="bytes_lm sequences per rank")
+    link.add_argument("--gpt-batch", type=int, default=8, help="gpt2_small sequences (128 tokens) per rank")
+    link.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE, help="ResNet-18 image side")
+    args = parser.parse_args()
+    if args.command == "demo":
+        check_demo_arguments(demo, args)
+    elif any(spec.ddp for spec in args.compressors):
+        link.error("ddp: specs run under bench.ddp_worker")
+
+    torch.set_num_threads(1)
+    logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations/escalations are counted per run
+    hvd.init()
+    (demo_main if args.command == "demo" else link_main)(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Step time of one compressor on a 2.1M-parameter MLP under Horovod (docs/RESULTS.md 8.2): 100 steps of batch 64,
 the mean of steps 20-99 printed by rank 0; with ``auto``, also its estimate of each candidate budget.
 
-Usage: ``OMP_NUM_THREADS=1 horovodrun -np 2 --gloo .venv/bin/python bench/auto_mlp.py {none,32,3,auto}``.
+Usage: ``OMP_NUM_THREADS=1 horovodrun -np 2 --gloo .venv/bin/python -m bench.experiments.auto_mlp {none,32,3,auto}``.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _timing import measured_min, min_seconds
 
 import safebits_hvd as sb
+from bench.suites.timing import measured_min, min_seconds
 from safebits_hvd import kernels
 from safebits_hvd.allocator import allocate, compiled_available
 from safebits_hvd.screen import admissible, distortion_cosine

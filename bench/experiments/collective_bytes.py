@@ -24,9 +24,10 @@ Two parts (docs/DESIGN.md, "Compressed collectives"):
 
 Run it::
 
-    .venv/bin/python bench/collective_bytes.py --table                                # print the modeled tables
-    .venv/bin/python bench/collective_bytes.py --measure --ranks 2 4                  # two short launches
-    .venv/bin/python bench/collective_bytes.py --table --measure --ranks 2 4 --out results/collective_bytes.md
+    .venv/bin/python -m bench.experiments.collective_bytes --table                   # print the modeled tables
+    .venv/bin/python -m bench.experiments.collective_bytes --measure --ranks 2 4                  # two short launches
+    .venv/bin/python -m bench.experiments.collective_bytes --table --measure --ranks 2 4 \
+        --out results/collective_bytes.md
 
 Exit status 1 if a measured step's collective disagrees with ``choose``.
 """
@@ -43,9 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:       # run as a script from anywhere: the package is importable
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 from safebits_hvd.collectives import COLLECTIVES, choose  # noqa: E402
 from safebits_hvd.wire import HEADER_BYTES  # noqa: E402

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _timing import measured_min, min_seconds
 
 import safebits_hvd as sb
+from bench.suites.timing import measured_min, min_seconds
 
 MENUS = {
     3: ["fp32", "int8", "sign"],

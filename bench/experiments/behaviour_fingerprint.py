@@ -33,9 +33,9 @@ record fields, and every rank's parameter hash (which must agree). About 15-40 s
 The ``meta`` section (package path, versions, kernel backend) is informational and not compared: it differs
 between a worktree and the main checkout. Run (from the repository root)::
 
-    .venv/bin/python bench/behaviour_fingerprint.py --out /tmp/fp_after.json
-    .venv/bin/python bench/behaviour_fingerprint.py --horovod --out /tmp/fp_after_hvd.json
-    .venv/bin/python bench/behaviour_fingerprint.py --compare /tmp/fp_before.json /tmp/fp_after.json
+    .venv/bin/python -m bench.experiments.behaviour_fingerprint --out /tmp/fp_after.json
+    .venv/bin/python -m bench.experiments.behaviour_fingerprint --horovod --out /tmp/fp_after_hvd.json
+    .venv/bin/python -m bench.experiments.behaviour_fingerprint --compare /tmp/fp_before.json /tmp/fp_after.json
 
 ``--compare`` prints the first differences (JSON path of each) and exits 1, or prints
 ``identical: N values compared`` and exits 0.
@@ -65,8 +65,7 @@ import numpy as np
 import torch
 from torch import nn
 
-# The package comes from PYTHONPATH or the installed one; this checkout's copy only if neither has it.
-sys.path.append(str(Path(__file__).resolve().parent.parent))
+# The package comes from PYTHONPATH (another checkout: PYTHONPATH=/path/to/it) or the installed one.
 import safebits_hvd as sb
 from safebits_hvd import baselines
 

@@ -1,14 +1,14 @@
 """Thresholds from evidence: SafeBits' screen ``(max_distortion, min_cosine)`` x budget on the demo tasks.
 
-Launches ONE ``horovodrun -np 2 --gloo`` of ``bench/demo_worker.py`` (the demo's tasks, models, data order and
+Launches ONE ``horovodrun -np 2 --gloo`` of ``bench.hvd_worker demo`` (the demo's tasks, models, data order and
 collapse rule) with ``--compressors safebits unscreened``, one SafeBits run per budget, screen and seed, and the
 unscreened ablation per budget and seed as the reference. Writes ``<out-dir>/threshold_sweep.json`` (the demo's
 per-run fields plus ``max_distortion``, ``min_cosine``, ``bits_per_param``) and ``<out-dir>/threshold_sweep.md``:
 per task, one row per screen, and per budget the metric's mean ± std over seeds, the bits per parameter actually
 sent, the steps over budget (violations) and the collapses.
 
-    .venv/bin/python bench/threshold_sweep.py --lr-schedule constant  # the grid of docs/RESULTS.md section 6.5
-    .venv/bin/python bench/threshold_sweep.py --distortions 0.5 --cosines 0.7 0.8 --budgets 2 --seeds 0
+    .venv/bin/python -m bench.experiments.threshold_sweep --lr-schedule constant  # docs/RESULTS.md, section 9
+    .venv/bin/python -m bench.experiments.threshold_sweep --distortions 0.5 --cosines 0.7 0.8 --budgets 2 --seeds 0
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from demo_stats import DEFAULT_THRESHOLDS, SCHEDULES, higher_is_better, mean_std
-
+from bench.demo_stats import DEFAULT_THRESHOLDS, higher_is_better, mean_std
+from bench.tasks import SCHEDULES
 from safebits_hvd import launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metric", "metric_name",
           "compression_ratio", "violations", "escalations", "collapsed", "wall_s", "max_distortion", "min_cosine",
           "bits_per_param"]
@@ -98,11 +98,11 @@ def main() -> int:
                    "--lm-steps", str(args.lm_steps), "--tasks", *args.tasks, "--budgets", *map(str, args.budgets),
                    "--thresholds", *thresholds, "--lr-schedule", args.lr_schedule, "--compressors", "safebits",
                    *([] if args.no_unscreened else ["unscreened"])]
-    worker = os.path.join(ROOT, "bench", "demo_worker.py")
-    print("[sweep] demo_worker.py " + " ".join(worker_args), flush=True)
+    print("[sweep] bench.hvd_worker demo " + " ".join(worker_args), flush=True)
     start = time.perf_counter()
     try:
-        launch.horovodrun(2, worker, *worker_args, timeout=4 * 3600, env={"OMP_NUM_THREADS": "1"},
+        launch.horovodrun(2, "-m", "bench.hvd_worker", "demo", *worker_args, timeout=4 * 3600,
+                          env={"OMP_NUM_THREADS": "1"},
                           on_line=lambda line: print(line.split("<stdout>:", 1)[-1], flush=True)
                           if "[demo]" in line or "Error" in line or "Traceback" in line else None)
     except launch.LaunchError as exc:
@@ -113,7 +113,8 @@ def main() -> int:
     total_s = time.perf_counter() - start
     with open(os.path.join(args.out_dir, "threshold_sweep.json"), "w", encoding="utf-8") as f:
         json.dump({"runs": [{k: r[k] for k in FIELDS} for r in runs], "total_wall_s": total_s}, f, indent=1)
-    md = (f"# SafeBits threshold sweep\n\nCommand: `{' '.join(['python', 'bench/threshold_sweep.py', *sys.argv[1:]])}`"
+    command = " ".join(["python -m bench.experiments.threshold_sweep", *sys.argv[1:]])
+    md = (f"# SafeBits threshold sweep\n\nCommand: `{command}`"
           f"; {len(runs)} runs; total wall time {total_s:.0f} s.\n\n" + sweep_table(runs))
     with open(os.path.join(args.out_dir, "threshold_sweep.md"), "w", encoding="utf-8") as f:
         f.write(md)

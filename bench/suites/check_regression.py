@@ -1,6 +1,6 @@
 """Compare a pytest-benchmark JSON with the stored baseline by RATIOS in ``extra_info``, never absolute times.
 
-    python bench/check_regression.py results/bench.json bench/baseline.json [--time-tolerance 2.0]
+    python -m bench.suites.check_regression results/bench.json bench/suites/baseline.json [--time-tolerance 2.0]
 
 * Time ratios (``extra_info`` keys ending in ``_vs_clone`` or ``_vs_reference``; lower is better) regress when
   ``current > time_tolerance x max(baseline, TIME_RATIO_FLOOR)`` (default 2x: wide, for a noisy shared 2-core
@@ -15,7 +15,8 @@ Refresh the baseline from real runs (keeps only what the check reads, plus the m
 runs (``--merge``), each time ratio is the largest and each compression ratio the smallest seen, so the baseline
 is a slow-but-normal run rather than a lucky one:
 
-    python bench/check_regression.py results/bench.json bench/baseline.json --update --merge other-run.json
+    python -m bench.suites.check_regression results/bench.json bench/suites/baseline.json --update \
+        --merge other-run.json
 
 Exit status: 0 when nothing regressed, 1 on a regression, 2 when the results hold no benchmark at all.
 """
@@ -83,7 +84,7 @@ def write_baseline(results: str, baseline: str, merge: list[str] | None = None) 
             elif seen and key in HIGHER_IS_BETTER:
                 info[key] = min([value, *seen])
     trimmed = {
-        "note": "made by bench/check_regression.py --update from a real `make bench-smoke` run",
+        "note": "made by bench.suites.check_regression --update from a real `make bench-smoke` run",
         "datetime": data.get("datetime"),
         "machine_info": {k: data.get("machine_info", {}).get(k) for k in ("node", "processor", "cpu",
                                                                           "python_version")},

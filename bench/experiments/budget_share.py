@@ -14,11 +14,12 @@ the table gives the averages over the steps after the first (the start policy's)
 Data sets: ``synthetic`` (24 tensors of 1,000 to 200,000 elements, fresh Gaussian gradients every step: every
 quantizer of the menu passes the screen), ``one_large`` (the same with one tensor of 1,000,000 elements and two of
 500: 99.9% of the parameters in one tensor, so the share is set by the menu's costs alone), ``mostly_one`` (six
-tensors, 84% in one), and the gradients of ``bench/demo_worker.py``'s ``digits_cnn`` and
+tensors, 84% in one), and the gradients of ``bench.tasks``' ``digits_cnn`` and
 ``bytes_lm`` while they train (seed 0, the demo's optimizer; SafeBits' decompressed sum is the gradient the optimizer
 applies, as under Horovod on one rank).
 
-Usage: ``.venv/bin/python bench/budget_share.py [--steps 60] [--data synthetic one_large digits_cnn bytes_lm]
+Usage: ``.venv/bin/python -m bench.experiments.budget_share [--steps 60]
+[--data synthetic one_large digits_cnn bytes_lm]
 [--menu NAME ...] [--out results/budget_share.json]``; prints the markdown table.
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import safebits_hvd as sb
+from bench.output import write_json
 
 BUDGETS = [3.0, 4.4, 6.0, 8.0, 12.0, 16.0]
 SYNTHETIC_SIZES = {"synthetic": [1000 + (200_000 - 1000) * i // 23 for i in range(24)],
@@ -58,7 +59,7 @@ def demo_task(name: str, steps: int) -> tuple[list[tuple[str, torch.nn.Parameter
                                                  Callable[[], Iterator[None]]]:
     """A demo task's parameters and an iterator over its training steps (gradients computed, optimizer stepped
     after the caller has replaced them with SafeBits' sum)."""
-    import demo_worker as W
+    from bench import tasks as W
 
     task = W.make_task(name, steps)
     torch.manual_seed(0)
@@ -127,10 +128,7 @@ def main() -> None:
         print(f"| {r['data']} | {r['budget_bits']:g} | {r['spent']:.1%} | {r['reserve']:.1%} | {r['guard']:.1%} "
               f"| {r['unfilled']:.1%} | {r['escalated']:+.1%} | {r['violations']} | {r['largest_action']} "
               f"({r['largest']}) |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=1)
-    print(f"\nwrote {args.out}")
+    write_json(args.out, rows)
 
 
 if __name__ == "__main__":

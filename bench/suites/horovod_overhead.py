@@ -1,6 +1,6 @@
-"""Horovod worker of ``bench/bench_horovod.py``: SafeBits' per-step overhead and its statistics exchange.
+"""Horovod worker of ``bench/suites/bench_horovod.py``: SafeBits' per-step overhead and its statistics exchange.
 
-Run as ``horovodrun -np 2 --gloo python bench/horovod_overhead.py --parts step,exchange --out result.json``.
+Run as ``horovodrun -np 2 --gloo python -m bench.suites.horovod_overhead --parts step,exchange --out result.json``.
 
 * ``step``: two identical models of several million parameters in tens of tensors, one trained through
   ``hvd.DistributedOptimizer(compression=SafeBits(...))``, the other through ``compression=hvd.Compression.none``;
@@ -25,10 +25,10 @@ from typing import Any
 import horovod.torch as hvd
 import numpy as np
 import torch
-from step_timing import interleaved_times, make_model
 from torch import nn
 
 import safebits_hvd as sb
+from bench.suites.step_timing import interleaved_times, make_model
 from safebits_hvd.exchange import TimedExchange, make_exchange
 
 

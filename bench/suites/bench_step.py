@@ -4,7 +4,7 @@ The allgather path (``collective="allgather"``, the default on 2 ranks) in one p
 registers its tensor until its fusion group is complete, the group is sent in one batched pass, and the first
 decompress of a group decodes the whole group (docs/DESIGN.md, "The batched step"). With 16-element tensors the
 kernels' own work is small, so the figure is SafeBits' cost per tensor; with 272 elements (the 1,000-tensor model
-of ``bench/horovod_overhead.py``) it includes the kernels.
+of ``bench.suites.horovod_overhead``) it includes the kernels.
 
 ``extra_info``: ``us_per_tensor`` (compress plus decompress, per tensor, median step), ``host_reads_per_step``
 (reads back to the host, :mod:`safebits_hvd.host`), ``step_vs_clone`` (the step over ``torch.clone`` of the same

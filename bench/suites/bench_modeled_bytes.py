@@ -14,9 +14,9 @@ import math
 
 import pytest
 import torch
-from _timing import measured_min, min_seconds
-from model_shapes import MODELS, PARAMETER_COUNTS, numel
 
+from bench.suites.model_shapes import MODELS, PARAMETER_COUNTS, numel
+from bench.suites.timing import measured_min, min_seconds
 from safebits_hvd.baselines import BUDGETED, REGISTRY, make_compressor
 from safebits_hvd.baselines import label as compressor_label
 

@@ -2,7 +2,7 @@
 :class:`safebits_hvd.schedules.Auto` driven by the modeled telemetry of ``tests/test_auto.py`` (``simulated_timing``,
 ``drive``) through unlimited (10 GB/s, 100 steps), 100 Mbit/s (100 steps) and 1 Gbit/s (100 steps).
 
-Usage (from the repository root): ``PYTHONPATH=. .venv/bin/python bench/auto_simulation.py``; prints the table
+Usage (from the repository root): ``.venv/bin/python -m bench.experiments.auto_simulation``; prints the table
 and the budget chosen at every step.
 """
 

@@ -1,7 +1,7 @@
 """Distortion, cosine and bits of every action, and what entropy coding of their codes would save (issue 13).
 
 Data: Gaussian, Laplace and Student-t(3) samples, and real gradients recorded from a short single-process run of
-each demo task (``bench/demo_worker.py``'s ``digits_cnn`` and ``bytes_lm``: the same models, data and optimizers,
+each demo task (``bench.tasks``' ``digits_cnn`` and ``bytes_lm``: the same models, data and optimizers,
 no Horovod, no compression), snapshotted at a few steps.
 
 Per action and data set, from the C kernels' exact statistics of each whole tensor (``kernels.quantize_ef``):
@@ -26,7 +26,8 @@ the codes coded per tensor as
 it`` compares the best coded body with the cheapest admitted packed action at no more (pooled) distortion: what
 entropy coding saves at equal distortion.
 
-Usage: ``.venv/bin/python bench/action_frontier.py [--steps 100] [--out results/action_frontier.json]``; prints the
+Usage: ``.venv/bin/python -m bench.experiments.action_frontier [--steps 100]
+[--out results/action_frontier.json]``; prints the
 markdown tables of docs/RESULTS.md. ``--lloyd-max M [M ...]`` prints the ``M``-level Lloyd-Max codebooks of a unit
 Gaussian instead (Lloyd's iteration on the density: :data:`safebits_hvd.actions.LLOYD_MAX_LEVELS` came from it).
 """
@@ -35,19 +36,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
-import sys
 from collections.abc import Iterable
 from statistics import NormalDist
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+from bench.output import write_json
 from safebits_hvd import actions as A
 from safebits_hvd import kernels as K
 from safebits_hvd import rng
@@ -75,7 +72,7 @@ def synthetic() -> dict[str, list[tuple[str, torch.Tensor]]]:
 def recorded_gradients(steps: int, snapshots: int) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """Gradients of every parameter at ``snapshots`` evenly spaced steps of a ``steps``-step run of each demo task
     (seed 0, one process, the demo's optimizer and learning rate)."""
-    import demo_worker as W
+    from bench import tasks as W
 
     at = {round(i * (steps - 1) / max(1, snapshots - 1)) for i in range(snapshots)}
     out = {}
@@ -330,10 +327,7 @@ def main() -> None:
                            ("entropy_saving", "entropy saves", ".1%"), ("gamma_saving", "Elias-gamma saves", ".1%"),
                            ("omega_saving", "Elias-omega saves", ".1%"), ("coded_bits", "best coded bits", ".3f"),
                            ("rival", "cheapest packed at <= distortion", ""), ("vs_frontier", "saving vs it", ".1%")]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nwrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""The link benchmark's measurement protocol, one for both front ends (``bench.hvd_worker link`` and
+``bench.ddp_worker``).
+
+One case = one (model, compressor): build the model from :data:`SEED`, wrap it, run ``warmup`` untimed steps, a
+barrier, then ``steps`` timed steps and a barrier. Recorded: the wall time of every step, the bytes that crossed the
+namespace's loopback during the timed steps (``/sys/class/net/lo/statistics/tx_bytes`` before and after; both ranks
+talk over that one ``lo``, so the delta covers both ranks' traffic, TCP/IP headers and the framework's own
+coordination included), the bytes the compressor says it put on the wire (``StepRecord.wire_bytes``, summed over
+steps and ranks) and the modeled bits per rank and step (``StepRecord.modeled_bits_total``; for compressors without
+a record, their fixed width times the parameters).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+TX_BYTES = "/sys/class/net/lo/statistics/tx_bytes"
+SEED = 0
+
+
+def read_tx_bytes() -> int:
+    """Bytes sent over the loopback so far (the namespace's own ``lo`` inside the link benchmark)."""
+    with open(TX_BYTES, encoding="ascii") as f:
+        return int(f.read())
+
+
+def measure(step: Callable[[], None], barrier: Callable[[], None], record: Callable[[], Any],
+            fixed_bits: float | None, warmup: int, steps: int) -> dict[str, Any]:
+    """Run one case's steps under the protocol; the raw figures (meaningful on rank 0, the loopback's reader).
+
+    Args:
+        step: one training step (zero_grad, forward, backward, optimizer step).
+        barrier: a collective every rank joins.
+        record: the compressor's ``last_step`` after a step (a ``StepRecord``), or None when it keeps none.
+        fixed_bits: bits per rank and step of a compressor without records (32 or 16 per parameter, PowerSGD's
+            factors); ignored when ``record`` returns records.
+        warmup, steps: untimed and timed steps.
+
+    Returns ``step_times_s``, ``elapsed_s``, ``link_bytes``, ``wire_bytes`` (this rank's, summed over steps; None
+    without records), ``modeled_bits_per_rank`` (per step), ``collective`` and ``violations``.
+    """
+    for _ in range(warmup):
+        step()
+    barrier()
+    tx0 = read_tx_bytes()
+    start = time.perf_counter()
+    step_times: list[float] = []
+    wire: list[float] = []
+    modeled_bits: list[float] = []
+    collective: str | None = None
+    violations = 0
+    recorded = True
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        step_times.append(time.perf_counter() - t0)
+        last = record()
+        if last is None:
+            recorded = False
+            modeled_bits.append(float(fixed_bits or 0.0))
+            continue
+        wire.append(float(last.wire_bytes))
+        modeled_bits.append(float(last.modeled_bits_total))
+        collective = last.collective or collective
+        violations += int(bool(last.violation))
+    barrier()
+    elapsed = time.perf_counter() - start
+    tx1 = read_tx_bytes()
+    return {"step_times_s": step_times, "elapsed_s": elapsed, "link_bytes": tx1 - tx0,
+            "wire_bytes": sum(wire) if recorded and steps else None, "modeled_bits_per_rank": modeled_bits,
+            "collective": collective, "violations": violations}
+
+
+def case_result(model: str, compressor: str, facts: dict[str, Any], workload_facts: dict[str, Any], batch: int,
+                ranks: int, warmup: int, steps: int, measured: dict[str, Any],
+                wire_bytes_total: float | None) -> dict[str, Any]:
+    """One case's JSON record, the same fields for both front ends (``bench.link`` reads them)."""
+    return {
+        "model": model, "compressor": compressor, **facts, **workload_facts, "batch_per_rank": batch,
+        "ranks": ranks, "warmup": warmup, "steps": steps, "step_times_s": measured["step_times_s"],
+        "elapsed_s": measured["elapsed_s"], "link_bytes": measured["link_bytes"],
+        "wire_bytes_total": wire_bytes_total,
+        # Every rank's record is identical (reduced across ranks): the total is ranks x one rank's.
+        "modeled_bytes_per_step": ranks * statistics.fmean(measured["modeled_bits_per_rank"]) / 8,
+        "modeled_bits_per_rank": measured["modeled_bits_per_rank"], "collective": measured["collective"],
+        "violations": measured["violations"],
+    }
+
+
+def case_line(model: str, label: str, result: dict[str, Any]) -> str:
+    """The progress line a worker prints after a case."""
+    median = statistics.median(result["step_times_s"])
+    rate = result["ranks"] * result["batch_per_rank"] * result["unit_per_sample"] / median
+    return (f"[link] {model:10s} {label:17s} step {median * 1e3:8.1f} ms  {rate:9.2f} {result['unit']}/s  "
+            f"link {result['link_bytes'] / result['steps'] / 1e6:8.2f} MB/step  "
+            f"modeled {result['modeled_bytes_per_step'] / 1e6:8.2f} MB/step")

@@ -1,0 +1,1 @@
+"""pytest-benchmark suites and the regression gate (``make bench``, ``make bench-smoke``)."""
