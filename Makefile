@@ -7,12 +7,12 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export SAFEBITS_REQUIRE_NVRTC := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test test-long demo demo-full lint unit mpi mpi-slow ddp bench bench-smoke bench-link clean
+.PHONY: setup test test-long demo demo-full lint unit mpi mpi-slow ddp trainers bench bench-smoke bench-link clean
 
 setup:
 	@bash scripts/setup.sh
 
-test: setup lint unit mpi ddp bench-smoke
+test: setup lint unit mpi ddp trainers bench-smoke
 
 # The long checks (a 10,000-step memory run under horovodrun); CI runs them after `make test` (.ci/run).
 test-long: setup mpi-slow
@@ -32,6 +32,10 @@ mpi-slow: setup
 # The DDP front end under torchrun (Gloo), 2 and 4 ranks.
 ddp: setup
 	$(PY) -m pytest ddp_tests -q
+
+# SafeBits' DDP hook through PyTorch Lightning and Hugging Face Accelerate (Gloo, 2 ranks; the trainers extra).
+trainers: setup
+	$(PY) -m pytest trainer_tests -q
 
 bench-smoke: setup
 	$(PY) -m pytest bench/suites -q --benchmark-enable --benchmark-min-rounds=3 --benchmark-max-time=0.05 \

@@ -13,12 +13,12 @@ closest fixed baseline at equal bytes, paired by seed) and per task ``results/de
 
 Default (:data:`DEFAULT_PLAN`, :data:`CONSTANT_PLAN`): seeds 0, 1, 2; on the digits CNN and the small LM fp32, QSGD
 4 and 2, and SafeBits at 2, 4.25 (QSGD-4's bytes) and 4.4 bits, 250 CNN and 160 LM steps, the
-learning rate decaying to 0 on a cosine (``--lr-schedule constant`` for the protocol before docs/RESULTS.md section
-6.13); then the tight regime where unscreened budgeting collapses and SafeBits does not: fp32 and both on the
+learning rate decaying to 0 on a cosine (``--lr-schedule constant``: a constant rate, docs/RESULTS.md section 2);
+then the tight regime where unscreened budgeting collapses and SafeBits does not: fp32 and both on the
 quantizer menu at 1 bit, on the CNN at a constant learning rate. 45 runs, under 10 minutes on 2 cores
 (docs/RESULTS.md, "make demo"). Each run's start prints a progress line (runs done, time so far, an estimate of the
 time left).
-``--full``: every registry compressor, budgets 1 (the tight regime of section 6.6), 2, 4.4, 8 (SafeBits and
+``--full``: every registry compressor, budgets 1 (the tight regime of docs/RESULTS.md 2.1), 2, 4.4, 8 (SafeBits and
 unscreened budgeting on the max-scaled and quantizer menus at 1 and 2 only), 500 / 320 steps, the larger LM
 (:data:`LARGE_PLAN`), and :data:`CONSTANT_PLAN` on the CNN.
 Worker options given here override the defaults (``--seeds 0``); one that chooses the runs (``--plan``,
@@ -55,7 +55,7 @@ small LM's comparison at 2 bits on a model 12x larger."""
 LARGE_ARGS = ["--large-plan", *LARGE_PLAN, "--large-steps", "120", "--large-batch", "8"]
 CONSTANT_PLAN = ["fp32", "unscreened_quantizers@1", "safebits_quantizers@1"]
 """The runs on the digits CNN at a constant learning rate: the tight regime where unscreened budgeting collapses
-and SafeBits does not (docs/RESULTS.md 6.6). Under the demo's decay it degrades without collapsing (section 6.13),
+and SafeBits does not (docs/RESULTS.md 2.1). Under the demo's decay it degrades without collapsing (section 2.1),
 so it keeps the rate at which it was found."""
 PLAN_OPTIONS = ("--plan", "--compressors", "--budgets", "--thresholds", "--tasks", "--large-plan", "--constant-plan")
 """Worker options that choose the runs: given to ``demo.py``, they replace its default plan, the larger LM and

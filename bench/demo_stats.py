@@ -50,7 +50,7 @@ def other_schedule(run: dict[str, Any]) -> str | None:
 
 def section(run: dict[str, Any]) -> str:
     """The table a run belongs to: its task, and its learning-rate schedule when that is not the demo's (runs at a
-    constant rate are not comparable with decayed ones, docs/RESULTS.md section 6.13)."""
+    constant rate are not comparable with decayed ones, docs/RESULTS.md section 2)."""
     schedule = other_schedule(run)
     return run["task"] if schedule is None else f"{run['task']}, {schedule} learning rate"
 

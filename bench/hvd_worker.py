@@ -223,7 +223,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--constant-plan", type=parse_run, nargs="*", default=[], metavar="NAME[@BITS]",
                         help="also train digits_cnn at a constant learning rate, after the other tasks, with these "
                              "runs only (--cnn-steps steps): the tight regime where unscreened budgeting collapses "
-                             "(docs/RESULTS.md 6.6)")
+                             "(docs/RESULTS.md 2.1)")
     parser.add_argument("--thresholds", type=parse_thresholds, nargs="+", default=[None],
                         help="SafeBits screens as MAX_DISTORTION:MIN_COSINE (one SafeBits run per budget and "
                              "pair); default: the library's")

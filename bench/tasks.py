@@ -248,7 +248,7 @@ class Task:
     batch: int = 0          # examples (CNN) or 64-byte windows (LM) per rank and step; 0: the task's default
     # The learning rate over the steps (one of SCHEDULES): "cosine" decays from lr towards 0 at the last step, so
     # the final evaluation reads a settled model, not the last noisy iterate of a constant rate, where one seed's
-    # validation loss of a near-lossless compressor strayed 30% from fp32's (docs/RESULTS.md, section 6.13).
+    # validation loss of a near-lossless compressor strayed 30% from fp32's (docs/RESULTS.md, section 2).
     schedule: str = SCHEDULES[0]
 
     def __post_init__(self) -> None:

@@ -82,9 +82,10 @@ LLOYD_MAX_LEVELS: dict[int, tuple[float, ...]] = {
 }
 """Non-negative magnitudes of the Lloyd-Max (MSE-optimal) quantizers of a unit Gaussian with 3, 4, 8 and 16 levels
 (the levels are ``+-`` these, one 0 for 3 levels), and with 32 and 64 (5 and 6 bits; Lloyd's iteration on the
-Gaussian density: ``bench/action_frontier.py --lloyd-max``), in units of the bucket's scale. The kernels round to
-the nearest level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); the tables reach the C and CUDA
-code as float32 constants from here (``kernels/source.py``). Why this scale: docs/DESIGN.md, "Quantizers"."""
+Gaussian density: ``python -m bench.experiments.action_frontier --lloyd-max``), in units of the bucket's scale.
+The kernels round to the nearest level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); the
+tables reach the C and CUDA code as float32 constants from here (``kernels/source.py``). Why this scale:
+docs/DESIGN.md, "Quantizers"."""
 
 LLOYD_MAX_SCALE_FACTORS: tuple[float, ...] = (1.0, math.sqrt(2.0), 2.0)
 """Candidate scales of a LLOYD_MAX bucket, as multiples of its RMS: the encoder keeps the one with the least squared

@@ -20,7 +20,7 @@ Everything is deterministic and uses only its inputs (no rank, no randomness): u
 by position along the hull, then tensor index; equal points by menu order.
 
 Two implementations of steps 1-3, one arithmetic: ``kernels/allocator.c`` (the default: an order of magnitude
-faster, docs/RESULTS.md, measured by ``bench/bench_allocator.py``) and :func:`_hull_greedy` here in NumPy (used
+faster, docs/RESULTS.md, measured by ``bench/suites/bench_allocator.py``) and :func:`_hull_greedy` here in NumPy (used
 without a C compiler; the C file's test oracle). They perform the same float64 operations with the same
 tie-breaking and return the same choice bit for bit, so ranks agree whichever one they run.
 """

@@ -51,14 +51,14 @@ __all__ = ["BUDGETED", "MAX_SCALED_MENU", "QUANTIZER_MENU", "REGISTRY", "FixedAc
 MAX_SCALED_MENU = make_menu(["fp32", "fp16", "int8", "int4", "int2", "ternary"])
 """The QSGD / TernGrad-style menu: every quantizer scales by its bucket's max |v| with stochastic rounding. Its
 cheap actions do not contract (``int2`` and ``ternary``: normalized distortion about 1.6-1.8 on the demo's
-gradients, docs/RESULTS.md 6.2), so under error feedback an unscreened allocation that leans on them at a tight
-budget grows the residual instead of shrinking it: the regime in which the screen matters (docs/RESULTS.md 6.6)."""
+gradients, docs/RESULTS.md 6.1), so under error feedback an unscreened allocation that leans on them at a tight
+budget grows the residual instead of shrinking it: the regime in which the screen matters (docs/RESULTS.md 2.1)."""
 
 QUANTIZER_MENU = make_menu(["fp32", "fp16", "int8", "int4", "int2", "ternary", "sign"])
 """The quantizers of the paper's menu without its sparsifier (top-k): :data:`MAX_SCALED_MENU` plus scaled sign. Its
 cheapest configuration is scaled sign on every tensor (about 1.07 bits per parameter), which an unscreened
 allocation picks at a 1-bit budget and which collapses the demo CNN; the screen refuses ``int2`` and ``ternary``,
-and sign wherever its distortion exceeds 0.5 (docs/RESULTS.md 6.6, 6.11)."""
+and sign wherever its distortion exceeds 0.5 (docs/RESULTS.md 2.1, 9.2)."""
 
 
 class FixedActionCompressor(CoreCompressor):

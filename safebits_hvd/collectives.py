@@ -143,7 +143,7 @@ class DensePath(CollectivePath):
 FUSION_ELEMENTS = 1 << 16
 """Elements per fusion group of the allgather path (about 32 KB of payload at 4 bits): a group of small tensors pays
 one collective's latency, and groups stay small enough that most of them start while backward still runs (with
-1,000 small tensors, 2^16 gave the shortest step of 2^12, 2^14, 2^16 and 2^18: docs/RESULTS.md 3.4)."""
+1,000 small tensors, 2^16 gave the shortest step of 2^12, 2^14, 2^16 and 2^18: docs/RESULTS.md 5.3)."""
 
 
 def fusion_groups(numels: np.ndarray, max_elements: int = FUSION_ELEMENTS) -> list[list[int]]:

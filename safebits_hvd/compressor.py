@@ -199,7 +199,7 @@ class SafeBits(CoreCompressor):
             (:class:`~safebits_hvd.schedules.Auto`: the budget, or no compression, that makes the step fastest,
             from the telemetry SafeBits measures). Default 4.0.
         max_distortion: ``d_bar`` in (0, 1]. Default 0.5.
-        min_cosine: ``c_min`` in [-1, 1]. Default 0.7. Why these defaults (docs/RESULTS.md sections 6.5 and
+        min_cosine: ``c_min`` in [-1, 1]. Default 0.7. Why these defaults (docs/RESULTS.md sections 9.1 and
             6.11): ``max_distortion=0.5`` is the contraction error feedback needs. For an action whose scale
             minimizes the squared error (every ``*_mse`` action, scaled sign) ``cos^2 = 1 - distortion``, so
             ``min_cosine=0.7`` (about ``sqrt(1 - 0.5)``) asks the same of those and binds only on the unbiased,

@@ -35,7 +35,7 @@ from .transports import LocalTransport, PayloadTransport, TorchDistributedTransp
 CHUNK_BYTES = 1 << 18
 """Payload bytes (at the allocated actions) after which a bucket's payloads start their allgather, before the rest
 of the bucket is packed: the last bucket's bytes, which nothing else overlaps, then travel while its later tensors
-are still being packed (docs/RESULTS.md 3.6)."""
+are still being packed (docs/RESULTS.md 5.3)."""
 
 
 class _Piece(NamedTuple):
@@ -73,6 +73,16 @@ class SafeBitsState(CoreRecords):
             payloads start their collective while the rest of the bucket is still being packed (:data:`CHUNK_BYTES`).
         exchange, transport: the statistics and payload transports; default None: ``torch.distributed`` on
             ``process_group`` when it has several ranks, else local.
+
+    The state may be built before ``torch.distributed`` is initialized, because a trainer takes it before it
+    creates the process group (Lightning's ``DDPStrategy(ddp_comm_state=state, ...)``; the launched ranks build
+    their trainer, then ``fit`` initializes the group and wraps the model). Pass the unwrapped module's
+    ``named_parameters()``: wrapping in DDP and moving the module keep each parameter's identity. The options and
+    parameters are checked at construction either way; the process-group checks run at construction when the
+    group exists, else at the first hook call, and the transports are chosen at the first step. A parameter DDP
+    reduces that the state was not built from (another model, parameters created after the state, as in
+    Lightning's ``configure_model``), or one the state has that DDP does not reduce, raises ``ValueError`` at the
+    first step on every rank.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | Any,
@@ -83,25 +93,25 @@ class SafeBitsState(CoreRecords):
                  screen: bool = True, name: str = "safebits", max_history: int = 1000, collective: str = "auto",
                  timeout: float | None = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
                  exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("SafeBitsState needs torch.distributed initialized (dist.init_process_group) first")
-        if dist.get_rank(process_group) < 0:
-            raise ValueError(f"rank {dist.get_rank()} is not in the process group SafeBitsState was given; build "
-                             f"it only on the ranks of its DDP model's group")
+        self.process_group = process_group
+        self._group_checked = False
+        if not dist.is_available() or dist.is_initialized():
+            self._check_group()         # else at the first hook call: a trainer builds the state before the group
         check_transports(exchange, transport)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self.chunk_bytes = chunk_bytes
-        self.process_group = process_group
-        several = dist.get_world_size(process_group) > 1
+        # The factories run at the first step (the core's begin and close), when the group exists.
         params, core = build_core(
             named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
             screen=screen, name=name, max_history=max_history, collective=collective, timeout=timeout,
             exchange=exchange if exchange is not None else (
-                lambda t: TorchDistributedExchange(process_group, t) if several else LocalExchange()),
+                lambda t: TorchDistributedExchange(process_group, t) if dist.get_world_size(process_group) > 1
+                else LocalExchange()),
             transport=transport if transport is not None else (
-                lambda t: TorchDistributedTransport(process_group, t) if several else LocalTransport()),
+                lambda t: TorchDistributedTransport(process_group, t) if dist.get_world_size(process_group) > 1
+                else LocalTransport()),
             fusion_elements=0)       # the hook batches a bucket's payloads itself (CHUNK_BYTES, the transport's flush)
         self.core = core
         self.names = core.names
@@ -114,6 +124,15 @@ class SafeBitsState(CoreRecords):
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)
 
+    def _check_group(self) -> None:
+        """torch.distributed is initialized and this rank is in ``process_group``."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("SafeBitsState needs torch.distributed initialized (dist.init_process_group) first")
+        if dist.get_rank(self.process_group) < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not in the process group SafeBitsState was given; build "
+                             f"it only on the ranks of its DDP model's group")
+        self._group_checked = True
+
     # ------------------------------------------------------------------ one bucket
     def _index_of(self, parameter: torch.Tensor) -> int:
         index = self._index_by_id.get(id(parameter))
@@ -125,6 +144,8 @@ class SafeBitsState(CoreRecords):
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Send every tensor of ``bucket`` through the core, start the bucket's collective, and return the future
         of its mean over ranks (completed when the last bucket of the step is reduced)."""
+        if not self._group_checked:
+            self._check_group()         # the state was built before the process group
         core = self.core
         buffer = bucket.buffer()
         grads = bucket.gradients()

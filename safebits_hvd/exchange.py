@@ -58,7 +58,7 @@ def waited_seconds() -> float:
 def wait_bounded(done: Any, timeout: float | None, what: str) -> None:
     """Return once ``done()`` is true; raise :class:`SafeBitsTimeoutError` naming ``what`` after ``timeout`` seconds
     (None: no limit). Yields the core between polls: a spinning wait starves Horovod's background thread and the
-    other ranks where ranks share cores (docs/RESULTS.md, section 3.4). The time spent is added to
+    other ranks where ranks share cores (docs/RESULTS.md, section 5.3). The time spent is added to
     :func:`waited_seconds`."""
     global _waited_seconds
     if done():
@@ -204,7 +204,7 @@ class MPIExchange(_RankExchange):
     def wait(self, handle: Any) -> None:
         request, _ = handle
         # Not request.Wait(): Open MPI's Wait spins at full speed, and where ranks share cores it starves Horovod's
-        # background thread and the other rank, which the exchange waits on (docs/RESULTS.md, section 3.4).
+        # background thread and the other rank, which the exchange waits on (docs/RESULTS.md, section 5.3).
         wait_bounded(request.Test, self.timeout, "SafeBits' statistics exchange (MPI)")
 
 

@@ -51,7 +51,7 @@ RESERVE_WINDOW = 100
 RESERVE_FACTOR = 2.0
 """The reserve is this multiple of the window's largest overshoot. With the largest overshoot alone, every new
 record of a heavy-tailed sequence of overshoots is a step over budget, and records keep coming (about ln n in n
-steps); twice the record is rarely beaten (docs/RESULTS.md, section 6.11)."""
+steps); twice the record is rarely beaten (docs/RESULTS.md, section 9.2)."""
 
 MIN_RESERVE = 0.05
 """The least reserve, as a fraction of the budget: before the first escalation has been seen the window is all
@@ -61,7 +61,7 @@ GUARD_RISK_MARGIN = 0.5
 """The escalation guard (:meth:`BudgetPolicy.escalation_guard`) counts a tensor whose planned action's last
 reduced distortion is above ``(1 - GUARD_RISK_MARGIN) * max_distortion``. A top-k plan's distortion can nearly
 double in one step (0.29 to over 0.5 on the digits CNN's ``fc1.weight``), so 0.25 missed plans that failed; 1
-(every tensor) left a 4.4-bit budget a quarter unspent (docs/RESULTS.md, section 6.12)."""
+(every tensor) left a 4.4-bit budget a quarter unspent (docs/RESULTS.md, section 9.3)."""
 
 GUARD_LIKELY_MARGIN = 0.1
 """Plans whose last reduced distortion is above ``(1 - GUARD_LIKELY_MARGIN) * max_distortion`` are *likely* to

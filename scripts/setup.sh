@@ -5,7 +5,8 @@
 #     Horovod's CMake FindMPI and `horovodrun --mpi` all find the system `mpicxx`/`mpirun` on PATH
 #     with no extra environment, and Debian's build is the one Horovod's own CI images use.
 #   * A virtual environment `.venv` (Python 3.11) with torch, numpy, mpi4py (its binary wheel, which loads that MPI),
-#     pytest, pytest-benchmark, hypothesis, ruff, scikit-learn, matplotlib and this package in editable mode.
+#     pytest, pytest-benchmark, hypothesis, ruff, scikit-learn, matplotlib, Lightning and Accelerate (the trainer
+#     tests) and this package in editable mode.
 #   * Horovod 0.28.1 built from its PyPI source distribution with PyTorch, Gloo and MPI, with the two fixes it needs
 #     for PyTorch >= 2.1 and CMake >= 4 (C++17; CMAKE_POLICY_VERSION_MINIMUM=3.5), built without debug symbols. The
 #     built wheel is cached in $SAFEBITS_CACHE (default ~/.cache/safebits), keyed by Python and torch versions, so
@@ -93,7 +94,7 @@ fi
 # CuPy and NVRTC install without a GPU; the tests use them to prove every CUDA kernel compiles.
 log "installing cupy-cuda12x and nvidia-cuda-nvrtc-cu12 (kernel compile checks; no GPU needed)"
 "${PIP[@]}" install cupy-cuda12x nvidia-cuda-nvrtc-cu12
-"${PIP[@]}" install -e ".[dev]"
+"${PIP[@]}" install -e ".[dev,trainers]" "$TORCH_SPEC"     # the pin keeps the trainers from moving torch
 
 check=$("$VENV/bin/horovodrun" --check-build)
 for want in PyTorch MPI Gloo; do

@@ -136,7 +136,7 @@ def test_worker_plan_and_thresholds() -> None:
                     ("unscreened", 1.0, None), ("safebits", 2.0, None), ("safebits", 2.0, (0.3, 0.9)),
                     ("unscreened", 2.0, None)]
     assert len(worker.make_plan([4.4], [None])) == len(worker.FIXED) + 2
-    # at tight budgets the max-scaled and quantizer-menu pairs run too (docs/RESULTS.md 6.6)
+    # at tight budgets the max-scaled and quantizer-menu pairs run too (docs/RESULTS.md, section 2)
     assert worker.make_plan([2.0, 4.4], [None])[len(worker.FIXED):] == [
         ("safebits", 2.0, None), ("unscreened", 2.0, None), ("safebits_maxscaled", 2.0, None),
         ("unscreened_maxscaled", 2.0, None), ("safebits_quantizers", 2.0, None),

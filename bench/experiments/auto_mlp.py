@@ -1,4 +1,4 @@
-"""Step time of one compressor on a 2.1M-parameter MLP under Horovod (docs/RESULTS.md 8.2): 100 steps of batch 64,
+"""Step time of one compressor on a 2.1M-parameter MLP under Horovod (docs/RESULTS.md 4.2): 100 steps of batch 64,
 the mean of steps 20-99 printed by rank 0; with ``auto``, also its estimate of each candidate budget.
 
 Usage: ``OMP_NUM_THREADS=1 horovodrun -np 2 --gloo .venv/bin/python -m bench.experiments.auto_mlp {none,32,3,auto}``.

@@ -1,4 +1,4 @@
-"""``budget_bits="auto"`` on a link that changes, simulated (docs/RESULTS.md 8.1): the decision rule of
+"""``budget_bits="auto"`` on a link that changes, simulated (docs/RESULTS.md 4.1): the decision rule of
 :class:`safebits_hvd.schedules.Auto` driven by the modeled telemetry of ``tests/test_auto.py`` (``simulated_timing``,
 ``drive``) through unlimited (10 GB/s, 100 steps), 100 Mbit/s (100 steps) and 1 Gbit/s (100 steps).
 

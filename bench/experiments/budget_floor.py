@@ -1,5 +1,5 @@
 """Which tensors keep a tight budget infeasible: the cost of what each tensor sent on the steps where no admitted
-configuration fitted the budget (issue 13; docs/RESULTS.md section 6.10).
+configuration fitted the budget (docs/RESULTS.md, sections 9.2 and 9.3).
 
 Trains one demo task (``bench.tasks``' model, data, optimizer and learning-rate schedule) with SafeBits at
 ``--budget`` bits per parameter and the default thresholds, through ``hvd.DistributedOptimizer``: in one process,
@@ -12,7 +12,7 @@ the actions it sent over the run.
 ``--extra NAME ...`` adds actions to the default menu, to see whether a gap in the menu is what sets the floor: any
 name of ``safebits_hvd.actions.ACTIONS`` not already in it (``int4_mse``, ``int2_nearest``, ...), or ``topkP`` for a
 top-k keeping P percent of each bucket (``topk2``). ``int2_mse`` and ``topk5`` joined the default menu after this
-script found the gaps they fill (docs/RESULTS.md, sections 6.10 and 6.11).
+script found the gaps they fill (docs/RESULTS.md, sections 9.2 and 9.3).
 
 Usage::
 

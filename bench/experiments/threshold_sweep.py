@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--no-unscreened", action="store_true", help="SafeBits runs only")
     parser.add_argument("--lr-schedule", choices=SCHEDULES, default=SCHEDULES[0],
                         help="the worker's learning-rate schedule (default: the demo's); the grid of "
-                             "docs/RESULTS.md section 6.5 ran at a constant rate, section 6.13's with the decay")
+                             "docs/RESULTS.md section 9.1 says which")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     args = parser.parse_args()
     args.out_dir = os.path.abspath(args.out_dir)     # the workers run in the repository root
