@@ -1,4 +1,5 @@
-"""Distortion, cosine and bits of every action, and what entropy coding of their codes would save (issue 13).
+"""Distortion, cosine and bits of every action, and what entropy coding of their codes would save (docs/RESULTS.md,
+sections 6.1 and 6.2).
 
 Data: Gaussian, Laplace and Student-t(3) samples, and real gradients recorded from a short single-process run of
 each demo task (``bench.tasks``' ``digits_cnn`` and ``bytes_lm``: the same models, data and optimizers,

@@ -1,4 +1,5 @@
-"""Behaviour fingerprint of SafeBits and the baselines: proves that a refactor changed no observable behaviour.
+"""Behaviour fingerprint of SafeBits and the baselines: proves that a refactor changed no observable behaviour (a
+check, not a figure: no section of docs/RESULTS.md).
 
 It drives only public API (``SafeBits(...)``, ``compress``, ``decompress``, ``last_step``, ``history``,
 ``step``, ``state_dict``, ``load_state_dict``, ``baselines.REGISTRY`` / ``make_compressor``,

@@ -1,4 +1,4 @@
-"""How much of the budget SafeBits spends, and where the rest goes (issue 29; docs/RESULTS.md, "The budget spent").
+"""How much of the budget SafeBits spends, and where the rest goes (docs/RESULTS.md, section 7.1).
 
 For each budget of ``--budgets`` (default 3, 4.4, 6, 8, 12 and 16 bits per parameter), SafeBits with its defaults
 (the default menu, screen and escalation reserve) compresses the gradients of ``--steps`` steps in one process, and

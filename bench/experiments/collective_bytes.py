@@ -1,4 +1,5 @@
-"""Bytes per rank by collective: what each way of moving SafeBits' packed payloads costs, modeled and measured.
+"""Bytes per rank by collective: what each way of moving SafeBits' packed payloads costs, modeled and measured
+(docs/RESULTS.md, section 8.2).
 
 Two parts (docs/DESIGN.md, "Compressed collectives"):
 

@@ -1,4 +1,5 @@
-"""Thresholds from evidence: SafeBits' screen ``(max_distortion, min_cosine)`` x budget on the demo tasks.
+"""Thresholds from evidence: SafeBits' screen ``(max_distortion, min_cosine)`` x budget on the demo tasks
+(docs/RESULTS.md, section 9.1).
 
 Launches ONE ``horovodrun -np 2 --gloo`` of ``bench.hvd_worker demo`` (the demo's tasks, models, data order and
 collapse rule) with ``--compressors safebits unscreened``, one SafeBits run per budget, screen and seed, and the
