@@ -37,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from bench import specs
-from bench.protocol import SEED, case_line, case_result, measure, read_tx_bytes
+from bench.protocol import SEED, case_line, case_result, measure, read_tx_bytes, step_reporter
 from bench.tasks import DEFAULT_IMAGE_SIZE, ResNet18, Workload, model_facts
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.launch import exit_without_finalization
@@ -96,7 +96,8 @@ def barrier() -> None:
     dist.all_reduce(torch.zeros(1))
 
 
-def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps: int) -> dict[str, Any]:
+def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps: int,
+             step_file: str | None = None) -> dict[str, Any]:
     """One case under :func:`bench.protocol.measure`; its JSON record (meaningful on rank 0)."""
     torch.manual_seed(SEED)
     model = work.model()
@@ -113,7 +114,7 @@ def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps:
 
     warmup_steps = max(warmup, PSGD_START if spec.name.startswith("powersgd") else 0)
     measured = measure(step, barrier, lambda: None if state is None else state.last_step, fixed_bits,
-                       warmup_steps, steps)
+                       warmup_steps, steps, step_reporter(step_file, case_id, dist.get_rank()))
     wire_total = None
     if measured["wire_bytes"] is not None:
         total = torch.tensor([measured["wire_bytes"]], dtype=torch.float64)
@@ -181,6 +182,8 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE,
                         help="ResNet-18 image side of the timed cases (the training run stays at 32)")
     parser.add_argument("--quality-steps", type=int, default=0, help="train instead of timing (0: time)")
+    parser.add_argument("--step-file", default=None,
+                        help="rank 0 writes '<case> <step>' here before every step (the changing-link run)")
     args = parser.parse_args()
     if not all(spec.ddp for spec in args.compressors):
         parser.error("this worker runs ddp: specs only (ddp:none, ddp:fp16, ddp:powersgdR, ddp:safebits@BITS)")
@@ -203,7 +206,7 @@ def main() -> None:
                       f" MB/step", flush=True)
         else:
             work = Workload(name, batches[name], args.image_size)
-            result = run_case(work, spec, case_id, args.warmup, args.steps)
+            result = run_case(work, spec, case_id, args.warmup, args.steps, args.step_file)
             if rank0:
                 print(case_line(name, spec.text, result), flush=True)
         result["round"] = round_index

@@ -37,7 +37,7 @@ import torch
 
 from bench import specs
 from bench.demo_stats import COLLAPSE_FACTOR, collapsed, run_label, section
-from bench.protocol import SEED, case_line, case_result, measure, read_tx_bytes
+from bench.protocol import SEED, case_line, case_result, measure, read_tx_bytes, step_reporter
 from bench.tasks import (
     DEFAULT_IMAGE_SIZE,
     LM_SHAPES,
@@ -294,7 +294,8 @@ def build_compression(spec: specs.Spec, model: torch.nn.Module, case_id: int) ->
     return make_compressor(spec.name, model.named_parameters(), seed=SEED, budget_bits=spec.budget_bits, **kwargs)
 
 
-def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps: int) -> dict[str, Any]:
+def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps: int,
+             step_file: str | None = None) -> dict[str, Any]:
     """One case under :func:`bench.protocol.measure`; its JSON record (meaningful on rank 0)."""
     torch.manual_seed(SEED)
     model = work.model()
@@ -311,7 +312,8 @@ def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps:
         opt.step()
 
     measured = measure(step, lambda: barrier(f"{case_id}"), lambda: getattr(compression, "last_step", None),
-                       (16 if spec.name == "fp16" else 32) * facts["parameters"], warmup, steps)
+                       (16 if spec.name == "fp16" else 32) * facts["parameters"], warmup, steps,
+                       step_reporter(step_file, case_id, hvd.rank()))
     wire_total: float | None = None
     if measured["wire_bytes"] is not None:         # this rank's bytes, summed over steps, then over ranks
         wire_total = float(hvd.allreduce(torch.tensor([measured["wire_bytes"]], dtype=torch.float64),
@@ -355,7 +357,7 @@ def link_main(args: argparse.Namespace) -> None:
     for name in args.models:
         work = Workload(name, batch_for(name, args), args.image_size)
         for round_index, spec in itertools.product(range(args.rounds), args.compressors):
-            result = run_case(work, spec, case_id, args.warmup, args.steps)
+            result = run_case(work, spec, case_id, args.warmup, args.steps, args.step_file)
             result["round"] = round_index
             case_id += 1
             cases.append(result)
@@ -386,6 +388,8 @@ def main() -> None:
     link.add_argument("--lm-batch", type=int, default=16, help="bytes_lm sequences per rank")
     link.add_argument("--gpt-batch", type=int, default=8, help="gpt2_small sequences (128 tokens) per rank")
     link.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE, help="ResNet-18 image side")
+    link.add_argument("--step-file", default=None,
+                      help="rank 0 writes '<case> <step>' here before every step (the changing-link run)")
     args = parser.parse_args()
     if args.command == "demo":
         check_demo_arguments(demo, args)

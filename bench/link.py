@@ -75,7 +75,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench import specs
+from bench import link_phases, specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HVD_WORKER = ("-m", "bench.hvd_worker")      # launched as modules from the repository root (the launchers' cwd)
@@ -446,6 +446,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         help="smoke run: first rate only, 1 warm-up and 2 timed steps, ResNet-18 unless --models "
                              "says otherwise, "
                              + ", ".join(QUICK_COMPRESSORS + QUICK_DDP_COMPRESSORS))
+    parser.add_argument("--phases", nargs="+", default=None, metavar="RATE:STEPS",
+                        help="the changing-link run instead of --rates: every compressor trains the phases' steps "
+                             "in one case while the link changes under it (e.g. unlimited:40 100mbit:40 1gbit:40)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per horovodrun launch")
     args = parser.parse_args(None if argv is None else list(argv))
@@ -461,6 +464,13 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
         parser.error("--steps and --rounds must be >= 1, --warmup and --quality-steps >= 0")
     if min(args.cnn_batch, args.lm_batch, args.gpt_batch, args.image_size) < 1:
         parser.error("--cnn-batch, --lm-batch, --gpt-batch and --image-size must be >= 1")
+    if args.phases is not None:
+        try:
+            args.phases = [link_phases.parse_phase(text) for text in args.phases]
+            for rate, _ in args.phases:
+                parse_rate(rate)
+        except ValueError as exc:
+            parser.error(str(exc))
     for texts, ddp in ((args.compressors, False), (args.ddp_compressors + args.quality_extra, True)):
         for text in texts:
             try:
@@ -492,7 +502,7 @@ def main(argv: Iterable[str] | None = None) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        return _bench(args, ns)
+        return _bench(args, ns) if args.phases is None else _changing_link(args, ns)
     except KeyboardInterrupt:
         print("[link] interrupted", file=sys.stderr)
         return 130
@@ -581,6 +591,58 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
     print(f"[link] wrote link.json, link.md and link_throughput.png in {args.out_dir}; total {total:.0f} s",
           flush=True)
     return 1 if failed else 0
+
+
+def _changing_link(args: argparse.Namespace, ns: str) -> int:
+    """The changing-link run (:mod:`bench.link_phases`): one launch per front end, every compressor one case of
+    all the phases' steps, the qdisc changed from here as rank 0 reports its steps."""
+    from safebits_hvd.launch import LaunchError, horovodrun, torchrun
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    command = " ".join(["python -m bench.link", *sys.argv[1:]])
+    phases = args.phases
+    args.steps = sum(steps for _, steps in phases)
+    step_file = os.path.join(args.out_dir, ".link_step")
+    env = {"OMP_NUM_THREADS": "1"}
+    cases: list[dict[str, Any]] = []
+    changes: list[tuple[int, int, int, float]] = []
+    launches = []
+    if args.compressors:
+        launches.append((horovodrun, (*HVD_WORKER, "link"), worker_args(args, "{raw}")))
+    if args.ddp_compressors and ddp_models(args):
+        launches.append((torchrun, DDP_WORKER, ddp_worker_args(args, "{raw}")))
+    start = time.perf_counter()
+    for index, (runner, module, worker) in enumerate(launches):
+        raw_path = os.path.join(args.out_dir, f".link_phases_raw_{index}.json")
+        for path in (raw_path, step_file):
+            if os.path.exists(path):
+                os.remove(path)
+        configure_link(ns, parse_rate(phases[0][0]))
+        changer = link_phases.LinkChanger(step_file, phases, lambda rate: configure_link(ns, parse_rate(rate)))
+        changer.start()
+        try:
+            runner(2, *module, *[raw_path if a == "{raw}" else a for a in worker], "--step-file", step_file,
+                   prefix=_in_ns(ns), env=env, timeout=args.timeout, on_line=_progress)
+        except LaunchError as exc:
+            print(f"[link] changing-link launch failed: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            changer.stop()
+        cases += read_raw(raw_path)["cases"]
+        changes += changer.changes
+    summary = link_phases.summarize(cases, phases)
+    md = link_phases.table(summary, phases)
+    total = time.perf_counter() - start
+    with open(os.path.join(args.out_dir, "link_phases.json"), "w", encoding="utf-8") as f:
+        json.dump({"command": command, "phases": phases, "summary": summary, "changes": changes, "raw": cases,
+                   "total_s": total}, f, indent=1)
+    with open(os.path.join(args.out_dir, "link_phases.md"), "w", encoding="utf-8") as f:
+        f.write(f"# Changing link\n\nCommand: `{command}`; {total:.0f} s.\n\n" + md)
+    link_phases.plot(summary, phases, os.path.join(args.out_dir, "link_phases.png"))
+    print(md)
+    print(f"[link] wrote link_phases.json, link_phases.md and link_phases.png in {args.out_dir}; total {total:.0f} s",
+          flush=True)
+    return 0
 
 
 def read_raw(path: str) -> dict[str, Any]:

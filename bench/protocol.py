@@ -12,6 +12,7 @@ a record, their fixed width times the parameters).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +29,8 @@ def read_tx_bytes() -> int:
 
 
 def measure(step: Callable[[], None], barrier: Callable[[], None], record: Callable[[], Any],
-            fixed_bits: float | None, warmup: int, steps: int) -> dict[str, Any]:
+            fixed_bits: float | None, warmup: int, steps: int,
+            on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Run one case's steps under the protocol; the raw figures (meaningful on rank 0, the loopback's reader).
 
     Args:
@@ -38,10 +40,15 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
         fixed_bits: bits per rank and step of a compressor without records (32 or 16 per parameter, PowerSGD's
             factors); ignored when ``record`` returns records.
         warmup, steps: untimed and timed steps.
+        on_step: called with -1 before the warm-up and with ``i`` before timed step ``i`` (the changing-link run
+            tells the driver outside the ranks where the case is, through a file).
 
     Returns ``step_times_s``, ``elapsed_s``, ``link_bytes``, ``wire_bytes`` (this rank's, summed over steps; None
-    without records), ``modeled_bits_per_rank`` (per step), ``collective`` and ``violations``.
+    without records), ``modeled_bits_per_rank`` and ``budget_bits_per_rank`` (per step; the budget is what
+    ``budget_bits="auto"`` chose), ``pass_through`` (per step), ``collective`` and ``violations``.
     """
+    tell = on_step or (lambda i: None)
+    tell(-1)
     for _ in range(warmup):
         step()
     barrier()
@@ -50,10 +57,13 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
     step_times: list[float] = []
     wire: list[float] = []
     modeled_bits: list[float] = []
+    budget_bits: list[float | None] = []
+    pass_through: list[bool] = []
     collective: str | None = None
     violations = 0
     recorded = True
-    for _ in range(steps):
+    for i in range(steps):
+        tell(i)
         t0 = time.perf_counter()
         step()
         step_times.append(time.perf_counter() - t0)
@@ -61,9 +71,13 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
         if last is None:
             recorded = False
             modeled_bits.append(float(fixed_bits or 0.0))
+            budget_bits.append(None)
+            pass_through.append(False)
             continue
         wire.append(float(last.wire_bytes))
         modeled_bits.append(float(last.modeled_bits_total))
+        budget_bits.append(float(last.budget_bits_total))
+        pass_through.append(bool(last.pass_through))
         collective = last.collective or collective
         violations += int(bool(last.violation))
     barrier()
@@ -71,7 +85,8 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
     tx1 = read_tx_bytes()
     return {"step_times_s": step_times, "elapsed_s": elapsed, "link_bytes": tx1 - tx0,
             "wire_bytes": sum(wire) if recorded and steps else None, "modeled_bits_per_rank": modeled_bits,
-            "collective": collective, "violations": violations}
+            "budget_bits_per_rank": budget_bits, "pass_through": pass_through, "collective": collective,
+            "violations": violations}
 
 
 def case_result(model: str, compressor: str, facts: dict[str, Any], workload_facts: dict[str, Any], batch: int,
@@ -85,9 +100,25 @@ def case_result(model: str, compressor: str, facts: dict[str, Any], workload_fac
         "wire_bytes_total": wire_bytes_total,
         # Every rank's record is identical (reduced across ranks): the total is ranks x one rank's.
         "modeled_bytes_per_step": ranks * statistics.fmean(measured["modeled_bits_per_rank"]) / 8,
-        "modeled_bits_per_rank": measured["modeled_bits_per_rank"], "collective": measured["collective"],
-        "violations": measured["violations"],
+        "modeled_bits_per_rank": measured["modeled_bits_per_rank"],
+        "budget_bits_per_rank": measured["budget_bits_per_rank"], "pass_through": measured["pass_through"],
+        "collective": measured["collective"], "violations": measured["violations"],
     }
+
+
+def step_reporter(path: str | None, case_id: int, rank: int) -> Callable[[int], None] | None:
+    """``on_step`` for :func:`measure`: rank 0 writes ``"<case_id> <step>"`` to ``path`` before every step (written
+    whole, then renamed, so a reader never sees half a line); None without a path."""
+    if path is None or rank != 0:
+        return None
+
+    def report(step: int) -> None:
+        partial = f"{path}.partial"
+        with open(partial, "w", encoding="ascii") as f:
+            f.write(f"{case_id} {step}\n")
+        os.replace(partial, path)
+
+    return report
 
 
 def case_line(model: str, label: str, result: dict[str, Any]) -> str:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from bench import link, specs
+from bench import link, link_phases, protocol, specs
 from bench import tasks as models
 
 
@@ -331,3 +333,52 @@ def test_tables_say_the_unit_the_batch_and_the_image_size() -> None:
     assert facts["gpt2_small"]["tensors"] == 148 and facts["gpt2_small"]["seq_len"] == 128
     assert facts["resnet18"] == {"parameters": 11_173_962, "tensors": 62, "batch_per_rank": 4, "unit": "images",
                                  "unit_per_sample": 1, "image_size": 224, "seq_len": None, "vocab": None}
+
+
+# ---------------------------------------------------------------------------------------------- changing link
+def test_phases_parse_and_place_every_step() -> None:
+    phases = [link_phases.parse_phase(t) for t in ("unlimited:3", "100mbit:2", "1gbit:1")]
+    assert phases == [("unlimited", 3), ("100mbit", 2), ("1gbit", 1)]
+    assert [link_phases.phase_of(i, phases) for i in (-1, 0, 2, 3, 4, 5)] == [0, 0, 0, 1, 1, 2]
+    for bad in ("100mbit", "100mbit:0", "100mbit:x"):
+        with pytest.raises(ValueError, match="RATE:STEPS"):
+            link_phases.parse_phase(bad)
+    with pytest.raises(SystemExit):
+        link.parse_args(["--phases", "fast:10"])             # not a rate
+
+
+def test_the_changer_sets_the_rate_of_the_step_rank_0_is_about_to_run(tmp_path: Path) -> None:
+    step_file = str(tmp_path / "step")
+    set_to: list[str] = []
+    changer = link_phases.LinkChanger(step_file, [("unlimited", 2), ("100mbit", 2)], set_to.append, poll_s=0.001)
+    changer.start()
+    report = protocol.step_reporter(step_file, case_id=0, rank=0)
+    assert report is not None and protocol.step_reporter(step_file, 0, rank=1) is None
+    for case in (0, 1):
+        report = protocol.step_reporter(step_file, case_id=case, rank=0)
+        for step in (-1, 0, 1, 2, 3):
+            report(step)
+            time.sleep(0.03)
+    changer.stop()
+    assert set_to == ["unlimited", "100mbit", "unlimited", "100mbit"]        # a new case starts at the first rate
+
+
+def phase_case(compressor: str, times: list[float], bits: list[float | None]) -> dict[str, Any]:
+    return {"model": "m", "compressor": compressor, "ranks": 2, "batch_per_rank": 4, "unit_per_sample": 1,
+            "parameters": 10, "step_times_s": times, "budget_bits_per_rank": bits,
+            "pass_through": [b == 320 for b in bits]}
+
+
+def test_auto_is_measured_against_the_fastest_fixed_choice_of_each_phase() -> None:
+    phases = [("unlimited", 4), ("100mbit", 4)]
+    cases = [phase_case("none", [1, 1, 1, 1, 9, 9, 9, 9], [None] * 8),
+             phase_case("safebits@4.4", [2, 2, 2, 2, 3, 3, 3, 3], [44] * 8),
+             phase_case("safebits@auto", [1, 1, 1, 1, 9, 5, 3, 3], [320] * 4 + [320, 60, 44, 44])]
+    summary = link_phases.summarize(cases, phases)
+    auto = next(r for r in summary["rows"] if r["adaptive"])
+    assert summary["oracle"]["m/hvd"] == {"total_s": 16, "choice": ["none", "safebits@4.4"]}
+    assert auto["total_s"] == 24 and auto["vs_oracle"] == 1.5
+    assert auto["settle_steps"] == [0, None]                    # only two settled steps in the second phase
+    assert auto["phases"][1]["budget_bits"] == [32.0, 6.0, 4.4, 4.4]
+    md = link_phases.table(summary, phases)
+    assert "| m | safebits@auto |" in md and "1.50x" in md and "pass pass pass pass pass 6 4.4 4.4" in md
