@@ -11,7 +11,6 @@ registered on a second model (a bad use: it must fail clearly on every rank, not
 """
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -19,39 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from workload import BUDGET_BITS, STEPS, digits, full_loss, mlp, params_digest
 
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.launch import exit_without_finalization
-
-STEPS = 20
-BUDGET_BITS = 4.4
-
-
-def digits() -> TensorDataset:
-    """scikit-learn's bundled digits (no download), scaled to [0, 1]."""
-    data = load_digits()
-    return TensorDataset(torch.tensor(data.data / 16.0, dtype=torch.float32), torch.tensor(data.target))
-
-
-def mlp() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-
-
-def full_loss(module: nn.Module, data: TensorDataset) -> float:
-    x, y = data.tensors
-    with torch.no_grad():
-        return float(nn.functional.cross_entropy(module(x), y))
-
-
-def params_digest(module: nn.Module) -> str:
-    """SHA-256 of every parameter's bytes, in registration order."""
-    h = hashlib.sha256()
-    for p in module.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def second_model_error(accelerator: Accelerator, state: sbddp.SafeBitsState, data: TensorDataset) -> str | None:

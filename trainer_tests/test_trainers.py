@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from workload import STEPS  # the workers' steps (trainer_tests/ is on sys.path: no __init__.py)
 
 from safebits_hvd import ddp as sbddp
 from safebits_hvd import launch
@@ -25,7 +26,6 @@ HERE = Path(__file__).resolve().parent
 LIGHTNING_WORKER = HERE / "lightning_worker.py"
 ACCELERATE_WORKER = HERE / "accelerate_worker.py"
 RANKS = 2
-STEPS = 20            # the workers' STEPS
 TIMEOUT = 180         # seconds per launch; a run takes about 10 here
 ENV = {"OMP_NUM_THREADS": "1"}
 
