@@ -94,7 +94,7 @@ def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, r
     bits: list[int] = []
     violations = escalations = infeasible = 0
     nonfinite = False
-    hvd.allreduce(torch.zeros(1), name=f"barrier.{run_id}")
+    barrier(f"{run_id}")
     start = time.perf_counter()
     for step in range(task.steps):
         task.set_lr(opt, step)

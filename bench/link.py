@@ -606,13 +606,13 @@ def _changing_link(args: argparse.Namespace, ns: str) -> int:
     env = {"OMP_NUM_THREADS": "1"}
     cases: list[dict[str, Any]] = []
     changes: list[tuple[int, int, int, float]] = []
-    launches = []
+    launches: list[tuple[Any, tuple[str, ...], Any]] = []       # (launcher, worker module, its arguments for a path)
     if args.compressors:
-        launches.append((horovodrun, (*HVD_WORKER, "link"), worker_args(args, "{raw}")))
+        launches.append((horovodrun, (*HVD_WORKER, "link"), lambda out: worker_args(args, out)))
     if args.ddp_compressors and ddp_models(args):
-        launches.append((torchrun, DDP_WORKER, ddp_worker_args(args, "{raw}")))
+        launches.append((torchrun, DDP_WORKER, lambda out: ddp_worker_args(args, out)))
     start = time.perf_counter()
-    for index, (runner, module, worker) in enumerate(launches):
+    for index, (runner, module, arguments) in enumerate(launches):
         raw_path = os.path.join(args.out_dir, f".link_phases_raw_{index}.json")
         for path in (raw_path, step_file):
             if os.path.exists(path):
@@ -621,7 +621,7 @@ def _changing_link(args: argparse.Namespace, ns: str) -> int:
         changer = link_phases.LinkChanger(step_file, phases, lambda rate: configure_link(ns, parse_rate(rate)))
         changer.start()
         try:
-            runner(2, *module, *[raw_path if a == "{raw}" else a for a in worker], "--step-file", step_file,
+            runner(2, *module, *arguments(raw_path), "--step-file", step_file,
                    prefix=_in_ns(ns), env=env, timeout=args.timeout, on_line=_progress)
         except LaunchError as exc:
             print(f"[link] changing-link launch failed: {exc}", file=sys.stderr)

@@ -200,7 +200,7 @@ class SafeBits(CoreCompressor):
             from the telemetry SafeBits measures). Default 4.0.
         max_distortion: ``d_bar`` in (0, 1]. Default 0.5.
         min_cosine: ``c_min`` in [-1, 1]. Default 0.7. Why these defaults (docs/RESULTS.md sections 9.1 and
-            6.11): ``max_distortion=0.5`` is the contraction error feedback needs. For an action whose scale
+            9.2): ``max_distortion=0.5`` is the contraction error feedback needs. For an action whose scale
             minimizes the squared error (every ``*_mse`` action, scaled sign) ``cos^2 = 1 - distortion``, so
             ``min_cosine=0.7`` (about ``sqrt(1 - 0.5)``) asks the same of those and binds only on the unbiased,
             max-scaled ones. The stricter 0.8 of earlier releases left a 2-bit budget infeasible on half the

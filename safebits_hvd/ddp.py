@@ -102,16 +102,17 @@ class SafeBitsState(CoreRecords):
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self.chunk_bytes = chunk_bytes
         # The factories run at the first step (the core's begin and close), when the group exists.
+        def several() -> bool:
+            return dist.get_world_size(process_group) > 1
+
         params, core = build_core(
             named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
             screen=screen, name=name, max_history=max_history, collective=collective, timeout=timeout,
             exchange=exchange if exchange is not None else (
-                lambda t: TorchDistributedExchange(process_group, t) if dist.get_world_size(process_group) > 1
-                else LocalExchange()),
+                lambda t: TorchDistributedExchange(process_group, t) if several() else LocalExchange()),
             transport=transport if transport is not None else (
-                lambda t: TorchDistributedTransport(process_group, t) if dist.get_world_size(process_group) > 1
-                else LocalTransport()),
+                lambda t: TorchDistributedTransport(process_group, t) if several() else LocalTransport()),
             fusion_elements=0)       # the hook batches a bucket's payloads itself (CHUNK_BYTES, the transport's flush)
         self.core = core
         self.names = core.names

