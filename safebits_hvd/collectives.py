@@ -212,6 +212,8 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self._members: list[np.ndarray] = []
         for members in self.groups:
             self._index_group(members)
+        self._fusion_group_of, self._fusion_member_of = self.group_of.copy(), self.member_of.copy()
+        self._made = len(self._fusion)        # where the next group a front end makes this step goes
 
     def _index_group(self, members: list[int]) -> int:
         group = len(self._members)
@@ -219,6 +221,16 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self.member_of[members] = np.arange(len(members))
         self._members.append(np.array(members, dtype=np.int64))
         return group
+
+    def _drop_groups_from(self, first: int) -> None:
+        """Drop the front end's groups ``first`` and after (made last step, not made alike this step): their members
+        not regrouped since are back in their fusion groups."""
+        for group in range(first, len(self._members)):
+            members = self._members[group]
+            members = members[self.group_of[members] == group]
+            self.group_of[members] = self._fusion_group_of[members]
+            self.member_of[members] = self._fusion_member_of[members]
+        del self.groups[first:], self._members[first:]
 
     def _clear(self) -> None:
         # group -> member index -> (flat gradient, the tensor that receives q or None), until the group is sent
@@ -238,8 +250,8 @@ class AllgatherPath(PackedCodec, CollectivePath):
             self.transport.wait(handle)
         super().begin(step, transport)
         self.step = step
-        if len(self._members) != len(self._fusion):
-            self._regroup()
+        # A front end's groups of the last step stay indexed: one that groups alike again reuses them.
+        self._made = len(self._fusion)
         self._clear()
 
     def abort(self) -> None:
@@ -254,11 +266,17 @@ class AllgatherPath(PackedCodec, CollectivePath):
 
     def group_together(self, members: list[int]) -> int:
         """Make ``members`` (none registered yet this step) one group for the rest of the step, sent when the last
-        of them is registered; every rank must make the same groups (the DDP hook's chunks of its buckets)."""
+        of them is registered; every rank must make the same groups (the DDP hook's chunks of its buckets). The
+        groups a front end makes in the same order as last step are reused as they are."""
         if any(int(self.group_of[i]) in self._registered for i in members):
             raise RuntimeError("group_together: a member was already registered this step")
-        self.groups.append(list(members))
-        return self._index_group(list(members))
+        group = self._made
+        if group >= len(self.groups) or self.groups[group] != members:
+            self._drop_groups_from(group)
+            self.groups.append(list(members))
+            self._index_group(list(members))
+        self._made += 1
+        return group
 
     def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
         """Tensor ``index``'s flat gradient (``own``: where its ``q`` is to be written, or None); returns its group
@@ -267,6 +285,12 @@ class AllgatherPath(PackedCodec, CollectivePath):
         members = self._registered.setdefault(group, {})
         members[index] = (gradient, own)
         return group if len(members) == len(self.groups[group]) else None
+
+    def register_group(self, group: int, gradients: list[torch.Tensor], owns: list[torch.Tensor | None]) -> None:
+        """:meth:`register` of every member of ``group`` at once (none registered yet), in member order."""
+        if group in self._registered:
+            raise RuntimeError("register_group: a member was already registered this step")
+        self._registered[group] = dict(zip(self.groups[group], zip(gradients, owns, strict=True), strict=True))
 
     def send_group(self, group: int) -> None:
         """Send the group in one batched pass (:meth:`.sending.Sender.send_group`) and start its allgather."""

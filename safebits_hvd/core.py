@@ -189,13 +189,8 @@ class SafeBitsCore:
         if not self.in_step:
             self.begin()
         path = self.path
-        own = into if path.batched else None
         g = flat_gradient(self.names[index], grad, self._numels[index])
-        if own is not None and own is not g and (
-                own.dtype != torch.float32 or own.dim() != 1 or not own.is_contiguous()
-                or own.numel() != self._numels[index] or own.device != g.device):
-            raise ValueError(f"into must be a flat contiguous float32 tensor of {self.numels[index]} elements on "
-                             f"{g.device}")
+        own = self._checked_into(index, g, into) if path.batched else None
         if path.batched:
             # Only registered: the group's members are sent together when its last one arrives.
             group = self.allgather.register(index, g, own)
@@ -212,18 +207,51 @@ class SafeBitsCore:
             self._close()
         return sent
 
-    def send_group(self, indices: list[int], grads: list[torch.Tensor], intos: list[torch.Tensor | None]) -> Sent:
+    def send_group(self, indices: list[int], grads: list[torch.Tensor], intos: list[torch.Tensor | None], *,
+                   close: bool = True) -> Sent:
         """:meth:`send` of several tensors at once. On the allgather path they become one group of the step, sent
         in one batched pass and one collective (the DDP hook's chunks of a bucket; every rank must group alike);
-        on the other paths each is sent in turn."""
+        on the other paths each is sent in turn. ``close=False``: a group that completes the step does not close
+        it (4); the front end calls :meth:`close` once its own collectives of the step are started."""
         if not self.in_step:
             self.begin()
-        if self.path.batched:
-            self.allgather.group_together(indices)
+        rows = np.asarray(indices, dtype=np.int64)
+        if not (self.path.batched and len(rows) and self.unsent[rows].all() and len(set(indices)) == len(rows)):
+            sent = Sent(None, self.step, self.path.name)
+            if self.path.batched:
+                self.allgather.group_together(indices)
+            for index, grad, into in zip(indices, grads, intos, strict=True):
+                sent = self.send(index, grad, into)
+            return sent
+        # The whole group at once: registered, marked sent and sent with one clock reading (the Python of one
+        # send per member is what the batched step saves).
+        start = time.perf_counter()
+        flats = [flat_gradient(self.names[i], g, self._numels[i]) for i, g in zip(indices, grads, strict=True)]
+        owns = [self._checked_into(i, g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
+        group = self.allgather.group_together(indices)
+        self.allgather.register_group(group, flats, owns)
+        self.unsent[rows] = False
+        self._unsent_count -= len(rows)
+        self.allgather.send_group(group)
         sent = Sent(None, self.step, self.path.name)
-        for index, grad, into in zip(indices, grads, intos, strict=True):
-            sent = self.send(index, grad, into)
+        self.clock.sent(start, time.perf_counter())
+        if close:
+            self.close()
         return sent
+
+    def close(self) -> None:
+        """4. Close the step if every tensor of it has been sent (else nothing)."""
+        if self.in_step and not self._unsent_count:
+            self._close()
+
+    def _checked_into(self, index: int, g: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
+        """``into`` (see :meth:`send`), checked to be a flat contiguous float32 tensor of ``g``'s size and device."""
+        if into is not None and into is not g and (
+                into.dtype != torch.float32 or into.dim() != 1 or not into.is_contiguous()
+                or into.numel() != self._numels[index] or into.device != g.device):
+            raise ValueError(f"into must be a flat contiguous float32 tensor of {self.numels[index]} elements on "
+                             f"{g.device}")
+        return into
 
     def reduced_sum(self, index: int, step: int, collective: str, out: torch.Tensor | None = None,
                     divisor: float = 1.0) -> torch.Tensor:
@@ -240,11 +268,22 @@ class SafeBitsCore:
         """The digest of the step in progress's allocation (or the last one begun); "" before the first."""
         return self._digest
 
-    def allocated_payload_bytes(self, index: int) -> int:
-        """Bytes of tensor ``index``'s packed payload at the allocated action of the step in progress (or the last
-        one begun): identical on every rank; a rank that escalates the tensor sends more."""
+    def allocated_payload_bytes(self, indices: list[int] | np.ndarray) -> np.ndarray:
+        """Bytes of each listed tensor's packed payload at the allocated action of the step in progress (or the last
+        one begun): identical on every rank; a rank that escalates a tensor sends more."""
         assert self._allocation is not None
-        return int(self.allgather.tables.payload_bytes[index, self._allocation.choice[index]])
+        rows = np.asarray(indices, dtype=np.int64)
+        return self.allgather.tables.payload_bytes[rows, self._allocation.choice[rows]]
+
+    def reduced_sums(self, indices: list[int], step: int, collective: str, outs: list[torch.Tensor | None],
+                     divisor: float = 1.0) -> list[torch.Tensor]:
+        """:meth:`reduced_sum` of several tensors (the DDP hook's bucket) with one clock reading; on the allgather
+        path each group is decoded once, into the ``into`` tensors its members were sent with."""
+        start, waited = time.perf_counter(), waited_seconds()
+        path = self.paths[collective]
+        totals = [path.reduced_sum(i, step, out, divisor) for i, out in zip(indices, outs, strict=True)]
+        self.clock.received(start, time.perf_counter(), waited_seconds() - waited)
+        return totals
 
     @property
     def exchange_pending(self) -> bool:

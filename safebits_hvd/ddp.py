@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -118,8 +119,10 @@ class SafeBitsState(CoreRecords):
         self.names = core.names
         self.timeout = timeout
         self._index_by_id = {id(p): i for i, p in enumerate(params)}
+        self._numels: list[int] = core.numels.tolist()
         self._params = params
         self._pending: list[_PendingBucket] = []
+        self._allocation_check: tuple[int, Any] | None = None    # (step, the all_gather in flight)
 
     @property
     def world_size(self) -> int:
@@ -149,43 +152,48 @@ class SafeBitsState(CoreRecords):
             self._check_group()         # the state was built before the process group
         core = self.core
         buffer = bucket.buffer()
-        grads = bucket.gradients()
         indices = [self._index_of(p) for p in bucket.parameters()]     # every one known before anything is sent
-        if sum(g.numel() for g in grads) != buffer.numel():
-            raise RuntimeError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its gradients "
-                               f"{sum(g.numel() for g in grads)}")
+        numels = [self._numels[i] for i in indices]
+        if sum(numels) != buffer.numel():
+            raise RuntimeError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its parameters "
+                               f"{sum(numels)}")
+        in_place = buffer.dtype == torch.float32      # decode straight into DDP's buffer
+        # What DDP reduces is the buffer: its ranges are the gradients (bucket.gradients() would make the same
+        # views one at a time); a buffer of another dtype is converted per tensor by the core.
+        grads = list(buffer.split(numels)) if in_place else bucket.gradients()
         began = not core.in_step
         if began:
             self._pending = []       # buckets of a step that an error interrupted: DDP never waits for them
         core.begin()
         step, collective = core.step, core.path.name
-        if began and core.path.batched:
-            self._check_allocation(step)            # the step's first collective, on every rank alike
-        pieces: list[_Piece] = []
-        offset = 0
-        in_place = buffer.dtype == torch.float32      # decode straight into DDP's buffer
-        chunk: list[int] = []
-        queued = 0          # allgather: bytes of the chunk, at their allocated actions
-        for position, (index, grad) in enumerate(zip(indices, grads, strict=True)):
-            n = grad.numel()
-            target = buffer[offset:offset + n] if in_place else None
-            pieces.append(_Piece(index, offset, offset + n, target))
-            offset += n
-            if not core.path.batched:
-                sent = core.send(index, grad, into=target)
+        if began:
+            self._allocation_check = None
+            if core.path.batched:
+                self._start_allocation_check(step)      # the step's first collective, on every rank alike
+        starts = np.concatenate([[0], np.cumsum(numels)]).tolist()
+        targets = grads if in_place else [None] * len(indices)
+        pieces = [_Piece(index, starts[k], starts[k + 1], targets[k]) for k, index in enumerate(indices)]
+        if not core.path.batched:
+            for k, index in enumerate(indices):
+                sent = core.send(index, grads[k], into=targets[k])
                 if not sent.packed:
                     # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
-                    buffer[offset - n:offset].copy_(sent.wire)
-                continue
-            # Allgather: a chunk of the bucket is one group, sent in one batched pass, its collective started
+                    buffer[starts[k]:starts[k + 1]].copy_(sent.wire)
+        else:
+            # Allgather: each chunk of the bucket is one group, sent in one batched pass, its collective started
             # before the rest of the bucket is packed.
-            chunk.append(position)
-            queued += core.allocated_payload_bytes(index)
-            if queued >= self.chunk_bytes or position == len(indices) - 1:
-                core.send_group([indices[k] for k in chunk], [grads[k] for k in chunk],
-                                [pieces[k].target for k in chunk])
-                self._launch(queued)
-                chunk, queued = [], 0
+            first, queued = 0, 0        # the chunk's first position, its bytes at the allocated actions
+            sizes = core.allocated_payload_bytes(indices).tolist()
+            for position, size in enumerate(sizes):
+                queued += size
+                if queued >= self.chunk_bytes or position == len(indices) - 1:
+                    core.send_group(indices[first:position + 1], grads[first:position + 1],
+                                    targets[first:position + 1], close=False)
+                    self._launch(queued)
+                    first, queued = position + 1, 0
+            # Closing starts the statistics exchange: only after the allocation check and the payloads' launch,
+            # so every rank issues its collectives in the same order even when the check fails.
+            core.close()
         work = None
         if collective == "dense" and self.world_size > 1:
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
@@ -201,25 +209,36 @@ class SafeBitsState(CoreRecords):
         """Start the allgather of the payloads queued since the last launch, which total ``expected`` bytes at
         their allocated actions on every rank, so nothing waits for a size exchange (only an escalated rest waits
         for the step's close)."""
+        self._finish_allocation_check()       # before the step's first payload moves
         transport = self.core.transport
         if isinstance(transport, TorchDistributedTransport):      # else one rank: nothing moves
             transport.flush(expected)
 
-    def _check_allocation(self, step: int) -> None:
-        """After the step's first send, before any of its payloads moves: every rank must have allocated alike and
-        cut its buckets into the same chunks (else the collectives' sizes or counts differ and would fail inside
-        Gloo or NCCL, or hang): one small blocking all_gather of the allocation digest, the tensor count, the
-        step's payload bytes at the allocated actions and ``chunk_bytes``, so a mismatch raises
-        :class:`~.errors.SafeBitsConsistencyError` on every rank."""
+    def _start_allocation_check(self, step: int) -> None:
+        """At the step's begin: every rank must have allocated alike and cut its buckets into the same chunks (else
+        the payload collectives' sizes or counts differ and would fail inside Gloo or NCCL, or hang). Starts one
+        small all_gather of the allocation digest, the tensor count, the step's payload bytes at the allocated
+        actions and ``chunk_bytes``; :meth:`_finish_allocation_check` compares them before the step's first payload
+        moves, so the round trip overlaps the packing of the first chunk."""
         core = self.core
         transport = core.transport
         if not isinstance(transport, TorchDistributedTransport):
             return              # one rank, or a custom transport: nothing to compare
         digest = int(core.allocation_digest, 16)
-        total = sum(core.allocated_payload_bytes(i) for i in range(len(core.names)))
+        total = int(core.allocated_payload_bytes(np.arange(len(core.names))).sum())
         words = torch.tensor([*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total,
                               self.chunk_bytes], dtype=torch.int64, device=transport.device)
-        everyone = transport.gather_now(words, f"the allocation digest of step {step}")
+        self._allocation_check = (step, transport.start_gather(words))
+
+    def _finish_allocation_check(self) -> None:
+        """Wait for the check :meth:`_start_allocation_check` started, if any; a mismatch raises
+        :class:`~.errors.SafeBitsConsistencyError` on every rank."""
+        if self._allocation_check is None:
+            return
+        (step, handle), self._allocation_check = self._allocation_check, None
+        transport = self.core.transport
+        assert isinstance(transport, TorchDistributedTransport)
+        everyone = transport.finish_gather(handle, f"the allocation digest of step {step}")
         if not bool((everyone == everyone[0]).all()):
             raise SafeBitsConsistencyError(
                 f"ranks disagree on the allocation of step {step} (this rank's digest "
@@ -230,6 +249,7 @@ class SafeBitsState(CoreRecords):
         """The last bucket: every bucket's mean into its buffer, the step finished, every future completed."""
         core = self.core
         pending, self._pending = self._pending, []
+        self._finish_allocation_check()
         if core.in_step:
             missing = [core.names[i] for i, unsent in enumerate(core.unsent) if unsent]
             core.finish()
@@ -243,8 +263,10 @@ class SafeBitsState(CoreRecords):
                     bucket.work.wait()
                     bucket.buffer.div_(ranks)
                 continue
-            for piece in bucket.pieces:
-                total = core.reduced_sum(piece.index, step, collective, piece.target, divisor=ranks)
+            pieces = bucket.pieces
+            totals = core.reduced_sums([p.index for p in pieces], step, collective, [p.target for p in pieces],
+                                       divisor=ranks)
+            for piece, total in zip(pieces, totals, strict=True):
                 if piece.target is None:
                     bucket.buffer[piece.start:piece.stop].copy_(total)
         core.finish(step)

@@ -140,6 +140,10 @@ AUTO_WINDOW = 7
 """Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step
 noise of shared machines (a third of a step, between consecutive steps of one budget, on 2 busy cores)."""
 
+AUTO_MAD_TO_SE = 1.4826 * 1.2533
+"""A window's relative median absolute deviation, times this over the square root of its length, is the relative
+standard error of its median (normal noise: MAD = 0.674 sigma; a median's error is 1.2533 times a mean's)."""
+
 
 class Auto:
     """``budget_bits="auto"``: each step's bits per parameter, no compression included, chosen from the telemetry
@@ -147,38 +151,48 @@ class Auto:
 
     Reads, through :meth:`observe`, each record's telemetry of the step before it: the span from its first gradient
     to its end (``span_s``, the part of a step the choice can change), its backward span, SafeBits' own send and
-    receive time, the bytes it moved and how long its collectives were in flight. Then, per candidate budget
-    (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
+    receive time, the bytes it moved, how long its collectives were in flight and how long the step waited for
+    them. Then, per candidate budget (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
 
-    1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, each from a step
-       whose previous step had the same budget (the first step at a new budget pays for the change, not for the
-       budget), none from the first two steps of a run (warm-up).
+    1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, none from the first
+       two steps of a run (warm-up) nor from a step that switched into or out of pass-through (it pays for the
+       switch: the start policy, the residual flush); a switch between two compressed budgets is measured, so a
+       compressed probe costs one step.
     2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the same
-       kind: ``max(backward + send, bytes / rate) + receive``, with the link rate from the steps whose
-       communication was exposed, the bytes scaled by the budgets' ratio, SafeBits' own time as measured (none
-       without compression).
-    3. **Probe** candidates without a measurement, two steps each: those the model cannot predict yet, the
-       costliest first, then the one predicted fastest, unless its prediction is above ``1 + prune`` times the
-       best estimate; and every ``probe_every`` steps the one measured longest ago, under the same condition.
-    4. **Choose**, among the candidates within ``tolerance`` of the fastest estimate, the most bits: more bits are
-       never worse for quality.
-    5. **Follow the link**: when the chosen budget's last three spans all lie more than ``change`` (relative) on
-       the same side of its estimate before them, or one lies :data:`AUTO_JUMP` times off, every other estimate
-       is dropped; and an estimate measured at another link rate is dropped when the model says the new rate
-       moves it by more than ``change``. Dropped ones are probed again (3).
+       kind (its last step's figures scaled to its estimate): ``max(backward + send, bytes / rate) + receive``,
+       with the link rate from the steps whose communication was exposed, the bytes scaled by the budgets' ratio,
+       SafeBits' own time as measured (none without compression, and none while no compressed step is measured:
+       a lower bound).
+    3. **Probe** the candidate the rule of 4 would choose if every unmeasured candidate took its prediction, less
+       the model's error allowance ``prune`` (a lower bound as it is), when that is an unmeasured one: so only
+       candidates that could win are probed, the predicted fastest first, and a link seen slower jumps straight
+       to it. One whose telemetry is still on its way (the last two steps) is held, not probed again. Before the
+       first measurement the costliest is held (no compression first, as PowerSGD's hook starts). Every
+       ``probe_every`` steps the one measured longest ago is probed again, unless predicted above ``1 + prune``
+       times the fastest estimate.
+    4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
+       for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
+       the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
+       ``tolerance`` is no tie.
+    5. **Follow the link**: a span :data:`AUTO_JUMP` times off its candidate's estimate, one more than ``change``
+       (relative) off it with the exposed communication moving by at least half the difference, or three in a
+       row more than ``change`` off on the same side, mean the link (or the load) changed: that candidate keeps
+       only the spans since, every other estimate is dropped. An estimate measured at another link rate is
+       dropped when the model says the new rate moves it by more than ``change``. Dropped ones are probed again
+       (3).
 
     Every rank sees the same reduced records, so every rank chooses alike; the choice enters the allocation digest
     like any budget. Its state is checkpointed (:meth:`state_dict`)."""
 
     def __init__(self, min_bits: float = 2.0, max_bits: float = PASS_THROUGH_BITS, tolerance: float = 0.03,
-                 probe_every: int = 50, change: float = 0.25, prune: float = 0.5) -> None:
+                 probe_every: int = 50, change: float = 0.15, prune: float = 0.1) -> None:
         self.min_bits, self.max_bits = _positive("min_bits", min_bits), _positive("max_bits", max_bits)
         if self.min_bits > self.max_bits:
             raise ValueError(f"min_bits ({min_bits}) must be <= max_bits ({max_bits})")
         if self.max_bits > PASS_THROUGH_BITS:
             raise ValueError(f"max_bits must be <= {PASS_THROUGH_BITS:g} (no compression), got {max_bits}")
-        if not 0 <= tolerance < 1 or not change > 0 or not prune > 0:
-            raise ValueError("tolerance must be in [0, 1), change and prune > 0")
+        if not 0 <= tolerance < 1 or not change > 0 or not prune >= 0:
+            raise ValueError("tolerance must be in [0, 1), change > 0 and prune >= 0")
         if not isinstance(probe_every, int) or probe_every < 1:
             raise ValueError(f"probe_every must be an int >= 1, got {probe_every!r}")
         candidates = [b for b in AUTO_CANDIDATES if self.min_bits <= b <= self.max_bits]
@@ -186,7 +200,7 @@ class Auto:
         self.tolerance, self.probe_every, self.change, self.prune = tolerance, probe_every, change, prune
         # Learned (checkpointed): per candidate, its last spans (oldest first), the step of the last, its last
         # telemetry and the link rate then; the link rate now; the budget of each recent step (the telemetry of a
-        # step arrives a step later); the probe in progress (budget, steps left).
+        # step arrives a step later); the hold in progress (budget, steps left).
         self.spans: dict[float, list[float]] = {b: [] for b in self.candidates}
         self.measured_at: dict[float, int] = {}
         self.figures: dict[float, dict[str, float]] = {}
@@ -198,53 +212,88 @@ class Auto:
     # ------------------------------------------------------------------ 1 and 5: measure, follow the link
     def observe(self, record: StepRecord) -> None:
         step, timing = record.timing_step, record.timing
-        bits = self.chosen.get(step)
+        bits, previous = self.chosen.get(step), self.chosen.get(step - 1)
         for old in [s for s in self.chosen if s < step - 1]:
             del self.chosen[old]
         span = timing.get("span_s", math.nan)
-        if bits is None or not math.isfinite(span) or step < 2 or self.chosen.get(step - 1) != bits:
+        if bits is None or previous is None or not math.isfinite(span) or step < 2:
             return
+        if previous != bits and PASS_THROUGH_BITS in (bits, previous):
+            return                                               # it paid for the switch (1)
         if timing["link_s"] > 0 and timing["wire_bytes"] > 0:
             measured = timing["wire_bytes"] / timing["link_s"]
             # Exposed communication measures the link; hidden, it only says the link is at least this fast.
             self.rate = measured if timing["exposed_s"] > 0.1 * span else max(self.rate, measured)
         history = self.spans[bits] = (self.spans[bits] + [span])[-AUTO_WINDOW:]
-        before = history[:-3]
-        if len(history) >= 3:
-            estimate = statistics.median(before if len(before) >= 2 else history[:-1])
-            if (all(x > (1 + self.change) * estimate for x in history[-3:])
-                    or all(x < (1 - self.change) * estimate for x in history[-3:])
-                    or not estimate / AUTO_JUMP <= span <= estimate * AUTO_JUMP):
-                # The link (or the load) changed: what was measured before no longer holds.
-                self.spans = {b: [] for b in self.candidates}
-                self.spans[bits] = history[-3:]
+        kept = self._changed(bits, history, timing)
+        if kept is not None:
+            # The link (or the load) changed: what was measured before no longer holds.
+            self.spans = {b: [] for b in self.candidates}
+            self.spans[bits] = kept
         self.measured_at[bits] = step
         self.figures[bits] = dict(timing)
         self.rate_at[bits] = self.rate
+
+    def _changed(self, bits: float, history: list[float], timing: dict[str, float]) -> list[float] | None:
+        """The spans to keep when the last span(s) say the link changed (5), else None."""
+        if len(history) < 3:                                     # two before it at least: one may be noise
+            return None
+        span = history[-1]
+        estimate = statistics.median(history[:-1])
+        if not estimate / AUTO_JUMP <= span <= estimate * AUTO_JUMP:
+            return [span]
+        exposed_before = self.figures[bits]["exposed_s"] if bits in self.figures else math.nan
+        moved = span - estimate
+        if abs(moved) > self.change * estimate and (timing["exposed_s"] - exposed_before) * moved > 0.5 * moved ** 2:
+            return [span]                                        # the wait for the link moved the span
+        before = history[:-3]
+        if len(before) >= 2:
+            estimate = statistics.median(before)
+            if (all(x > (1 + self.change) * estimate for x in history[-3:])
+                    or all(x < (1 - self.change) * estimate for x in history[-3:])):
+                return history[-3:]
+        return None
 
     def estimate(self, bits: float) -> float | None:
         """The candidate's measured span (the median of its last spans), None if it has none."""
         history = self.spans[bits]
         return statistics.median(history) if history else None
 
+    def spread(self) -> float:
+        """The relative step-to-step spread of the spans: the median over candidates with three spans or more of
+        their median absolute deviation over their median (0 while none has three)."""
+        deviations = []
+        for history in self.spans.values():
+            if len(history) >= 3:
+                middle = statistics.median(history)
+                deviations.append(statistics.median(abs(x - middle) for x in history) / middle)
+        return statistics.median(deviations) if deviations else 0.0
+
     # ------------------------------------------------------------------ 2. predict
     def predict(self, bits: float, rate: float | None = None) -> float | None:
-        """The span predicted for ``bits`` (see the class docstring, 2); None when nothing fits: no link rate
-        measured yet, or a compressed budget and no compressed one measured (its own time is unknown).
-        ``rate``: the link's bytes per second (default: the current estimate)."""
+        """The span predicted for ``bits`` (see the class docstring, 2); None when nothing fits: nothing measured
+        or no link rate measured yet. ``rate``: the link's bytes per second (default: the current estimate)."""
         rate = self.rate if rate is None else rate
         compressed = bits < PASS_THROUGH_BITS
         measured = [b for b in self.candidates if b in self.figures and (b < PASS_THROUGH_BITS) == compressed]
-        if not measured and not compressed:
+        own_time_known = bool(measured) or not compressed
+        if not measured:
             measured = [b for b in self.candidates if b in self.figures]
         if not measured or rate <= 0:
             return None
         near = min(measured, key=lambda b: (abs(math.log(b / bits)), -b))
-        f = self.figures[near]
-        send = f["send_s"] if compressed else 0.0
-        receive = f["receive_s"] if compressed else 0.0
+        # Its last step's figures, scaled to its estimate: one step's noise would otherwise move every prediction.
+        f, estimate = self.figures[near], self.estimate(near)
+        if estimate is not None and f["span_s"] > 0:
+            f = {k: v if k == "wire_bytes" else v * estimate / f["span_s"] for k, v in f.items()}
+        near_compressed = near < PASS_THROUGH_BITS
+        send = f["send_s"] if compressed and own_time_known and near_compressed else 0.0
+        receive = f["receive_s"] if compressed and own_time_known and near_compressed else 0.0
         backward = f["backward_s"] - f["send_s"]                   # backward's own compute, without SafeBits
         return max(backward + send, f["wire_bytes"] * bits / near / rate) + receive
+
+    def _own_time_known(self, bits: float) -> bool:
+        return bits >= PASS_THROUGH_BITS or any(b in self.figures for b in self.candidates if b < PASS_THROUGH_BITS)
 
     # ------------------------------------------------------------------ 3 and 4: probe, choose
     def __call__(self, step: int) -> float:
@@ -253,10 +302,20 @@ class Auto:
             self.probe = (bits, left - 1) if left > 1 else None
         else:
             bits = self._choose(step)
-            if self.estimate(bits) is None or bits != self.chosen.get(step - 1):
-                self.probe = (bits, 1)                           # a new budget: hold it one more step
+            previous = self.chosen.get(step - 1)
+            unmeasurable = step < 2 or (previous != bits and PASS_THROUGH_BITS in (bits, previous))
+            if self.estimate(bits) is None and unmeasurable:
+                self.probe = (bits, 1)                           # its first step measures nothing (1): hold it
         self.chosen[step] = bits
         return bits
+
+    def _pick(self, values: dict[float, tuple[float, float]]) -> float:
+        """Step 4 on ``{bits: (span, relative standard error)}``: the most bits among those tied with the fastest."""
+        best_bits = min(values, key=lambda b: (values[b][0], -b))
+        best, best_error = values[best_bits]
+        tied = [b for b, (span, error) in values.items()
+                if span <= best * (1 + self.tolerance - math.hypot(error, best_error))]
+        return max([best_bits, *tied])
 
     def _choose(self, step: int) -> float:
         for bits in self.candidates:
@@ -266,25 +325,31 @@ class Auto:
             now = self.predict(bits)
             if then is not None and now is not None and abs(now - then) > self.change * then:
                 self.spans[bits] = []
-        known = {b: e for b in self.candidates if (e := self.estimate(b)) is not None}
-        best = min(known.values()) if known else None
+        spread = self.spread()
+        known = {b: (e, AUTO_MAD_TO_SE * spread / math.sqrt(len(self.spans[b])))
+                 for b in self.candidates if (e := self.estimate(b)) is not None}
         pending = {self.chosen[s] for s in (step - 1, step - 2) if s in self.chosen}   # telemetry not in yet
-        unmeasured = [(self.predict(b), b) for b in self.candidates if b not in known and b not in pending]
-        unpredicted = [b for p, b in unmeasured if p is None]
-        if unpredicted:
-            return max(unpredicted)
-        if unmeasured:
-            predicted, bits = min(unmeasured, key=lambda pb: (pb[0], -pb[1]))
-            if best is None or predicted <= (1 + self.prune) * best:
+        unmeasured = [b for b in self.candidates if b not in known]
+        predicted = {b: self.predict(b) for b in unmeasured}
+        if any(p is None for p in predicted.values()):           # nothing to predict from yet
+            waiting = [b for b in unmeasured if b in pending]
+            return max(waiting) if waiting else max(unmeasured)
+        # Probe what could win if the model erred by ``prune`` (a lower bound, own time unknown, is optimistic as
+        # it is); hold one whose telemetry is on its way only if it wins even then.
+        hoped = {b: ((p * (1 + self.prune) if b in pending else
+                      p / (1 + self.prune) if self._own_time_known(b) else p), 0.0)
+                 for b, p in predicted.items() if p is not None}
+        if hoped:
+            bits = self._pick({**known, **hoped})
+            if bits in hoped:
                 return bits
-        if best is None:                                          # waiting for the probes' telemetry
-            return self.chosen.get(step - 1, self.candidates[-1])
-        if step % self.probe_every == 0:                          # now and then, the one measured longest ago
+        if step % self.probe_every == 0 and len(known) > 1:      # now and then, the one measured longest ago
             stalest = min(known, key=lambda b: self.measured_at.get(b, -1))
-            predicted = self.predict(stalest)
-            if predicted is None or predicted <= (1 + self.prune) * best:
+            guess = self.predict(stalest)
+            fastest = min(e for e, _ in known.values())
+            if stalest not in pending and guess is not None and guess <= (1 + self.prune) * fastest:
                 return stalest
-        return max(b for b, e in known.items() if e <= (1 + self.tolerance) * best)
+        return self._pick(known)
 
     def state_dict(self) -> dict[str, Any]:
         return {"spans": {str(b): list(v) for b, v in self.spans.items()},

@@ -236,13 +236,21 @@ class TorchDistributedTransport:
         operation.complete(self, f"SafeBits' payload collective {operation.names[0]!r} (torch.distributed)")
         return operation.result(position)
 
-    def gather_now(self, values: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's ``values`` (same shape everywhere), stacked in rank order on the CPU (a bounded wait)."""
+    def start_gather(self, values: torch.Tensor) -> Any:
+        """Start gathering every rank's ``values`` (same shape everywhere); :meth:`finish_gather` waits for them."""
         pieces = [torch.empty_like(values) for _ in range(self.size)]
-        work = self.dist.all_gather(pieces, values, group=self.process_group, async_op=True)
+        return pieces, self.dist.all_gather(pieces, values, group=self.process_group, async_op=True)
+
+    def finish_gather(self, handle: Any, what: str) -> torch.Tensor:
+        """The values of :meth:`start_gather`, stacked in rank order on the CPU (a bounded wait)."""
+        pieces, work = handle
         wait_bounded(work.is_completed, self.timeout, f"SafeBits' exchange of {what} (torch.distributed)")
         work.wait()
         return torch.stack(pieces).cpu()
+
+    def gather_now(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's ``values`` (same shape everywhere), stacked in rank order on the CPU (a bounded wait)."""
+        return self.finish_gather(self.start_gather(values), what)
 
 
 def make_transport(process_set: Any = None,
