@@ -176,7 +176,7 @@ class SafeBitsState(CoreRecords):
         if not core.path.batched:
             for k, index in enumerate(indices):
                 sent = core.send(index, grads[k], into=targets[k])
-                if not sent.packed:
+                if not sent.packed and sent.wire is not targets[k]:
                     # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
                     buffer[starts[k]:starts[k + 1]].copy_(sent.wire)
         else:

@@ -144,6 +144,11 @@ class Sender:
             fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
             fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
             return g if action.lossless else g.to(torch.float16)
+        if not path.packed:
+            # Dense: the batched pass over a group of one (one read back); q is what the front end's allreduce sums.
+            out = own if own is not None else torch.empty_like(g)
+            self.send_values(np.array([index], dtype=np.int64), [g], [out])
+            return out
         if self.checks_finite and n and holds_nonfinite(g):
             return self.send_nonfinite(index, g, own)
         key = stream_key(self.seed, self.step, index)
@@ -224,84 +229,24 @@ class Sender:
         lossless = self.menu[self.policy.lossless_index]
         return path.encode(index, g, torch.zeros_like(g), lossless, 0, None)[0]
 
-    # ------------------------------------------------------------------ a group (the allgather path)
+    # ------------------------------------------------------------------ a group (the batched step)
     def send_group(self, members: list[int],
                    registered: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, np.ndarray,
                                                                                               int]:
-        """The batched step of one group (docs/DESIGN.md, "The batched step"): one pass screens, chooses and
-        packs every member registered (:func:`.kernels.send_group`, one read back); a NaN/Inf gradient then takes
-        :meth:`send_nonfinite`, and members whose exact statistics fail the screen escalate together, one batched
-        pass (one read back) per round; members never registered (an incomplete step) send zeros. Returns the
-        payloads back to back, where each member's starts (and the end), and the bytes of the registered members'
-        payloads."""
-        assert self.allocation is not None and self.fields is not None
+        """The batched step of one group on a packed path (docs/DESIGN.md, "The batched step"):
+        :meth:`send_members` of every member registered; members never registered (an incomplete step) send
+        zeros. Returns the payloads back to back, where each member's starts (and the end), and the bytes of the
+        registered members' payloads."""
         sent_members = np.array([i for i in members if i in registered], dtype=np.int64)
-        policy, fields = self.policy, self.fields
-        payloads: dict[int, torch.Tensor] = {}
         buffer: torch.Tensor | None = None
         offsets = np.zeros(1, dtype=np.int64)
+        payloads: dict[int, torch.Tensor] = {}
         device = torch.device("cpu")
         if len(sent_members):
             grads = [registered[i][0] for i in sent_members]
-            owns = [registered[i][1] for i in sent_members]
             device = grads[0].device
-            residuals = [self.residual(int(i), int(self.numels[i]), device) for i in sent_members]
-            screening = policy.allocates_from_statistics
-            samples = [self.sample_of(int(i), int(self.numels[i]), device) if screening else None
-                       for i in sent_members]
-            keys = stream_keys(self.seed, self.step, sent_members)
-            allocated = self.allocation.choice[sent_members]
-            result = kernels.send_group(kernels.GroupSend(
-                sent_members, grads, residuals, owns, samples, keys, allocated, self.checks_finite, screening,
-                policy.screen_enabled, policy.max_distortion, policy.min_cosine), self.tables)
+            result, payloads = self.send_members(sent_members, grads, [registered[i][1] for i in sent_members])
             buffer, offsets = result.buffer, result.offsets
-            finite, chosen = result.finite, result.chosen
-            distortion, cosine = distortion_cosine(result.stats)
-            if screening:
-                estimated, estimated_cosine = distortion_cosine(result.screen_stats[finite])
-                fields.screened[sent_members[finite]] = np.where(
-                    policy.plannable(estimated, estimated_cosine), estimated, np.inf)
-            accepted = finite & policy.sent_passes(np.maximum(chosen, 0), distortion, cosine, ACCEPT_MARGIN)
-            actions = chosen[accepted]
-            self.record_sent(sent_members[accepted], actions, distortion[accepted], cosine[accepted],
-                             policy.sent_passes(actions, distortion[accepted], cosine[accepted],
-                                                policy.planning_margin), result.stats[accepted, 3])
-            # Members that failed on what they sent escalate from there, all together: each round restores their
-            # residuals, packs each at its next action in one batched pass (one read back) and keeps those that
-            # pass; the lossless action always does. The same order, keys and records as the per-tensor path.
-            escalating: list[int] = []
-            orders: dict[int, list[int]] = {}
-            for k in np.flatnonzero(~accepted).tolist():
-                index = int(sent_members[k])
-                if not finite[k]:
-                    payloads[index] = self.send_nonfinite(index, grads[k], owns[k])
-                    continue
-                ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
-                      else np.ones(len(self.menu), dtype=bool))
-                orders[k] = policy.send_order(index, int(allocated[k]), ok)
-                payloads[index] = buffer[offsets[k]:offsets[k + 1]]
-                escalating.append(k)
-            attempt = 0
-            while escalating:
-                attempt += 1
-                for k in escalating:
-                    index = int(sent_members[k])
-                    fields.screened[index, orders[k][attempt - 1]] = math.inf
-                    self.path.restore(index, payloads[index], residuals[k], self.names[index])
-                rows = np.array(escalating, dtype=np.int64)
-                actions = np.array([orders[k][attempt] for k in escalating], dtype=np.int64)
-                retry = kernels.send_group(kernels.GroupSend(
-                    sent_members[rows], [None] * len(rows), [residuals[k] for k in escalating],
-                    [owns[k] for k in escalating], [None] * len(rows), keys[rows], actions, False, False, False,
-                    policy.max_distortion, policy.min_cosine), self.tables)
-                distortion, cosine = distortion_cosine(retry.stats)
-                passed = policy.sent_passes(actions, distortion, cosine, ACCEPT_MARGIN)
-                for j, k in enumerate(escalating):
-                    payloads[int(sent_members[k])] = retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
-                self.record_sent(sent_members[rows[passed]], actions[passed], distortion[passed], cosine[passed],
-                                 policy.sent_passes(actions[passed], distortion[passed], cosine[passed],
-                                                    policy.planning_margin), retry.stats[passed, 3])
-                escalating = [k for j, k in enumerate(escalating) if not passed[j]]
         sizes = np.diff(offsets)
         for k, index in enumerate(sent_members.tolist()):
             if index in payloads:
@@ -322,6 +267,80 @@ class Sender:
             offsets = np.concatenate([[0], np.cumsum([p.numel() for p in parts])]).astype(np.int64)
         assert buffer is not None
         return buffer, offsets, int(sizes.sum())
+
+    def send_values(self, members: np.ndarray, grads: list[torch.Tensor], owns: list[torch.Tensor]) -> None:
+        """The batched step on the dense path: :meth:`send_members`, each member's ``q`` (or, NaN/Inf, what
+        ``nonfinite`` sends) left in its ``owns`` tensor, which the front end's allreduce sums; the payloads the
+        pass packed travel nowhere."""
+        self.send_members(members, grads, owns)
+
+    def send_members(self, members: np.ndarray, grads: list[torch.Tensor],
+                     owns: list[torch.Tensor | None]) -> tuple[kernels.GroupSent, dict[int, Any]]:
+        """One pass screens, chooses and packs every member (:func:`.kernels.send_group`, one read back), ``q``
+        into its ``owns`` tensor if any; a NaN/Inf gradient then takes :meth:`send_nonfinite`, and members whose
+        exact statistics fail the screen escalate together, one batched pass (one read back) per round. Returns
+        the pass's result and, by tensor, what replaced a member's payload in it (escalated or non-finite)."""
+        assert self.allocation is not None and self.fields is not None
+        policy, fields = self.policy, self.fields
+        payloads: dict[int, Any] = {}
+        device = grads[0].device
+        residuals = [self.residual(int(i), int(self.numels[i]), device) for i in members]
+        screening = policy.allocates_from_statistics
+        samples = [self.sample_of(int(i), int(self.numels[i]), device) if screening else None for i in members]
+        keys = stream_keys(self.seed, self.step, members)
+        allocated = self.allocation.choice[members]
+        result = kernels.send_group(kernels.GroupSend(
+            members, grads, residuals, owns, samples, keys, allocated, self.checks_finite, screening,
+            policy.screen_enabled, policy.max_distortion, policy.min_cosine), self.tables)
+        buffer, offsets = result.buffer, result.offsets
+        finite, chosen = result.finite, result.chosen
+        distortion, cosine = distortion_cosine(result.stats)
+        if screening:
+            estimated, estimated_cosine = distortion_cosine(result.screen_stats[finite])
+            fields.screened[members[finite]] = np.where(
+                policy.plannable(estimated, estimated_cosine), estimated, np.inf)
+        accepted = finite & policy.sent_passes(np.maximum(chosen, 0), distortion, cosine, ACCEPT_MARGIN)
+        actions = chosen[accepted]
+        self.record_sent(members[accepted], actions, distortion[accepted], cosine[accepted],
+                         policy.sent_passes(actions, distortion[accepted], cosine[accepted],
+                                            policy.planning_margin), result.stats[accepted, 3])
+        # Members that failed on what they sent escalate from there, all together: each round restores their
+        # residuals, packs each at its next action in one batched pass (one read back) and keeps those that
+        # pass; the lossless action always does. The same order, keys and records as the per-tensor path.
+        escalating: list[int] = []
+        orders: dict[int, list[int]] = {}
+        for k in np.flatnonzero(~accepted).tolist():
+            index = int(members[k])
+            if not finite[k]:
+                payloads[index] = self.send_nonfinite(index, grads[k], owns[k])
+                continue
+            ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
+                  else np.ones(len(self.menu), dtype=bool))
+            orders[k] = policy.send_order(index, int(allocated[k]), ok)
+            payloads[index] = buffer[offsets[k]:offsets[k + 1]]
+            escalating.append(k)
+        attempt = 0
+        while escalating:
+            attempt += 1
+            for k in escalating:
+                index = int(members[k])
+                fields.screened[index, orders[k][attempt - 1]] = math.inf
+                kernels.decode_add(payloads[index], residuals[k], name=self.names[index])    # e <- e + q
+            rows = np.array(escalating, dtype=np.int64)
+            actions = np.array([orders[k][attempt] for k in escalating], dtype=np.int64)
+            retry = kernels.send_group(kernels.GroupSend(
+                members[rows], [None] * len(rows), [residuals[k] for k in escalating],
+                [owns[k] for k in escalating], [None] * len(rows), keys[rows], actions, False, False, False,
+                policy.max_distortion, policy.min_cosine), self.tables)
+            distortion, cosine = distortion_cosine(retry.stats)
+            passed = policy.sent_passes(actions, distortion, cosine, ACCEPT_MARGIN)
+            for j, k in enumerate(escalating):
+                payloads[int(members[k])] = retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
+            self.record_sent(members[rows[passed]], actions[passed], distortion[passed], cosine[passed],
+                             policy.sent_passes(actions[passed], distortion[passed], cosine[passed],
+                                                policy.planning_margin), retry.stats[passed, 3])
+            escalating = [k for j, k in enumerate(escalating) if not passed[j]]
+        return result, payloads
 
     # ------------------------------------------------------------------ per-tensor state
     def sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:

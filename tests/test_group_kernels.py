@@ -152,6 +152,24 @@ def test_an_allgather_step_reads_back_at_most_twice_per_group_and_once_more() ->
         assert host.reads() - before <= 2 * groups + 1, (step, host.reads() - before, groups)
 
 
+def test_a_dense_step_reads_back_once_per_tensor_sent() -> None:
+    """On the dense path Horovod allreduces the values compress returns, so each tensor is a group of one, sent in
+    one batched pass: one read back (NaN check, screen, choice and statistics together) per tensor plus one per
+    escalation round, none on receiving; the per-tensor kernels' NaN check, screen and statistics read back three
+    times per tensor."""
+    sizes = (272, 16) * 100
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    compressor = sb.SafeBits(params, budget_bits=4.0, collective="dense")
+    for step in range(4):
+        random_grads(params, step)
+        before = host.reads()
+        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+        for wire, ctx in pending:
+            compressor.decompress(wire, ctx)
+        assert compressor.last_step.collective == "dense"
+        assert host.reads() - before <= 2 * len(sizes) + 1, (step, host.reads() - before)
+
+
 def test_members_that_escalate_together_cost_one_read_back_per_round_not_per_member() -> None:
     """Every tensor's gradient gets one huge element in a bucket the screen's one-bucket sample mostly misses: the
     sampled estimate passes, the exact statistics of what was sent fail, and the group re-encodes its failures in
