@@ -57,12 +57,15 @@ class CollectivePath:
     step sends instead (:meth:`zeros`), what a sent tensor costs the link (:meth:`link_bytes`) and, on the packed
     paths, the reduced sum (:meth:`reduced_sum`). The core never asks which path it holds, only what it can do:
     ``packed`` (uint8 payloads through SafeBits' collectives, else float32 values through the front end's own
-    allreduce) and ``batched`` (tensors registered and sent a fusion group at a time).
+    allreduce), ``batched`` (tensors :meth:`register`-ed, then sent by the path in batches: a fusion group at a
+    time, or the whole step when it closes) and ``front_end_groups`` (a front end may make its own groups, each
+    sent in one collective as soon as it is complete).
     """
 
     name = ""
     packed = True
     batched = False
+    front_end_groups = False
 
     def __init__(self, menu: Menu, cheapest: np.ndarray) -> None:
         self.menu = menu
@@ -83,6 +86,22 @@ class CollectivePath:
 
     def abort(self) -> None:
         """Drop the step in flight (one of its collectives failed)."""
+
+    # -- batched paths: the send pass runs over many tensors at once
+    def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
+        """Tensor ``index``'s flat gradient, to be sent with others; returns a group to send now, else None."""
+        raise NotImplementedError
+
+    def send_group(self, group: int) -> None:
+        """Send a group :meth:`register` returned."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Send everything registered and not sent yet (the step closes)."""
+
+    def payload(self, index: int, step: int) -> torch.Tensor:
+        """This rank's packed payload(s) of tensor ``index`` at ``step``, back to back, once sent."""
+        raise NotImplementedError
 
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
                own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
@@ -191,6 +210,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
 
     name = "allgather"
     batched = True
+    front_end_groups = True
 
     def __init__(self, names: list[str], numels: np.ndarray, tables: kernels.GroupTables, cheapest: np.ndarray,
                  sender: Any, collective_name: str, max_elements: int = FUSION_ELEMENTS) -> None:
@@ -341,53 +361,13 @@ class AllgatherPath(PackedCodec, CollectivePath):
 
     # -- the receive side
     def _split(self, gathered: torch.Tensor, group: int, ranks: int) -> tuple[kernels.Gathered, np.ndarray]:
-        """Where each gathered payload starts ``[member, rank]``, and its menu action. Fast path: if every rank sent the
-        allocated actions, the buffer has exactly their length and their headers at the offsets they imply; one
-        comparison of all those headers proves it (by induction over payloads: each header fixes where the next
-        payload starts). Else every payload is parsed in turn (a rank escalated, or the buffer is corrupt)."""
-        members, expected, tables = self._members[group], self._expected[group], self.tables
-        m = len(members)
-        sizes = tables.payload_bytes[members, expected]
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        part = int(sizes.sum())
-        if gathered.numel() == ranks * part:
-            positions = ((np.arange(ranks, dtype=np.int64)[:, None, None] * part + starts[None, :, None])
-                         + np.arange(wire.HEADER_BYTES)[None, None, :]).reshape(-1)
-            heads = gathered[torch.from_numpy(positions).to(gathered.device)].view(ranks, m, wire.HEADER_BYTES)
-            want = torch.from_numpy(tables.headers[members, expected]).to(gathered.device)
-            host.count()
-            if bool((heads == want).all()):
-                offsets = starts[:, None] + part * np.arange(ranks, dtype=np.int64)[None, :]
-                return kernels.Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
-        # Each payload's header must be one of its tensor's menu actions (which fixes its length); read in turn.
-        data = host.to_host(gathered)
-        offsets = np.empty((m, ranks), dtype=np.int64)
-        actions = np.empty((m, ranks), dtype=np.int64)
-        offset = 0
-        for r in range(ranks):
-            for k in range(m):
-                member = int(members[k])
-                if data.size - offset < wire.HEADER_BYTES:
-                    raise wire.WireFormatError(f"{self.names[member]} (rank {r}): truncated payload: "
-                                               f"{data.size - offset} bytes left, a header alone is "
-                                               f"{wire.HEADER_BYTES}")
-                action = tables.action_of_header(member, data[offset:offset + wire.HEADER_BYTES].tobytes())
-                if action < 0:
-                    wire.parse_header(gathered[offset:offset + wire.HEADER_BYTES], f"{self.names[member]} (rank {r})",
-                                      check_length=False)     # names what is wrong, if the header itself is
-                    raise wire.WireFormatError(f"{self.names[member]} (rank {r}): the payload is not one of this "
-                                               f"tensor's menu actions")
-                size = int(tables.payload_bytes[member, action])
-                if data.size - offset < size:
-                    raise wire.WireFormatError(f"{self.names[member]} (rank {r}): truncated payload: "
-                                               f"{data.size - offset} bytes left, expected {size}")
-                offsets[k, r] = offset
-                actions[k, r] = action
-                offset += size
-        if offset != data.size:
-            raise wire.WireFormatError(f"{self.collective_name} group {group} step {self.step}: "
-                                       f"{data.size - offset} bytes after {ranks * m} payloads")
-        return kernels.Gathered(gathered, offsets), actions
+        """Where each gathered payload of ``group`` starts ``[member, rank]``, and its menu action
+        (:func:`locate_payloads`)."""
+        members = self._members[group]
+        rows = np.repeat(members[:, None], ranks, axis=1)
+        return locate_payloads(gathered, rows, self._expected[group], self.tables,
+                               [self.names[i] for i in members.tolist()],
+                               f"{self.collective_name} group {group} step {self.step}")
 
     def reduced_sum(self, index: int, step: int, out: torch.Tensor | None, divisor: float) -> torch.Tensor:
         """The first member of a group asked for decodes the whole group, into each member's ``own`` tensor when it
@@ -430,6 +410,57 @@ class AllgatherPath(PackedCodec, CollectivePath):
         if out is None:
             return total
         return total if out is total else out.copy_(total)
+
+
+def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray, tables: kernels.GroupTables,
+                    names: list[str], what: str) -> tuple[kernels.Gathered, np.ndarray]:
+    """Where each payload of a gathered buffer starts ``[member, rank]``, and its menu action: rank ``r``'s part
+    holds, member after member, the payload of table row ``rows[k, r]`` (``names[k]``), expected at action
+    ``expected[k]`` (what every rank allocated). Fast path: if every rank sent the expected actions, the buffer
+    has exactly their length and their headers at the offsets they imply; one comparison of all those headers
+    proves it (by induction over payloads: each header fixes where the next payload starts), one read back. Else
+    every payload is parsed in turn (a rank escalated, or the buffer is corrupt), each header being one of its
+    row's menu actions (:class:`~.wire.WireFormatError` names what is wrong)."""
+    m, ranks = rows.shape
+    sizes = tables.payload_bytes[rows, expected[:, None]]                       # [member, rank]
+    starts = np.zeros_like(sizes)
+    starts[1:] = np.cumsum(sizes[:-1], axis=0)
+    parts = sizes.sum(axis=0)
+    part_start = np.concatenate([[0], np.cumsum(parts)[:-1]]).astype(np.int64)
+    offsets = starts + part_start[None, :]
+    if gathered.numel() == int(parts.sum()):
+        positions = (offsets.T[:, :, None] + np.arange(wire.HEADER_BYTES)[None, None, :]).reshape(-1)
+        heads = gathered[torch.from_numpy(positions).to(gathered.device)].view(ranks, m, wire.HEADER_BYTES)
+        want = torch.from_numpy(tables.headers[rows.T, expected[None, :]]).to(gathered.device)
+        host.count()
+        if bool((heads == want).all()):
+            return kernels.Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
+    data = host.to_host(gathered)
+    offsets = np.empty((m, ranks), dtype=np.int64)
+    actions = np.empty((m, ranks), dtype=np.int64)
+    offset = 0
+    for r in range(ranks):
+        for k in range(m):
+            row = int(rows[k, r])
+            if data.size - offset < wire.HEADER_BYTES:
+                raise wire.WireFormatError(f"{names[k]} (rank {r}): truncated payload: {data.size - offset} bytes "
+                                           f"left, a header alone is {wire.HEADER_BYTES}")
+            action = tables.action_of_header(row, data[offset:offset + wire.HEADER_BYTES].tobytes())
+            if action < 0:
+                wire.parse_header(gathered[offset:offset + wire.HEADER_BYTES], f"{names[k]} (rank {r})",
+                                  check_length=False)     # names what is wrong, if the header itself is
+                raise wire.WireFormatError(f"{names[k]} (rank {r}): the payload is not one of this tensor's menu "
+                                           f"actions")
+            size = int(tables.payload_bytes[row, action])
+            if data.size - offset < size:
+                raise wire.WireFormatError(f"{names[k]} (rank {r}): truncated payload: {data.size - offset} bytes "
+                                           f"left, expected {size}")
+            offsets[k, r] = offset
+            actions[k, r] = action
+            offset += size
+    if offset != data.size:
+        raise wire.WireFormatError(f"{what}: {data.size - offset} bytes after {ranks * m} payloads")
+    return kernels.Gathered(gathered, offsets), actions
 
 
 # ---------------------------------------------------------------------------------------------- encoding

@@ -53,7 +53,7 @@ class Context(NamedTuple):
         """What this rank sent: the packed payload (uint8) or the dense float32 values. On the allgather path the
         payload exists once the tensor's group has been sent: when its last member was compressed, at the latest
         when the step closes."""
-        if self.collective == "allgather":
+        if self.collective != "dense":
             return self.sent.payload(self.index, self.step)
         return self.sent
 
@@ -111,7 +111,7 @@ class CoreCompressor(CoreRecords, Compressor):
         sent = core.send(index, tensor if flat is None else flat, into=flat)
         if not sent.packed:
             return sent.wire, Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
-        wire = core.allgather if sent.collective == "allgather" else sent.wire
+        wire = core.paths[sent.collective]       # it holds the payload once sent (Context.wire)
         ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, wire, flat, tensor)
         return self._marker(index, tensor.device, began), ctx
 

@@ -56,9 +56,8 @@ from .two_phase import TwoPhasePath
 class Sent(NamedTuple):
     """What :meth:`SafeBitsCore.send` hands the front end for one tensor."""
 
-    wire: torch.Tensor | None   # dense: the dequantized float32 values; two_phase: its segments' payloads back to
-    #                             back (collectives.decode_sequence); allgather: None, the group is sent later
-    #                             (collectives.AllgatherPath.payload)
+    wire: torch.Tensor | None   # dense: the dequantized float32 values; the packed paths: None, the tensor is sent
+    #                             later, with its group or the step (CollectivePath.payload)
     step: int                   # the step it belongs to (for finish)
     collective: str             # "dense", "allgather" or "two_phase" (the step's choice, identical on every rank)
 
@@ -129,10 +128,10 @@ class SafeBitsCore:
         # groups in flight, each sent in one batched pass over per-tensor and per-action tables built here once.
         cheapest = policy.cost_order[:, 0]
         tables = kernels.GroupTables(policy.menu, numels, policy.cost_order)
-        self.two_phase = TwoPhasePath(names, numels, policy, name)
         # Steps 2 and 3: the screen and the send.
         self.sender = Sender(names, numels, policy, self.memory, error_feedback=error_feedback, nonfinite=nonfinite,
                              sample_buckets=sample_buckets, tables=tables)
+        self.two_phase = TwoPhasePath(names, numels, policy, name, self.sender)
         self.allgather = AllgatherPath(names, numels, tables, cheapest, self.sender, name, fusion_elements)
         self.paths: dict[str, CollectivePath] = {"dense": DensePath(policy.menu, cheapest, dense_wire_bytes),
                                                  "allgather": self.allgather, "two_phase": self.two_phase}
@@ -193,14 +192,14 @@ class SafeBitsCore:
         own = self._checked_into(index, g, into) if path.batched else None
         if path.batched:
             # Only registered: the group's members are sent together when its last one arrives.
-            group = self.allgather.register(index, g, own)
+            group = path.register(index, g, own)
             wire = None
         else:
             wire = path.add(index, self.sender.send(index, g, own))
         self.unsent[index] = False
         self._unsent_count -= 1
         if path.batched and group is not None:
-            self.allgather.send_group(group)
+            path.send_group(group)
         sent = Sent(wire, self.step, path.name)
         self.clock.sent(start, time.perf_counter())
         if not self._unsent_count:
@@ -216,9 +215,10 @@ class SafeBitsCore:
         if not self.in_step:
             self.begin()
         rows = np.asarray(indices, dtype=np.int64)
-        if not (self.path.batched and len(rows) and self.unsent[rows].all() and len(set(indices)) == len(rows)):
+        if not (self.path.front_end_groups and len(rows) and self.unsent[rows].all()
+                and len(set(indices)) == len(rows)):
             sent = Sent(None, self.step, self.path.name)
-            if self.path.batched:
+            if self.path.front_end_groups:
                 self.allgather.group_together(indices)
             for index, grad, into in zip(indices, grads, intos, strict=True):
                 sent = self.send(index, grad, into)
@@ -353,7 +353,7 @@ class SafeBitsCore:
             self.exchange = factory()
         assert self._allocation is not None
         if self.path.batched:
-            self.allgather.flush()
+            self.path.flush()
         self.path.close(self.step, self._allocation.choice, self.seed)
         self.clock.closed()
         vector = self._vectors[self.step % 2]

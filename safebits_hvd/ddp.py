@@ -168,12 +168,12 @@ class SafeBitsState(CoreRecords):
         step, collective = core.step, core.path.name
         if began:
             self._allocation_check = None
-            if core.path.batched:
+            if core.path.front_end_groups:
                 self._start_allocation_check(step)      # the step's first collective, on every rank alike
         starts = np.concatenate([[0], np.cumsum(numels)]).tolist()
         targets = grads if in_place else [None] * len(indices)
         pieces = [_Piece(index, starts[k], starts[k + 1], targets[k]) for k, index in enumerate(indices)]
-        if not core.path.batched:
+        if not core.path.front_end_groups:
             for k, index in enumerate(indices):
                 sent = core.send(index, grads[k], into=targets[k])
                 if not sent.packed and sent.wire is not targets[k]:

@@ -1,10 +1,11 @@
 """Steps 2 and 3 of the life of a step (:mod:`.core`): the screen and the send, with error feedback.
 
-:class:`Sender` sends one tensor (:meth:`Sender.send`, the dense and two-phase paths) or a whole fusion group in
-one batched pass (:meth:`Sender.send_group`, the allgather path; docs/DESIGN.md, "The batched step"). Both end in
-:func:`escalate`, the one screen-and-escalate loop, which the two-phase second hop uses too: try the actions of an
-order until the exact statistics of what would be sent pass the screen (the lossless action always passes). What
-travels, and how an escalation undoes a pass, is the collective path's (:class:`.collectives.CollectivePath`).
+:class:`Sender` sends through one batched pass, :meth:`Sender.send_members` (docs/DESIGN.md, "The batched step"):
+a whole fusion group at a time on the allgather path (:meth:`Sender.send_group`), one tensor at a time on the dense
+path (:meth:`Sender.send_values`: Horovod allreduces the values ``compress`` returns). The two-phase path still sends
+tensor by tensor through :func:`escalate`, the per-tensor screen-and-escalate loop, which its second hop uses too:
+try the actions of an order until the exact statistics of what would be sent pass the screen (the lossless action
+always passes). The batched pass escalates in the same order, with the same keys and records, a round at a time.
 """
 
 from __future__ import annotations
@@ -278,35 +279,129 @@ class Sender:
                      owns: list[torch.Tensor | None]) -> tuple[kernels.GroupSent, dict[int, Any]]:
         """One pass screens, chooses and packs every member (:func:`.kernels.send_group`, one read back), ``q``
         into its ``owns`` tensor if any; a NaN/Inf gradient then takes :meth:`send_nonfinite`, and members whose
-        exact statistics fail the screen escalate together, one batched pass (one read back) per round. Returns
-        the pass's result and, by tensor, what replaced a member's payload in it (escalated or non-finite)."""
-        assert self.allocation is not None and self.fields is not None
-        policy, fields = self.policy, self.fields
-        payloads: dict[int, Any] = {}
-        device = grads[0].device
-        residuals = [self.residual(int(i), int(self.numels[i]), device) for i in members]
-        screening = policy.allocates_from_statistics
-        samples = [self.sample_of(int(i), int(self.numels[i]), device) if screening else None for i in members]
+        exact statistics fail the screen escalate together, one batched pass (one read back) per round
+        (:meth:`escalate_group`). Returns the pass's result and, by tensor, what replaced a member's payload in it
+        (escalated or non-finite)."""
+        policy = self.policy
+        residuals = [self.residual(int(i), int(self.numels[i]), grads[0].device) for i in members]
         keys = stream_keys(self.seed, self.step, members)
-        allocated = self.allocation.choice[members]
-        result = kernels.send_group(kernels.GroupSend(
-            members, grads, residuals, owns, samples, keys, allocated, self.checks_finite, screening,
-            policy.screen_enabled, policy.max_distortion, policy.min_cosine), self.tables)
-        buffer, offsets = result.buffer, result.offsets
-        finite, chosen = result.finite, result.chosen
-        distortion, cosine = distortion_cosine(result.stats)
-        if screening:
+        result = kernels.send_group(self.group_request(members, grads, residuals, owns, keys), self.tables)
+        self.take_screen(members, result)
+        payloads: dict[int, Any] = {}
+
+        def repack(rows: np.ndarray, actions: np.ndarray) -> np.ndarray:
+            for k in rows.tolist():
+                index = int(members[k])
+                sent = payloads.get(index, result.buffer[result.offsets[k]:result.offsets[k + 1]])
+                kernels.decode_add(sent, residuals[k], name=self.names[index])    # e <- e + q
+            retry = kernels.send_group(kernels.GroupSend(
+                members[rows], [None] * len(rows), [residuals[k] for k in rows], [owns[k] for k in rows],
+                [None] * len(rows), keys[rows], actions, False, False, False, policy.max_distortion,
+                policy.min_cosine), self.tables)
+            for j, k in enumerate(rows.tolist()):
+                payloads[int(members[k])] = retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
+            return retry.stats
+
+        self.escalate_group(members, result, result.stats, grads, owns, payloads, repack)
+        return result, payloads
+
+    def send_segments(self, members: np.ndarray, grads: list[torch.Tensor], segments: list[list[tuple[int, int]]],
+                      segment_tables: kernels.GroupTables) -> dict[int, list[torch.Tensor]]:
+        """The two-phase first hop of ``members`` batched: one pass checks, screens and chooses per tensor
+        (``pack=False``, one read back); one more packs every segment of every finite member at its tensor's choice
+        under the segment's RNG key (:func:`.collectives.segment_key`; one read back), segment after segment, as
+        ``TwoPhasePath.encode`` does one tensor; a tensor's exact statistics are its segments' added in segment
+        order; escalation as :meth:`send_members`, each round repacking every segment of its members. Returns
+        each tensor's payloads, one per segment. ``segment_tables``: the tables of every segment, row
+        ``index * P + segment``."""
+        from .collectives import segment_key
+
+        policy = self.policy
+        m, device = len(members), grads[0].device
+        ranks = len(segments[int(members[0])])
+        residuals = [self.residual(int(i), int(self.numels[i]), device) for i in members]
+        keys = stream_keys(self.seed, self.step, members)
+        result = kernels.send_group(self.group_request(members, grads, residuals, [None] * m, keys, pack=False),
+                                    self.tables)
+        self.take_screen(members, result)
+        payloads: dict[int, Any] = {}
+        segment_keys = np.array([[segment_key(int(key), r) for r in range(ranks)] for key in keys], dtype=np.int64)
+
+        def pack(rows: np.ndarray, actions: np.ndarray, first: bool) -> np.ndarray:
+            # Segment r of every row, for r = 0, 1, ...: the statistics are then added in segment order.
+            slots = [(k, r) for r in range(ranks) for k in rows.tolist()]
+            bounds = [segments[int(members[k])][r] for k, r in slots]
+            sent = kernels.send_group(kernels.GroupSend(
+                np.array([int(members[k]) * ranks + r for k, r in slots], dtype=np.int64),
+                [grads[k][a:b] if first else None for (k, _), (a, b) in zip(slots, bounds, strict=True)],
+                [residuals[k][a:b] for (k, _), (a, b) in zip(slots, bounds, strict=True)], [None] * len(slots),
+                [None] * len(slots), np.array([segment_keys[k, r] for k, r in slots], dtype=np.int64),
+                np.tile(actions, ranks), False, False, False, policy.max_distortion, policy.min_cosine),
+                segment_tables)
+            stats = np.zeros((len(rows), 4))
+            for r in range(ranks):
+                stats += sent.stats[r * len(rows):(r + 1) * len(rows)]
+            for j, k in enumerate(rows.tolist()):
+                slot = [r * len(rows) + j for r in range(ranks)]
+                payloads[int(members[k])] = [sent.buffer[sent.offsets[i]:sent.offsets[i + 1]] for i in slot]
+            return stats
+
+        def repack(rows: np.ndarray, actions: np.ndarray) -> np.ndarray:
+            for k in rows.tolist():
+                index = int(members[k])
+                for payload, (a, b) in zip(payloads[index], segments[index], strict=True):
+                    kernels.decode_add(payload, residuals[k][a:b], name=self.names[index])    # e <- e + q
+            return pack(rows, actions, False)
+
+        finite = np.flatnonzero(result.finite)
+        stats = np.zeros((m, 4))
+        stats[finite] = pack(finite, result.chosen[finite], True)
+        self.escalate_group(members, result, stats, grads, [None] * m, payloads, repack)
+        return payloads
+
+    def group_request(self, members: np.ndarray, grads: list[torch.Tensor], residuals: list[torch.Tensor],
+                      owns: list[torch.Tensor | None], keys: np.ndarray, pack: bool = True) -> kernels.GroupSend:
+        """The batched pass's request for ``members``: the NaN/Inf check, the screen on each member's sampled
+        buckets, the choice from the allocation, and (``pack``) the packing pass."""
+        policy = self.policy
+        assert self.allocation is not None
+        screening = policy.allocates_from_statistics
+        device = grads[0].device
+        samples = [self.sample_of(int(i), int(self.numels[i]), device) if screening else None for i in members]
+        return kernels.GroupSend(members, grads, residuals, owns, samples, keys, self.allocation.choice[members],
+                                 self.checks_finite, screening, policy.screen_enabled, policy.max_distortion,
+                                 policy.min_cosine, pack)
+
+    def take_screen(self, members: np.ndarray, result: kernels.GroupSent) -> None:
+        """Record what the screen of a batched pass estimated, for the next allocation."""
+        policy, fields = self.policy, self.fields
+        assert fields is not None
+        finite = result.finite
+        if policy.allocates_from_statistics:
             estimated, estimated_cosine = distortion_cosine(result.screen_stats[finite])
             fields.screened[members[finite]] = np.where(
                 policy.plannable(estimated, estimated_cosine), estimated, np.inf)
+
+    def escalate_group(self, members: np.ndarray, result: kernels.GroupSent, stats: np.ndarray,
+                       grads: list[torch.Tensor], owns: list[torch.Tensor | None], payloads: dict[int, Any],
+                       repack: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+        """3. Send, batched: record the members whose exact statistics (``stats``, of what the pass sent at
+        ``result.chosen``) pass the screen; send the non-finite ones as ``nonfinite`` says (their ``payloads``
+        entry); escalate the rest together, one ``repack(rows, actions)`` per round (it restores those members'
+        residuals from what they sent, packs each at its action, one read back, and returns the exact
+        statistics), in each member's ``send_order``, until every one passes (the lossless action always does):
+        the order, keys and records of the per-tensor path (:func:`escalate`)."""
+        policy, fields = self.policy, self.fields
+        assert fields is not None and self.allocation is not None
+        finite, chosen = result.finite, result.chosen
+        allocated = self.allocation.choice[members]
+        screening = policy.allocates_from_statistics
+        distortion, cosine = distortion_cosine(stats)
         accepted = finite & policy.sent_passes(np.maximum(chosen, 0), distortion, cosine, ACCEPT_MARGIN)
         actions = chosen[accepted]
         self.record_sent(members[accepted], actions, distortion[accepted], cosine[accepted],
                          policy.sent_passes(actions, distortion[accepted], cosine[accepted],
-                                            policy.planning_margin), result.stats[accepted, 3])
-        # Members that failed on what they sent escalate from there, all together: each round restores their
-        # residuals, packs each at its next action in one batched pass (one read back) and keeps those that
-        # pass; the lossless action always does. The same order, keys and records as the per-tensor path.
+                                            policy.planning_margin), stats[accepted, 3])
         escalating: list[int] = []
         orders: dict[int, list[int]] = {}
         for k in np.flatnonzero(~accepted).tolist():
@@ -317,30 +412,21 @@ class Sender:
             ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
                   else np.ones(len(self.menu), dtype=bool))
             orders[k] = policy.send_order(index, int(allocated[k]), ok)
-            payloads[index] = buffer[offsets[k]:offsets[k + 1]]
             escalating.append(k)
         attempt = 0
         while escalating:
             attempt += 1
             for k in escalating:
-                index = int(members[k])
-                fields.screened[index, orders[k][attempt - 1]] = math.inf
-                kernels.decode_add(payloads[index], residuals[k], name=self.names[index])    # e <- e + q
+                fields.screened[int(members[k]), orders[k][attempt - 1]] = math.inf
             rows = np.array(escalating, dtype=np.int64)
             actions = np.array([orders[k][attempt] for k in escalating], dtype=np.int64)
-            retry = kernels.send_group(kernels.GroupSend(
-                members[rows], [None] * len(rows), [residuals[k] for k in escalating],
-                [owns[k] for k in escalating], [None] * len(rows), keys[rows], actions, False, False, False,
-                policy.max_distortion, policy.min_cosine), self.tables)
-            distortion, cosine = distortion_cosine(retry.stats)
+            retry = repack(rows, actions)
+            distortion, cosine = distortion_cosine(retry)
             passed = policy.sent_passes(actions, distortion, cosine, ACCEPT_MARGIN)
-            for j, k in enumerate(escalating):
-                payloads[int(members[k])] = retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
             self.record_sent(members[rows[passed]], actions[passed], distortion[passed], cosine[passed],
                              policy.sent_passes(actions[passed], distortion[passed], cosine[passed],
-                                                policy.planning_margin), retry.stats[passed, 3])
+                                                policy.planning_margin), retry[passed, 3])
             escalating = [k for j, k in enumerate(escalating) if not passed[j]]
-        return result, payloads
 
     # ------------------------------------------------------------------ per-tensor state
     def sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:

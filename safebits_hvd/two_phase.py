@@ -2,7 +2,9 @@
 error feedback, packed allgather.
 
 Each tensor is cut into ``P`` segments at bucket boundaries (:func:`.collectives.segment_bounds`), each packed on
-its own by the send pass (:meth:`TwoPhasePath.encode`). When a step closes, :meth:`TwoPhasePath.close` sends
+its own. The core registers each gradient (:meth:`TwoPhasePath.register`); when the step closes, one batched pass
+sends every tensor registered (:meth:`.sending.Sender.send_segments`: one read back for the check, the screen and
+the choice, one for the packing of every segment), and :meth:`TwoPhasePath.close` sends
 segment ``r`` of every tensor (index order) to rank ``r`` in ONE alltoall (alltoalls never fuse in Horovod).
 :meth:`TwoPhasePath.finish`, at the first ``decompress`` of the step, sums the segment this rank owns over every
 rank (rank order), re-encodes each sum ``s`` with a residual this rank owns (``v = s + e2``, ``e2 <- v - q2``: the
@@ -14,7 +16,6 @@ of the step on every rank, so none can wait on a collective another rank has not
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from .collectives import CollectivePath, PackedCodec, packed_zeros
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .rng import stream_key
+from .screen import distortion_cosine
 from .sending import escalate
 from .transports import PayloadTransport
 
@@ -40,20 +42,26 @@ class TwoPhasePath(CollectivePath):
     """
 
     name = "two_phase"
+    batched = True          # its one alltoall starts when the step closes: nothing is lost by packing then
 
-    def __init__(self, names: list[str], numels: np.ndarray, policy: BudgetPolicy, collective_name: str) -> None:
+    def __init__(self, names: list[str], numels: np.ndarray, policy: BudgetPolicy, collective_name: str,
+                 sender: Any) -> None:
         super().__init__(policy.menu, policy.cost_order[:, 0])
         self.names = names
         self.numels = numels
         self.policy = policy
         self.collective_name = collective_name
+        self.sender = sender              # the core's sending.Sender: the first hop in one batched pass
+        self.segment_tables: kernels.GroupTables | None = None      # every segment's, row index * P + segment
         self.memory = ErrorFeedback()
         self.ranges: dict[str, tuple[int, int]] = {}
         self.segments: list[list[tuple[int, int]]] = []
         self.configured_for: PayloadTransport | None = None       # the transport the segments were cut for
         self.step_begun = -1
         self._codec = PackedCodec()
+        self._registered: dict[int, torch.Tensor] = {}           # the step's gradients, until the step closes
         self._payloads: dict[int, list[torch.Tensor]] = {}       # the step's first-hop payloads, by tensor
+        self._sent: tuple[int, dict[int, list[torch.Tensor]]] = (-1, {})   # (step, its payloads) once closed
         self._pending: tuple[int, Any, np.ndarray, int] | None = None   # (step, alltoall handle, allocation, seed)
         self._done: tuple[int, list[torch.Tensor]] | None = None        # (step, reduced sum of every tensor)
         self.second_hop_bytes = (-1, 0)        # (step, link bytes of this rank's second hop)
@@ -68,6 +76,9 @@ class TwoPhasePath(CollectivePath):
         self.transport = self.configured_for = transport
         self.segments = [collectives.segment_bounds(int(n), self.menu.bucket_size, transport.size)
                          for n in self.numels]
+        lengths = np.array([[stop - start for start, stop in bounds] for bounds in self.segments], dtype=np.int64)
+        self.segment_tables = kernels.GroupTables(self.menu, lengths.reshape(-1),
+                                                  np.repeat(self.policy.cost_order, transport.size, axis=0))
         for index, name in enumerate(self.names):
             residual = self.memory.residuals.get(name)
             if residual is None:
@@ -97,9 +108,11 @@ class TwoPhasePath(CollectivePath):
     def begin(self, step: int, transport: PayloadTransport) -> None:
         super().begin(step, transport)
         self.step_begun = step
+        self._registered = {}
 
     def abort(self) -> None:
         """Drop the step in flight (its collectives failed)."""
+        self._registered = {}
         self._payloads = {}
         self._pending = None
         self._done = None
@@ -116,6 +129,33 @@ class TwoPhasePath(CollectivePath):
         return self._pending[0] if self._pending is not None else None
 
     # ------------------------------------------------------------------ the first hop
+    def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
+        """Keep tensor ``index``'s flat gradient until the step closes (``own`` is not used: the sum comes from the
+        second hop)."""
+        self._registered[index] = gradient
+        return None
+
+    def flush(self) -> None:
+        """Send every registered tensor in one batched pass (:meth:`.sending.Sender.send_segments`)."""
+        if not self._registered:
+            return
+        assert self.segment_tables is not None
+        members = np.array(sorted(self._registered), dtype=np.int64)
+        grads = [self._registered[i] for i in members.tolist()]
+        self._registered = {}
+        sent = self.sender.send_segments(members, grads, self.segments, self.segment_tables)
+        for index, payloads in sent.items():
+            self.wire_bytes += self.link_bytes(payloads)
+            self._payloads[index] = payloads
+
+    def payload(self, index: int, step: int) -> torch.Tensor:
+        """This rank's first-hop payloads of tensor ``index`` at ``step``, back to back, once the step closed."""
+        held, payloads = self._sent
+        if held != step or index not in payloads:
+            raise RuntimeError(f"the two-phase payloads of {self.names[index]!r} at step {step} are sent when the "
+                               f"step closes and held until the next one begins")
+        return torch.cat(payloads[index])
+
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
                own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
         """One payload per segment; the statistics of all of ``q`` are the segments' sums added in segment order."""
@@ -141,13 +181,6 @@ class TwoPhasePath(CollectivePath):
     def link_bytes(self, sent: Any) -> int:
         return sum(p.numel() for r, p in enumerate(sent) if r != self.transport.rank)
 
-    def add(self, index: int, sent: Any) -> Any:
-        """Tensor ``index``'s first-hop segment payloads for the step in progress; the front end gets them back to
-        back."""
-        self.wire_bytes += self.link_bytes(sent)
-        self._payloads[index] = sent
-        return torch.cat(sent)
-
     def close(self, step: int, allocation: np.ndarray, seed: int) -> None:
         """Close of a step: one alltoall of every tensor's segment ``r`` to rank ``r``; a tensor never sent this
         step (an incomplete step) sends zeros, so every rank's layout stays the same."""
@@ -161,38 +194,44 @@ class TwoPhasePath(CollectivePath):
         handle = self.transport.start_alltoall(f"{self.collective_name}.two_phase.alltoall", buffer,
                                                [sum(p.numel() for p in piece) for piece in pieces])
         self._pending = (step, handle, allocation.copy(), seed)
+        self._sent = (step, self._payloads)
         self._payloads = {}
 
     # ------------------------------------------------------------------ the second hop
     def finish(self) -> None:
-        """The second phase of the pending step (see the module docstring)."""
-        assert self._pending is not None
+        """The second phase of the pending step (see the module docstring), batched over every tensor: the owned
+        segments located in the alltoall's buffer (:func:`.collectives.locate_payloads`, one read back) and summed
+        over ranks in rank order in one call; re-encoded in one pass (:meth:`_second_hop`); the owners' payloads
+        located in the allgather's buffer and decoded in one call."""
+        assert self._pending is not None and self.segment_tables is not None
         step, handle, allocation, seed = self._pending
         self._pending = None
         ranks, rank, tensors = self.transport.size, self.transport.rank, len(self.names)
+        tables, segments = self.segment_tables, self.segments
+        indices = np.arange(tensors, dtype=np.int64)
+        names = list(self.names)
         received, _ = self.transport.wait(handle)
-        first_hop = collectives.split_payloads(received, ranks * tensors,
-                                               f"{self.collective_name} step {step} alltoall")
-        owned = []
-        for index in range(tensors):
-            start, stop = self.segments[index][rank]
-            total = torch.zeros(stop - start, dtype=torch.float32, device=received.device)
-            for source in range(ranks):
-                kernels.decode_add(first_hop[source * tensors + index], total, name=self.names[index])
-            key = collectives.segment_key(stream_key(seed, step, index), ranks + 1)
-            owned.append(self._second_hop(index, int(allocation[index]), total, key))
-        mine = torch.cat(owned)
-        self.second_hop_bytes = (step, mine.numel() * (ranks - 1))
+        mine = np.repeat((indices * ranks + rank)[:, None], ranks, axis=1)          # [tensor, source rank]
+        first_hop, actions = collectives.locate_payloads(received, mine, allocation, tables, names,
+                                                         f"{self.collective_name} step {step} alltoall")
+        # Each sum starts from zeros and adds every rank in rank order (own = ranks: nothing written first).
+        totals = [torch.zeros(stop - start, dtype=torch.float32, device=received.device)
+                  for start, stop in (bounds[rank] for bounds in segments)]
+        kernels.decode_group(first_hop, actions, totals, np.full(tensors, ranks), tables, mine[:, 0], names)
+        owned = self._second_hop(step, seed, allocation, totals)
+        mine_bytes = torch.cat(owned)
+        self.second_hop_bytes = (step, mine_bytes.numel() * (ranks - 1))
         gathered = self.transport.wait(self.transport.start_allgather(f"{self.collective_name}.two_phase.allgather",
-                                                                      mine))
-        second_hop = collectives.split_payloads(gathered, ranks * tensors,
-                                                f"{self.collective_name} step {step} allgather")
-        results = []
-        for index in range(tensors):
-            out = torch.zeros(int(self.numels[index]), dtype=torch.float32, device=gathered.device)
-            for owner, (start, stop) in enumerate(self.segments[index]):
-                kernels.decode_add(second_hop[owner * tensors + index], out[start:stop], name=self.names[index])
-            results.append(out)
+                                                                      mine_bytes))
+        owners = indices[:, None] * ranks + np.arange(ranks)[None, :]              # [tensor, owner]
+        second_hop, actions = collectives.locate_payloads(gathered, owners, allocation, tables, names,
+                                                          f"{self.collective_name} step {step} allgather")
+        results = [torch.zeros(int(n), dtype=torch.float32, device=gathered.device) for n in self.numels]
+        # Every (tensor, owner) pair is a member of one rank: its segment of the result, added into zeros.
+        pieces = [results[i][start:stop] for i in range(tensors) for start, stop in segments[i]]
+        kernels.decode_group(kernels.Gathered(gathered, second_hop.offsets.reshape(-1, 1)), actions.reshape(-1, 1),
+                             pieces, np.ones(tensors * ranks, dtype=np.int64), tables, owners.reshape(-1),
+                             [name for name in names for _ in range(ranks)])
         self._done = (step, results)
 
     def reduced_sum(self, index: int, step: int, out: torch.Tensor | None, divisor: float) -> torch.Tensor:
@@ -208,19 +247,47 @@ class TwoPhasePath(CollectivePath):
         total = total if out is None else out.copy_(total)
         return total.div_(divisor) if divisor != 1.0 else total
 
-    def _second_hop(self, index: int, allocated: int, total: torch.Tensor, key: int) -> torch.Tensor:
-        """The owned segment's sum re-encoded with error feedback, screened like the first hop: the allocated
-        action if its exact statistics pass, else costlier ones, else lossless. Returns the payload."""
-        policy = self.policy
-        finite = math.isfinite(float(total.sum())) or bool(torch.isfinite(total).all())   # the sum is cheap
-        if not finite:                                # a rank propagated NaN/Inf: pass the sum on, keep e2 clean
-            return kernels.quantize_pack_ef(total, torch.zeros_like(total), self.menu[policy.lossless_index], 0)[0]
-        e2 = self.memory.residual(self.names[index], total.numel(), total.device)
-        self.ranges[self.names[index]] = self.segments[index][self.transport.rank]
-        order = [allocated]
-        if policy.screen_enabled:
-            cost = policy.costs[index]
-            order += [int(a) for a in policy.cost_order[index]
-                      if cost[a] > cost[allocated] and not policy.lossless[a]] + [policy.lossless_index]
-        return escalate(self._codec, self.menu, index, order, total, e2, key, None, policy.accepts,
-                        self.names[index]).sent
+    def _second_hop(self, step: int, seed: int, allocation: np.ndarray,
+                    totals: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every owned segment's sum re-encoded with error feedback, screened like the first hop: the allocated
+        action if its exact statistics pass, else costlier ones, else lossless; one batched pass (one read back)
+        over every tensor, then :func:`.sending.escalate` for each one that failed (from its next action) and a
+        lossless pass on a scratch residual for a non-finite sum (a rank propagated NaN/Inf: the sum is passed on,
+        ``e2`` kept clean). Returns the payloads in tensor order."""
+        policy, tables, ranks, rank = self.policy, self.segment_tables, self.transport.size, self.transport.rank
+        assert tables is not None
+        tensors = len(self.names)
+        indices = np.arange(tensors, dtype=np.int64)
+        rows = indices * ranks + rank
+        device = totals[0].device if totals else torch.device("cpu")
+        existed = [name in self.memory.residuals for name in self.names]
+        residuals = [self.memory.residual(name, total.numel(), device) for name, total in zip(self.names, totals,
+                                                                                             strict=True)]
+        keys = np.array([collectives.segment_key(stream_key(seed, step, i), ranks + 1) for i in range(tensors)],
+                        dtype=np.int64)
+        sent = kernels.send_group(kernels.GroupSend(rows, totals, residuals, [None] * tensors, [None] * tensors,
+                                                    keys, allocation, True, False, False, policy.max_distortion,
+                                                    policy.min_cosine), tables)
+        distortion, cosine = distortion_cosine(sent.stats)
+        payloads = []
+        for index in range(tensors):
+            name, allocated, total = self.names[index], int(allocation[index]), totals[index]
+            if not sent.finite[index]:
+                if not existed[index]:
+                    self.memory.pop(name)             # no residual is made for a sum that was not encoded
+                payloads.append(kernels.quantize_pack_ef(total, torch.zeros_like(total),
+                                                         self.menu[policy.lossless_index], 0)[0])
+                continue
+            self.ranges[name] = self.segments[index][rank]
+            payload = sent.buffer[sent.offsets[index]:sent.offsets[index + 1]]
+            if not policy.accepts(allocated, float(distortion[index]), float(cosine[index])):
+                order = []
+                if policy.screen_enabled:
+                    cost = policy.costs[index]
+                    order += [int(a) for a in policy.cost_order[index]
+                              if cost[a] > cost[allocated] and not policy.lossless[a]] + [policy.lossless_index]
+                self._codec.restore(index, payload, residuals[index], name)
+                payload = escalate(self._codec, self.menu, index, order, None, residuals[index], int(keys[index]),
+                                   None, policy.accepts, name).sent
+            payloads.append(payload)
+        return payloads

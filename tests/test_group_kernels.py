@@ -134,6 +134,28 @@ def test_decode_group_names_the_tensor_of_an_invalid_topk_payload() -> None:
                              np.array([0]), ["layer.weight"])
 
 
+@pytest.mark.parametrize("nan_member", [None, 5])
+def test_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member: int | None) -> None:
+    """``pack=False`` (the two-phase first hop's screen): the same verdicts, screen statistics and choices as the
+    packing pass, and no payload, residual or ``q`` written."""
+    policy = BudgetPolicy(MENU, SIZES, 0.02, 0.97)
+    tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
+    allocated = np.random.RandomState(3).randint(0, len(MENU), len(SIZES))
+    gradients, residuals, samples, keys, allocated = group_case(allocated, 7, nan_member)
+    before = [e.clone() for e in residuals]
+    sents = [torch.full_like(g, 5.0) for g in gradients]
+    screened = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples, keys,
+                                                    allocated, True, True, True, 0.02, 0.97, False), tables)
+    assert screened.buffer.numel() == 0 and not screened.offsets.any() and not screened.stats.any()
+    for got, want, sent in zip(residuals, before, sents, strict=True):
+        assert torch.equal(bits(got), bits(want)) and bool((sent == 5.0).all())
+    packed = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples, keys,
+                                                  allocated, True, True, True, 0.02, 0.97), tables)
+    assert np.array_equal(screened.finite, packed.finite)
+    assert np.array_equal(screened.chosen, packed.chosen)
+    assert np.array_equal(screened.screen_stats, packed.screen_stats)
+
+
 def test_an_allgather_step_reads_back_at_most_twice_per_group_and_once_more() -> None:
     """G groups: one read back when each is sent, one when each is received, one for the step's reduced
     marker; a per-tensor read (a screen result, a header, a NaN check) would break the bound."""
@@ -168,6 +190,24 @@ def test_a_dense_step_reads_back_once_per_tensor_sent() -> None:
             compressor.decompress(wire, ctx)
         assert compressor.last_step.collective == "dense"
         assert host.reads() - before <= 2 * len(sizes) + 1, (step, host.reads() - before)
+
+
+def test_a_two_phase_step_reads_back_a_fixed_number_of_times_whatever_its_tensor_count() -> None:
+    """The two-phase path sends the whole step when it closes: one read back for every tensor's check, screen and
+    choice, one for the packing of every segment, one per escalation round (at most one per rung of the menu); its
+    second hop one to locate the owned payloads, one for their re-encoding, one to locate the owners' payloads; and
+    the step's reduced marker. Per-tensor kernels read back at least three times per tensor."""
+    sizes = (272, 16) * 300
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    compressor = sb.SafeBits(params, budget_bits=4.0, collective="two_phase")
+    for step in range(4):
+        random_grads(params, step)
+        before = host.reads()
+        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+        for _, ctx in pending:
+            compressor.decompress(torch.ones(1), ctx)
+        assert compressor.last_step.collective == "two_phase"
+        assert host.reads() - before <= 2 + 3 + 1 + len(sb.DEFAULT_MENU), (step, host.reads() - before)
 
 
 def test_members_that_escalate_together_cost_one_read_back_per_round_not_per_member() -> None:

@@ -254,8 +254,9 @@ class GroupTables:
 
 
 class GroupSend(NamedTuple):
-    """One group's send: per member (tensor index ascending), its flat float32 gradient, residual, the tensor that
-    receives ``q`` (or None), the screen's sample of buckets (None: all), RNG key and allocated action."""
+    """One group's send: per member (a row of the tables), its flat float32 gradient, residual, the tensor that
+    receives ``q`` (or None), the screen's sample of buckets (None: all), RNG key and allocated action.
+    ``pack=False``: the NaN/Inf check, the screen and the choice only (no payload, no residual written)."""
 
     members: np.ndarray
     grads: list[torch.Tensor]
@@ -269,6 +270,7 @@ class GroupSend(NamedTuple):
     screen_enabled: bool        # choose by the screen (else the allocated action)
     max_distortion: float
     min_cosine: float
+    pack: bool = True
 
 
 class GroupSent(NamedTuple):
@@ -332,11 +334,14 @@ def _send_group_loop(request: GroupSend, tables: GroupTables, device: torch.devi
                 chosen[k] = first_candidates(screen_stats[k:k + 1], chosen[k:k + 1],
                                              tables.cost_order[index:index + 1], tables.lossless,
                                              request.max_distortion, request.min_cosine)[0]
+        if not request.pack:
+            continue
         payload, member_stats = quantize_pack_ef(g, e, tables.menu[int(chosen[k])], int(request.keys[k]),
                                                  sent=request.sents[k])
         payloads.append(payload)
         stats[k] = host.to_host(member_stats)
-    sizes = [0 if c < 0 else int(tables.payload_bytes[i, c]) for i, c in zip(request.members, chosen, strict=True)]
+    sizes = [0 if c < 0 or not request.pack else int(tables.payload_bytes[i, c])
+             for i, c in zip(request.members, chosen, strict=True)]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     buffer = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=device)
     return GroupSent(buffer, finite, screen_stats, chosen, offsets, stats)

@@ -99,7 +99,8 @@ def load() -> ctypes.CDLL:
             lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, p, u32, p, i32]
             lib.sb_screen.restype = i32
             lib.sb_send_group.argtypes = [i32, p, p, p, p, p, p, p, p, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32,
-                                          i32, ctypes.c_double, ctypes.c_double, p, p, p, i64, p, p, p, p, p, i32]
+                                          i32, ctypes.c_double, ctypes.c_double, p, p, p, i64, p, p, p, p, p, i32,
+                                          i32]
             lib.sb_send_group.restype = i32
             lib.sb_decode_group.argtypes = [i32, i32, p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_float, i32]
             lib.sb_decode_group.restype = i32
@@ -246,7 +247,7 @@ def send_group(request: Any, tables: Any) -> Any:
     numels = np.ascontiguousarray(tables.numels[members])
     keys = np.ascontiguousarray(request.keys, dtype=np.uint32)
     allocated = np.ascontiguousarray(request.allocated, dtype=np.int32)
-    capacity = int(tables.largest_payload_bytes[members].sum())
+    capacity = int(tables.largest_payload_bytes[members].sum()) if request.pack else 0
     buffer = torch.empty(capacity, dtype=torch.uint8)
     finite = np.empty(m, dtype=np.uint8)
     screen_stats = np.zeros((m, nact, 4))
@@ -264,7 +265,7 @@ def send_group(request: Any, tables: Any) -> Any:
         tables.lossless_index, int(request.check_finite), int(request.do_screen), int(request.screen_enabled),
         request.max_distortion, request.min_cosine, _address(tables.payload_bytes), _address(tables.headers),
         buffer.data_ptr(), capacity, _address(finite), _address(screen_stats), _address(chosen), _address(offsets),
-        _address(stats), torch.get_num_threads())
+        _address(stats), int(request.pack), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("sb_send_group: out of memory")
     if rc != 0:

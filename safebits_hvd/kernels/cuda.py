@@ -240,7 +240,7 @@ def send_group(request: Any, tables: Any) -> Any:
     pairs = np.array([0 if not request.do_screen else -(-int(n) // bucket) if s is None else s.numel()
                       for n, s in zip(numels, samples, strict=True)], dtype=np.int64)
     pair_off = _prefix(pairs)
-    largest = tables.largest_payload_bytes[members]
+    largest = tables.largest_payload_bytes[members] * bool(request.pack)     # pack=False: nothing staged
     capacity = int(largest.sum())
     # Each member packs into a 16-byte-aligned staging payload (the kernels' word-wide writes need it), then one
     # gather lays the payloads out back to back.
@@ -278,20 +278,23 @@ def send_group(request: Any, tables: Any) -> Any:
              np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _cp(cost_order), _cp(lossless),
              np.int32(tables.lossless_index), np.float64(request.max_distortion), np.float64(request.min_cosine),
              _cp(payload_bytes), _cp(r["chosen"]), _cp(sizes)), device)
+    if not request.pack:
+        sizes.zero_()                                     # the check, the screen and the choice only
     torch.cumsum(sizes, 0, out=r["offsets"][1:])        # the layout: a prefix sum on the device (int64: exact)
-    _launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
-            (np.int32(m), _cp(t["stage_off"]), _cp(t["tensor"]), _cp(r["chosen"]), _cp(r["offsets"]),
-             np.int32(nact), _cp(headers), _cp(stage)), device)
-    if buckets:
-        part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
-        _launch("sb_group_pack_kernel", buckets,
-                (np.int32(m), _cp(t["bucket_off"]), _cp(t["g"]), _cp(t["e"]), _cp(t["sent"]), _cp(t["n"]),
-                 _cp(t["key"]), _cp(r["chosen"]), _cp(t["stage_addr"]), np.int32(bucket), *menu_args, _cp(part)),
-                device)
-        _launch("sb_segment_sum_kernel", m, (_cp(part), _cp(t["bucket_off"]), np.int32(1), _cp(stats)), device)
-    _launch("sb_gather_kernel", _grid(capacity),
-            (np.int32(m), _cp(r["offsets"]), _cp(r["offsets"]), np.int32(0), _cp(t["stage_addr"]), _cp(buffer),
-             np.int64(capacity)), device)
+    if request.pack:
+        _launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
+                (np.int32(m), _cp(t["stage_off"]), _cp(t["tensor"]), _cp(r["chosen"]), _cp(r["offsets"]),
+                 np.int32(nact), _cp(headers), _cp(stage)), device)
+        if buckets:
+            part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
+            _launch("sb_group_pack_kernel", buckets,
+                    (np.int32(m), _cp(t["bucket_off"]), _cp(t["g"]), _cp(t["e"]), _cp(t["sent"]), _cp(t["n"]),
+                     _cp(t["key"]), _cp(r["chosen"]), _cp(t["stage_addr"]), np.int32(bucket), *menu_args, _cp(part)),
+                    device)
+            _launch("sb_segment_sum_kernel", m, (_cp(part), _cp(t["bucket_off"]), np.int32(1), _cp(stats)), device)
+        _launch("sb_gather_kernel", _grid(capacity),
+                (np.int32(m), _cp(r["offsets"]), _cp(r["offsets"]), np.int32(0), _cp(t["stage_addr"]), _cp(buffer),
+                 np.int64(capacity)), device)
     data = host.to_host(results)                 # the group's one device-to-host synchronization
     values: dict[str, np.ndarray] = {}
     start = 0

@@ -24,6 +24,8 @@ static int sb_all_finite(const float *x, sb_i64 n) {
  * otherwise), and pack it: header (from the table headers[tensor][action], 16 bytes) and body, back to back in
  * member order in `buffer`; q into sent[k] unless 0. A non-finite member is neither screened nor packed (chosen -1,
  * no bytes): the caller sends it on its own path. offsets[0..m]: where each member's payload starts, and the end.
+ * pack = 0: the check, the screen and the choice only (nothing written, offsets and stats zero; the two-phase first
+ * hop packs each tensor's segments apart).
  * Returns 0, -1 when out of memory, -2 when the payloads would not fit `capacity` bytes. */
 int sb_send_group(int m, const sb_i64 *member, const sb_i64 *g, const sb_i64 *e, const sb_i64 *sent,
                   const sb_i64 *n, const sb_i64 *samples, const sb_i64 *nsel, const sb_u32 *keys, sb_i64 bucket,
@@ -32,7 +34,7 @@ int sb_send_group(int m, const sb_i64 *member, const sb_i64 *g, const sb_i64 *e,
                   int lossless_index, int check_finite, int do_screen, int screen_enabled, double max_distortion,
                   double min_cosine, const sb_i64 *payload_bytes, const unsigned char *headers,
                   unsigned char *buffer, sb_i64 capacity, unsigned char *finite, double *screen_stats, int *chosen,
-                  sb_i64 *offsets, double *stats, int nthreads) {
+                  sb_i64 *offsets, double *stats, int pack, int nthreads) {
     int fail = 0;
     if (nthreads < 1) nthreads = 1;
     /* Phase 1: finite check, screen and choice. */
@@ -64,6 +66,11 @@ int sb_send_group(int m, const sb_i64 *member, const sb_i64 *g, const sb_i64 *e,
         }
     }
     if (fail) return -1;
+    if (!pack) {
+        memset(offsets, 0, (size_t)(m + 1) * sizeof(sb_i64));
+        memset(stats, 0, (size_t)m * 4 * sizeof(double));
+        return 0;
+    }
     /* Phase 2: the layout (member order, back to back). */
     offsets[0] = 0;
     for (int k = 0; k < m; k++)
