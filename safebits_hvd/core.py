@@ -13,13 +13,14 @@ The life of one step (numbers reappear in the code; docs/DESIGN.md, "The life of
 
 1. **Begin**: finish the previous step's exchange if still pending; take the step's budget from the schedule; the
    policy allocates an action per tensor from the previous step's reduced statistics (:mod:`.policy`); digest it.
-2. **Screen** (:class:`.sending.Sender`): ``kernels.screen`` measures every menu action on ``v = g + e`` over a
-   sample of whole buckets (all buckets for small tensors); the policy turns that into the admissible set.
-3. **Send** (:class:`.sending.Sender`; on the allgather path a whole fusion group at a time, docs/DESIGN.md, "The
-   batched step"): the allocated action if admissible, else the tensor *escalates*: the step's collective path
-   (:class:`.collectives.CollectivePath`) writes ``q = Q(v)`` and ``e <- v - q`` in one pass and returns the
-   exact statistics of ``q``; if they fail the screen, the next candidate is tried (:func:`.sending.escalate`),
-   and the lossless action always passes. Every sent tensor satisfies the screen.
+2. **Screen** (:class:`.sending.Sender`, one batched pass over many tensors: docs/DESIGN.md, "The batched step"):
+   the group kernels measure every menu action on ``v = g + e`` over a sample of whole buckets (all buckets for
+   small tensors); the policy turns that into the admissible set. A group is a fusion group on the allgather path,
+   the whole step on the two-phase path (sent when it closes), one tensor on the dense path.
+3. **Send** (the same pass): the allocated action if admissible, else the tensor *escalates*: the pass writes
+   ``q = Q(v)`` and ``e <- v - q`` and returns the exact statistics of ``q``; if they fail the screen, the next
+   candidate is tried, a round for all such tensors at once, and the lossless action always passes. Every sent
+   tensor satisfies the screen. What travels is the step's collective path's (:class:`.collectives.CollectivePath`).
 4. **Close**: when every tensor has been sent, start the statistics exchange (:mod:`.exchange`; layout:
    :mod:`.statistics`). Starting needs nothing from other ranks, so it cannot deadlock.
 5. **Finish**: wait for the exchange; record the step (:mod:`.telemetry`); keep the reduced statistics for the next

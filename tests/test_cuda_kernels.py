@@ -228,6 +228,31 @@ def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocatio
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("nan_member", [None, 5])
+def test_cuda_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member):
+    """``pack=False`` (the two-phase first hop's screen) on the GPU: the verdicts, screen statistics and choices of
+    the packing pass, no payload, no residual or q written, one read back."""
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.02, 0.97).cost_order)
+    allocated = np.random.RandomState(3).randint(0, len(MENU), GROUP_M)
+    gradients, residuals, samples, keys, allocated = _cuda_group(allocated, 7, nan_member)
+    before = [e.clone() for e in residuals]
+    sents = [torch.full_like(g, 5.0) for g in gradients]
+    reads = host.reads()
+    screened = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
+                                        True, True, True, 0.02, 0.97, False), tables)
+    assert host.reads() - reads == 1
+    assert screened.buffer.numel() == 0 and not screened.offsets.any() and not screened.stats.any()
+    for got, want, sent in zip(residuals, before, sents, strict=True):
+        assert torch.equal(bits(got), bits(want)) and bool((sent == 5.0).all())
+    packed = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
+                                      True, True, True, 0.02, 0.97), tables)
+    assert np.array_equal(screened.finite, packed.finite)
+    assert np.array_equal(screened.chosen, packed.chosen)
+    assert _close(screened.screen_stats, packed.screen_stats)
+
+
+@gpu
+@needs_gpu
 def test_cuda_send_group_without_screen_sends_the_allocated_actions():
     tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.01, 0.99).cost_order)
     gradients, residuals, samples, keys, allocated = _cuda_group(np.full(GROUP_M, 4), 0, None)
