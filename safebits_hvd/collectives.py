@@ -306,11 +306,19 @@ class AllgatherPath(PackedCodec, CollectivePath):
         members[index] = (gradient, own)
         return group if len(members) == len(self.groups[group]) else None
 
-    def register_group(self, group: int, gradients: list[torch.Tensor], owns: list[torch.Tensor | None]) -> None:
-        """:meth:`register` of every member of ``group`` at once (none registered yet), in member order."""
-        if group in self._registered:
-            raise RuntimeError("register_group: a member was already registered this step")
+    def allocated_payload_bytes(self, indices: list[int] | np.ndarray) -> np.ndarray:
+        """Bytes of each listed tensor's payload at the allocated action of the step in progress (or the last one
+        begun): identical on every rank; a rank that escalates a tensor sends more."""
+        rows = np.asarray(indices, dtype=np.int64)
+        return self.tables.payload_bytes[rows, self.sender.allocation.choice[rows]]
+
+    def send_together(self, members: list[int], gradients: list[torch.Tensor],
+                      owns: list[torch.Tensor | None]) -> None:
+        """Make ``members`` one group (:meth:`group_together`), register them all and send the group: a front end's
+        whole group at once (the DDP hook's chunk of a bucket)."""
+        group = self.group_together(members)
         self._registered[group] = dict(zip(self.groups[group], zip(gradients, owns, strict=True), strict=True))
+        self.send_group(group)
 
     def send_group(self, group: int) -> None:
         """Send the group in one batched pass (:meth:`.sending.Sender.send_group`) and start its allgather."""

@@ -138,8 +138,8 @@ class CoreCompressor(CoreRecords, Compressor):
                 self._op_factor = (ctx.step, op_factor(tensor, ranks))
             factor = self._op_factor[1]
             # Average (factor 1): the division by the rank count rides on the last payload's decode.
-            total = core.reduced_sum(ctx.index, ctx.step, ctx.collective, ctx.gradient,
-                                     divisor=ranks if factor == 1.0 else 1.0)
+            total = core.reduced_sums([ctx.index], ctx.step, ctx.collective, [ctx.gradient],
+                                      divisor=ranks if factor == 1.0 else 1.0)[0]
             if factor not in (1.0, ranks):
                 total.mul_(factor / ranks)
             core.taken(ctx.step)

@@ -37,17 +37,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import checkpoint, collectives, kernels
+from . import collectives, kernels
 from .actions import Menu
 from .allocator import Allocation
 from .clock import StepClock
 from .collectives import AllgatherPath, CollectivePath, DensePath
-from .errors import SafeBitsConsistencyError
-from .exchange import StatisticsExchange, allocation_digest, digest_words, waited_seconds
+from .exchange import StatisticsExchange, allocation_digest, check_agreement, digest_words, waited_seconds
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .schedules import budget_at
-from .sending import Sender, flat_gradient
+from .sending import Sender, checked_into, flat_gradient
 from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepLog, logger
 from .transports import PayloadTransport, make_transport
@@ -67,6 +66,12 @@ class Sent(NamedTuple):
         """Whether the step's tensors travel as packed payloads in SafeBits' collectives (else as float32 values in
         the front end's allreduce: ``wire``)."""
         return self.collective != "dense"
+
+
+def made(factory: Any) -> Any:
+    """What a factory (a callable with no argument) makes."""
+    assert callable(factory)
+    return factory()
 
 
 class SafeBitsCore:
@@ -172,114 +177,77 @@ class SafeBitsCore:
 
     # ------------------------------------------------------------------ the three calls
     def send(self, index: int, grad: torch.Tensor, into: torch.Tensor | None = None) -> Sent:
-        """Quantize tensor ``index``'s gradient for the wire (and start its payload collective, if any).
-
-        ``into``: the flat float32 tensor the front end will pass :meth:`reduced_sum` as ``out`` (it may share
-        ``grad``'s storage, whose values are consumed here). On the allgather path the send pass writes this
-        rank's dequantized values into it, so that the sum over ranks starts from them instead of decoding this
-        rank's own payload again."""
+        """Quantize tensor ``index``'s gradient for the wire (and start its payload collective, if any). ``into``:
+        the flat float32 tensor the front end will pass :meth:`reduced_sums` as ``out`` (it may share ``grad``'s
+        storage, whose values are consumed here); on the allgather path the send pass writes this rank's ``q``
+        into it, so that the sum over ranks starts from them instead of decoding this rank's payload again."""
         start = time.perf_counter()
-        if self.in_step and not self.unsent[index]:
-            # A tensor came twice: the previous step never sent some registered tensors.
-            missing = [self.names[i] for i in np.flatnonzero(self.unsent)]
-            logger.warning("SafeBits step %d closed with %d registered parameters never compressed (e.g. %s); "
-                           "pass SafeBits the same parameters as the optimizer", self.step, len(missing),
-                           missing[:3])
-            self._close()
-        if not self.in_step:
-            self.begin()
+        self._begin_for([index])
         path = self.path
         g = flat_gradient(self.names[index], grad, self._numels[index])
-        own = self._checked_into(index, g, into) if path.batched else None
+        own = checked_into(self.names[index], g, into) if path.batched else None
         if path.batched:
             # Only registered: the group's members are sent together when its last one arrives.
             group = path.register(index, g, own)
             wire = None
         else:
             wire = path.add(index, self.sender.send(index, g, own))
-        self.unsent[index] = False
-        self._unsent_count -= 1
         if path.batched and group is not None:
             path.send_group(group)
-        sent = Sent(wire, self.step, path.name)
-        self.clock.sent(start, time.perf_counter())
-        if not self._unsent_count:
-            self._close()
-        return sent
+        return self._sent([index], Sent(wire, self.step, path.name), start)
 
     def send_group(self, indices: list[int], grads: list[torch.Tensor], intos: list[torch.Tensor | None], *,
                    close: bool = True) -> Sent:
-        """:meth:`send` of several tensors at once. On the allgather path they become one group of the step, sent
-        in one batched pass and one collective (the DDP hook's chunks of a bucket; every rank must group alike);
-        on the other paths each is sent in turn. ``close=False``: a group that completes the step does not close
-        it (4); the front end calls :meth:`close` once its own collectives of the step are started."""
-        if not self.in_step:
-            self.begin()
+        """:meth:`send` of several tensors at once: on the allgather path one group of the step, one batched pass
+        and one collective (the DDP hook's chunks of a bucket; every rank must group alike), else each in turn.
+        ``close=False``: the front end closes the step (:meth:`close`) once its own collectives are started."""
+        start = time.perf_counter()
+        self._begin_for(indices)
         rows = np.asarray(indices, dtype=np.int64)
-        if not (self.path.front_end_groups and len(rows) and self.unsent[rows].all()
-                and len(set(indices)) == len(rows)):
-            sent = Sent(None, self.step, self.path.name)
-            if self.path.front_end_groups:
-                self.allgather.group_together(indices)
-            for index, grad, into in zip(indices, grads, intos, strict=True):
-                sent = self.send(index, grad, into)
-            return sent
+        if not self.path.front_end_groups or len(set(indices)) != len(rows):
+            return [self.send(index, grad, into) for index, grad, into in zip(indices, grads, intos, strict=True)][-1]
         # The whole group at once: registered, marked sent and sent with one clock reading (the Python of one
         # send per member is what the batched step saves).
-        start = time.perf_counter()
         flats = [flat_gradient(self.names[i], g, self._numels[i]) for i, g in zip(indices, grads, strict=True)]
-        owns = [self._checked_into(i, g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
-        group = self.allgather.group_together(indices)
-        self.allgather.register_group(group, flats, owns)
+        owns = [checked_into(self.names[i], g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
+        self.allgather.send_together(indices, flats, owns)
+        return self._sent(rows, Sent(None, self.step, self.path.name), start, close)
+
+    def _sent(self, rows: list[int] | np.ndarray, sent: Sent, start: float, close: bool = True) -> Sent:
+        """These tensors are on their way (handed over at ``start``); the step closes after its last one."""
         self.unsent[rows] = False
         self._unsent_count -= len(rows)
-        self.allgather.send_group(group)
-        sent = Sent(None, self.step, self.path.name)
         self.clock.sent(start, time.perf_counter())
         if close:
             self.close()
         return sent
+
+    def _begin_for(self, indices: list[int]) -> None:
+        """Begin a step for these tensors; one of them sent already: the last step missed some, it closes first."""
+        if self.in_step and not self.unsent[indices].all():
+            missing = [self.names[i] for i in np.flatnonzero(self.unsent)]
+            logger.warning("SafeBits step %d closed with %d registered parameters never compressed (e.g. %s); "
+                           "pass SafeBits the same parameters as the optimizer", self.step, len(missing),
+                           missing[:3])
+            self._close()
+        self.begin()
 
     def close(self) -> None:
         """4. Close the step if every tensor of it has been sent (else nothing)."""
         if self.in_step and not self._unsent_count:
             self._close()
 
-    def _checked_into(self, index: int, g: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
-        """``into`` (see :meth:`send`), checked to be a flat contiguous float32 tensor of ``g``'s size and device."""
-        if into is not None and into is not g and (
-                into.dtype != torch.float32 or into.dim() != 1 or not into.is_contiguous()
-                or into.numel() != self._numels[index] or into.device != g.device):
-            raise ValueError(f"into must be a flat contiguous float32 tensor of {self.numels[index]} elements on "
-                             f"{g.device}")
-        return into
-
-    def reduced_sum(self, index: int, step: int, collective: str, out: torch.Tensor | None = None,
-                    divisor: float = 1.0) -> torch.Tensor:
-        """The sum over ranks of what every rank sent of tensor ``index`` at ``step`` on a packed path, decoded in
-        rank order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a mean), as a
-        flat float32 tensor (``out`` if given: written over). Waits for the collective."""
-        start, waited = time.perf_counter(), waited_seconds()
-        total = self.paths[collective].reduced_sum(index, step, out, divisor)
-        self.clock.received(start, time.perf_counter(), waited_seconds() - waited)
-        return total
-
     @property
     def allocation_digest(self) -> str:
         """The digest of the step in progress's allocation (or the last one begun); "" before the first."""
         return self._digest
 
-    def allocated_payload_bytes(self, indices: list[int] | np.ndarray) -> np.ndarray:
-        """Bytes of each listed tensor's packed payload at the allocated action of the step in progress (or the last
-        one begun): identical on every rank; a rank that escalates a tensor sends more."""
-        assert self._allocation is not None
-        rows = np.asarray(indices, dtype=np.int64)
-        return self.allgather.tables.payload_bytes[rows, self._allocation.choice[rows]]
-
     def reduced_sums(self, indices: list[int], step: int, collective: str, outs: list[torch.Tensor | None],
                      divisor: float = 1.0) -> list[torch.Tensor]:
-        """:meth:`reduced_sum` of several tensors (the DDP hook's bucket) with one clock reading; on the allgather
-        path each group is decoded once, into the ``into`` tensors its members were sent with."""
+        """The sum over ranks of what every rank sent of each tensor at ``step`` on a packed path, decoded in rank
+        order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a mean), as flat
+        float32 tensors (``outs[k]`` if given: written over); waits for the collectives. On the allgather path
+        each group is decoded once, into the ``into`` tensors its members were sent with."""
         start, waited = time.perf_counter(), waited_seconds()
         path = self.paths[collective]
         totals = [path.reduced_sum(i, step, out, divisor) for i, out in zip(indices, outs, strict=True)]
@@ -297,10 +265,8 @@ class SafeBitsCore:
             self._finish()
 
     def taken(self, step: int) -> None:
-        """The front end has taken one reduced tensor of ``step``; after the last tensor the step sent, finish the
-        step's exchange. Not at the first: the exchange is the step's last collective, and waiting for it there
-        would hold every tensor's decoding until all of the step's collectives are done, instead of letting each
-        decode while later ones are still in flight."""
+        """The front end has taken one reduced tensor of ``step``; after the step's last one, finish its exchange
+        (the step's last collective: waited for at the first, it would hold every decoding until all are done)."""
         if self._pending is None or self._pending[0] != step:
             return
         now = time.perf_counter()
@@ -311,8 +277,8 @@ class SafeBitsCore:
 
     # ------------------------------------------------------------------ 1. begin
     def begin(self) -> None:
-        """Begin a step, unless one is in progress (the first :meth:`send` of a step does; a front end that needs
-        the step's allocation or path before it sends, as the DDP hook, calls it first)."""
+        """Begin a step unless one is in progress (the first :meth:`send` does; the DDP hook, which needs the step's
+        path first, calls it itself)."""
         if self.in_step:
             return
         self.finish()
@@ -322,9 +288,7 @@ class SafeBitsCore:
         self._allocation = self.policy.allocate(bits_per_parameter, self._budget_bits_total,
                                                 self.previous_screened, self.previous_v2)
         if self.transport is None:
-            factory = self._transport_or_factory
-            assert callable(factory)
-            self.transport = factory()
+            self.transport = made(self._transport_or_factory)
         if self.two_phase.configured_for is None:
             self.two_phase.configure(self.transport, self.memory if self.error_feedback else None)
         self.path = self.paths[collectives.choose(self.collective_setting,
@@ -349,9 +313,7 @@ class SafeBitsCore:
     def _close(self) -> None:
         """Every tensor of the step is on its way: start the statistics exchange."""
         if self.exchange is None:
-            factory = self._exchange_or_factory
-            assert callable(factory)
-            self.exchange = factory()
+            self.exchange = made(self._exchange_or_factory)
         assert self._allocation is not None
         if self.path.batched:
             self.path.flush()
@@ -371,10 +333,7 @@ class SafeBitsCore:
     def _finish(self) -> None:
         assert self._pending is not None and self.exchange is not None and self._allocation is not None
         step, handle, budget_total, wire_bytes, collective, timing_step, pass_through = self._pending
-        if self.two_phase.pending_step == step:
-            self.two_phase.finish()                    # before the record: it counts the second hop's bytes
-        if self.two_phase.second_hop_bytes[0] == step:
-            wire_bytes += self.two_phase.second_hop_bytes[1]
+        wire_bytes += self.two_phase.complete(step)    # before the record: it counts the second hop's bytes
         self._pending = None
         self.exchange.wait(handle)                     # the step's own vector now holds the MAX over ranks
         reduced = self._views[step % 2]
@@ -389,20 +348,15 @@ class SafeBitsCore:
         observe = getattr(self.schedule, "observe", None)
         if observe is not None:
             observe(self.log.last)
-        if (self.consistency_check_every and step % self.consistency_check_every == 0
-                and (reduced.digest + reduced.neg_digest).any()):       # MAX - MIN of each word: 0 if all agree
-            raise SafeBitsConsistencyError(
-                f"ranks disagree on the allocation of step {step} (this rank's digest {self._digest}); every rank "
-                f"must build SafeBits with the same parameters, menu, budget and thresholds")
+        if self.consistency_check_every and step % self.consistency_check_every == 0:
+            check_agreement(reduced, step, self._digest)
 
     # ------------------------------------------------------------------ elastic training
     def abort_step(self) -> None:
-        """Drop the step in progress and the pending exchange: one of their collectives failed (a worker left).
-        The residuals may hold part of that step: load the last state next (elastic ``restore`` does)."""
-        self.in_step = False
+        """Drop the step in progress and the pending exchange (a collective failed: a worker left); the residuals
+        may hold part of that step, so load the last state next (elastic ``restore`` does)."""
+        self.in_step, self._pending, self._unsent_count = False, None, len(self.names)
         self.unsent[:] = True
-        self._unsent_count = len(self.names)
-        self._pending = None
         self.clock.abort()
         for path in self.paths.values():
             path.abort()
@@ -419,12 +373,3 @@ class SafeBitsCore:
         self.exchange = None
         self.transport = None
         self.two_phase.leave_world()
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically (:func:`.checkpoint.save`). Call between steps."""
-        return checkpoint.save(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (:func:`.checkpoint.load`); ``ValueError`` if saved for another model or menu."""
-        checkpoint.load(self, state)

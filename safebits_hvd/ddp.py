@@ -183,7 +183,7 @@ class SafeBitsState(CoreRecords):
             # Allgather: each chunk of the bucket is one group, sent in one batched pass, its collective started
             # before the rest of the bucket is packed.
             first, queued = 0, 0        # the chunk's first position, its bytes at the allocated actions
-            sizes = core.allocated_payload_bytes(indices).tolist()
+            sizes = core.allgather.allocated_payload_bytes(indices).tolist()
             for position, size in enumerate(sizes):
                 queued += size
                 if queued >= self.chunk_bytes or position == len(indices) - 1:
@@ -225,7 +225,7 @@ class SafeBitsState(CoreRecords):
         if not isinstance(transport, TorchDistributedTransport):
             return              # one rank, or a custom transport: nothing to compare
         digest = int(core.allocation_digest, 16)
-        total = int(core.allocated_payload_bytes(np.arange(len(core.names))).sum())
+        total = int(core.allgather.allocated_payload_bytes(np.arange(len(core.names))).sum())
         words = torch.tensor([*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total,
                               self.chunk_bytes], dtype=torch.int64, device=transport.device)
         self._allocation_check = (step, transport.start_gather(words))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import checkpoint
 from .checkpoint import PER_RANK
 from .compressor import CoreCompressor
 
@@ -65,10 +66,10 @@ class SafeBitsStateHandler(StateHandler):  # type: ignore[misc,valid-type]
                              "training runs on every rank (process_set=None)")
         core = self.value.core
         core.leave_world()
-        state = core.state_dict()
+        state = checkpoint.save(core)
         shared = hvd.broadcast_object({key: value for key, value in state.items() if key not in PER_RANK},
                                       root_rank=0, name=f"{core.name}.elastic.sync")
-        core.load_state_dict({**shared, **{key: state[key] for key in PER_RANK if key in state}})
+        checkpoint.load(core, {**shared, **{key: state[key] for key in PER_RANK if key in state}})
 
     def set_value(self, value: Any) -> None:
         self.value = value

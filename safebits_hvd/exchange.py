@@ -304,6 +304,16 @@ def allocation_digest(step: int, budget_bits_total: float, choice: np.ndarray) -
     return h.hexdigest()
 
 
+def check_agreement(reduced: Any, step: int, digest: str) -> None:
+    """Raise :class:`SafeBitsConsistencyError` unless every rank allocated step ``step`` alike: the reduced
+    statistics (``reduced.digest``, ``reduced.neg_digest``: the MAX and the MAX of the negation of each digest word)
+    then give MAX - MIN = 0 for each word. ``digest``: this rank's, for the message."""
+    if (reduced.digest + reduced.neg_digest).any():
+        raise SafeBitsConsistencyError(
+            f"ranks disagree on the allocation of step {step} (this rank's digest {digest}); every rank must build "
+            f"SafeBits with the same parameters, menu, budget and thresholds")
+
+
 def digest_words(digest: str) -> np.ndarray:
     """The digest as four 16-bit integers in float64 (exact), for the MAX exchange."""
     value = int(digest, 16)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import collectives
+from . import checkpoint, collectives
 from .actions import Menu, make_menu
 from .core import SafeBitsCore
 from .exchange import StatisticsExchange
@@ -169,8 +169,8 @@ class CoreRecords:
 
         Call between optimizer steps. With several ranks each rank saves its own (the residuals are per rank).
         """
-        return self.core.state_dict()
+        return checkpoint.save(self.core)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; raises ``ValueError`` if it was saved for another model or menu."""
-        self.core.load_state_dict(state)
+        checkpoint.load(self.core, state)

@@ -23,7 +23,7 @@ from .allocator import Allocation
 from .errors import SafeBitsNonFiniteError
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
-from .rng import stream_key, stream_keys
+from .rng import stream_keys
 from .screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of
 from .statistics import StepStatistics
 
@@ -96,6 +96,17 @@ def flat_gradient(name: str, tensor: torch.Tensor, numel: int) -> torch.Tensor:
     return g.contiguous()
 
 
+def checked_into(name: str, g: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
+    """``into``, the tensor that receives a gradient's ``q`` (:meth:`.core.SafeBitsCore.send`), checked to be flat
+    contiguous float32 of ``g``'s size on its device (or ``g`` itself, or None)."""
+    if into is not None and into is not g and (
+            into.dtype != torch.float32 or into.dim() != 1 or not into.is_contiguous()
+            or into.numel() != g.numel() or into.device != g.device):
+        raise ValueError(f"into ({name!r}) must be a flat contiguous float32 tensor of {g.numel()} elements on "
+                         f"{g.device}")
+    return into
+
+
 class Sender:
     """The screen and the send of one core's tensors (steps 2 and 3), given each step's allocation and statistics
     vector by :meth:`begin`. It owns nothing checkpointed but reads and updates the core's residuals."""
@@ -134,8 +145,6 @@ class Sender:
         if self.pass_through:            # before the residual is looked up: a missing one is not made
             return self.pass_on(index, g, own)
         fields, policy, path = self.fields, self.policy, self.path
-        n = g.numel()
-        e = self.residual(index, n, g.device)
         allocated = int(self.allocation.choice[index])
         action = self.menu[allocated]
         if not self.error_feedback and not path.packed and action.kind in (ActionKind.FLOAT32, ActionKind.FLOAT16):
@@ -145,25 +154,11 @@ class Sender:
             fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
             fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
             return g if action.lossless else g.to(torch.float16)
-        if not path.packed:
-            # Dense: the batched pass over a group of one (one read back); q is what the front end's allreduce sums.
-            out = own if own is not None else torch.empty_like(g)
-            self.send_values(np.array([index], dtype=np.int64), [g], [out])
-            return out
-        if self.checks_finite and n and holds_nonfinite(g):
-            return self.send_nonfinite(index, g, own)
-        key = stream_key(self.seed, self.step, index)
-        if policy.allocates_from_statistics:
-            estimate = host.to_host(kernels.screen(g, e, self.menu, key, self.sample_of(index, n, g.device)))
-            distortion, cosine = distortion_cosine(estimate)
-            ok = policy.screen(distortion, cosine)
-            # What the allocator needs of an action is its distortion if it may plan with it (the screen admits it
-            # with the planning margin), +inf if not; the MAX over ranks then admits an action only if every rank
-            # did, at the largest distortion.
-            fields.screened[index] = np.where(policy.plannable(distortion, cosine), distortion, np.inf)
-        else:
-            ok = np.ones(len(self.menu), dtype=bool)
-        return self.send_in_order(index, policy.send_order(index, allocated, ok), g, e, key, own)
+        # Dense (the packed paths are batched: the core only registers their tensors): the batched pass over a
+        # group of one, one read back; q is what the front end's allreduce sums.
+        out = own if own is not None else torch.empty_like(g)
+        self.send_values(np.array([index], dtype=np.int64), [g], [out])
+        return out
 
     def pass_on(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
         """A pass-through step (the budget fits every tensor uncompressed, on the dense path): the gradient as it
@@ -182,18 +177,6 @@ class Sender:
             return g
         out = own if own is not None else torch.empty_like(g)
         return torch.add(g, e.to(g.device), out=out)
-
-    def send_in_order(self, index: int, order: list[int], g: torch.Tensor | None, e: torch.Tensor, key: int,
-                      own: torch.Tensor | None) -> Any:
-        """:func:`escalate` on the step's path, and the record of what was sent."""
-        assert self.fields is not None
-        sent = escalate(self.path, self.menu, index, order, g, e, key, own, self.policy.accepts,
-                        self.names[index])
-        # An action that failed on the values it would have sent: the next allocation must not plan it.
-        self.fields.screened[index, sent.failed] = math.inf
-        self.record_sent(index, sent.action, sent.distortion, sent.cosine,
-                         self.policy.plannable_one(sent.action, sent.distortion, sent.cosine), float(sent.stats[3]))
-        return sent.sent
 
     def record_sent(self, rows: Any, actions: Any, distortion: Any, cosine: Any, plannable: Any, v2: Any) -> None:
         """The step's statistics of what was sent: of one tensor (Python numbers) or of many (arrays)."""
@@ -304,60 +287,6 @@ class Sender:
 
         self.escalate_group(members, result, result.stats, grads, owns, payloads, repack)
         return result, payloads
-
-    def send_segments(self, members: np.ndarray, grads: list[torch.Tensor], segments: list[list[tuple[int, int]]],
-                      segment_tables: kernels.GroupTables) -> dict[int, list[torch.Tensor]]:
-        """The two-phase first hop of ``members`` batched: one pass checks, screens and chooses per tensor
-        (``pack=False``, one read back); one more packs every segment of every finite member at its tensor's choice
-        under the segment's RNG key (:func:`.collectives.segment_key`; one read back), segment after segment, as
-        ``TwoPhasePath.encode`` does one tensor; a tensor's exact statistics are its segments' added in segment
-        order; escalation as :meth:`send_members`, each round repacking every segment of its members. Returns
-        each tensor's payloads, one per segment. ``segment_tables``: the tables of every segment, row
-        ``index * P + segment``."""
-        from .collectives import segment_key
-
-        policy = self.policy
-        m, device = len(members), grads[0].device
-        ranks = len(segments[int(members[0])])
-        residuals = [self.residual(int(i), int(self.numels[i]), device) for i in members]
-        keys = stream_keys(self.seed, self.step, members)
-        result = kernels.send_group(self.group_request(members, grads, residuals, [None] * m, keys, pack=False),
-                                    self.tables)
-        self.take_screen(members, result)
-        payloads: dict[int, Any] = {}
-        segment_keys = np.array([[segment_key(int(key), r) for r in range(ranks)] for key in keys], dtype=np.int64)
-
-        def pack(rows: np.ndarray, actions: np.ndarray, first: bool) -> np.ndarray:
-            # Segment r of every row, for r = 0, 1, ...: the statistics are then added in segment order.
-            slots = [(k, r) for r in range(ranks) for k in rows.tolist()]
-            bounds = [segments[int(members[k])][r] for k, r in slots]
-            sent = kernels.send_group(kernels.GroupSend(
-                np.array([int(members[k]) * ranks + r for k, r in slots], dtype=np.int64),
-                [grads[k][a:b] if first else None for (k, _), (a, b) in zip(slots, bounds, strict=True)],
-                [residuals[k][a:b] for (k, _), (a, b) in zip(slots, bounds, strict=True)], [None] * len(slots),
-                [None] * len(slots), np.array([segment_keys[k, r] for k, r in slots], dtype=np.int64),
-                np.tile(actions, ranks), False, False, False, policy.max_distortion, policy.min_cosine),
-                segment_tables)
-            stats = np.zeros((len(rows), 4))
-            for r in range(ranks):
-                stats += sent.stats[r * len(rows):(r + 1) * len(rows)]
-            for j, k in enumerate(rows.tolist()):
-                slot = [r * len(rows) + j for r in range(ranks)]
-                payloads[int(members[k])] = [sent.buffer[sent.offsets[i]:sent.offsets[i + 1]] for i in slot]
-            return stats
-
-        def repack(rows: np.ndarray, actions: np.ndarray) -> np.ndarray:
-            for k in rows.tolist():
-                index = int(members[k])
-                for payload, (a, b) in zip(payloads[index], segments[index], strict=True):
-                    kernels.decode_add(payload, residuals[k][a:b], name=self.names[index])    # e <- e + q
-            return pack(rows, actions, False)
-
-        finite = np.flatnonzero(result.finite)
-        stats = np.zeros((m, 4))
-        stats[finite] = pack(finite, result.chosen[finite], True)
-        self.escalate_group(members, result, stats, grads, [None] * m, payloads, repack)
-        return payloads
 
     def group_request(self, members: np.ndarray, grads: list[torch.Tensor], residuals: list[torch.Tensor],
                       owns: list[torch.Tensor | None], keys: np.ndarray, pack: bool = True) -> kernels.GroupSend:

@@ -3,7 +3,7 @@ error feedback, packed allgather.
 
 Each tensor is cut into ``P`` segments at bucket boundaries (:func:`.collectives.segment_bounds`), each packed on
 its own. The core registers each gradient (:meth:`TwoPhasePath.register`); when the step closes, one batched pass
-sends every tensor registered (:meth:`.sending.Sender.send_segments`: one read back for the check, the screen and
+sends every tensor registered (:func:`send_first_hop`: one read back for the check, the screen and
 the choice, one for the packing of every segment), and :meth:`TwoPhasePath.close` sends
 segment ``r`` of every tensor (index order) to rank ``r`` in ONE alltoall (alltoalls never fuse in Horovod).
 :meth:`TwoPhasePath.finish`, at the first ``decompress`` of the step, sums the segment this rank owns over every
@@ -26,9 +26,9 @@ from .actions import Action
 from .collectives import CollectivePath, PackedCodec, packed_zeros
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
-from .rng import stream_key
+from .rng import stream_key, stream_keys
 from .screen import distortion_cosine
-from .sending import escalate
+from .sending import Sender, escalate
 from .transports import PayloadTransport
 
 
@@ -45,7 +45,7 @@ class TwoPhasePath(CollectivePath):
     batched = True          # its one alltoall starts when the step closes: nothing is lost by packing then
 
     def __init__(self, names: list[str], numels: np.ndarray, policy: BudgetPolicy, collective_name: str,
-                 sender: Any) -> None:
+                 sender: Sender) -> None:
         super().__init__(policy.menu, policy.cost_order[:, 0])
         self.names = names
         self.numels = numels
@@ -123,6 +123,12 @@ class TwoPhasePath(CollectivePath):
         self.memory.load_state_dict(residuals)
         self.ranges = dict(ranges)
 
+    def complete(self, step: int) -> int:
+        """The second phase of ``step`` done (run now if pending); returns the link bytes of its second hop."""
+        if self.pending_step == step:
+            self.finish()
+        return self.second_hop_bytes[1] if self.second_hop_bytes[0] == step else 0
+
     @property
     def pending_step(self) -> int | None:
         """The step whose second phase has not run yet (None if none)."""
@@ -136,14 +142,14 @@ class TwoPhasePath(CollectivePath):
         return None
 
     def flush(self) -> None:
-        """Send every registered tensor in one batched pass (:meth:`.sending.Sender.send_segments`)."""
+        """Send every registered tensor in one batched pass (:func:`send_first_hop`)."""
         if not self._registered:
             return
         assert self.segment_tables is not None
         members = np.array(sorted(self._registered), dtype=np.int64)
         grads = [self._registered[i] for i in members.tolist()]
         self._registered = {}
-        sent = self.sender.send_segments(members, grads, self.segments, self.segment_tables)
+        sent = send_first_hop(self.sender, members, grads, self.segments, self.segment_tables)
         for index, payloads in sent.items():
             self.wire_bytes += self.link_bytes(payloads)
             self._payloads[index] = payloads
@@ -291,3 +297,58 @@ class TwoPhasePath(CollectivePath):
                                    None, policy.accepts, name).sent
             payloads.append(payload)
         return payloads
+
+
+def send_first_hop(sender: Sender, members: np.ndarray, grads: list[torch.Tensor],
+                   segments: list[list[tuple[int, int]]],
+                   segment_tables: kernels.GroupTables) -> dict[int, list[torch.Tensor]]:
+    """The two-phase first hop of ``members`` batched: one pass checks, screens and chooses per tensor
+    (``pack=False``, one read back); one more packs every segment of every finite member at its tensor's choice
+    under the segment's RNG key (:func:`.collectives.segment_key`; one read back), segment after segment, as
+    ``TwoPhasePath.encode`` does one tensor; a tensor's exact statistics are its segments' added in segment
+    order; escalation as :meth:`.sending.Sender.send_members`, each round repacking every segment of its members.
+    Returns each tensor's payloads, one per segment. ``segment_tables``: the tables of every segment, row
+    ``index * P + segment``."""
+    policy = sender.policy
+    m, device = len(members), grads[0].device
+    ranks = len(segments[int(members[0])])
+    residuals = [sender.residual(int(i), int(sender.numels[i]), device) for i in members]
+    keys = stream_keys(sender.seed, sender.step, members)
+    result = kernels.send_group(sender.group_request(members, grads, residuals, [None] * m, keys, pack=False),
+                                sender.tables)
+    sender.take_screen(members, result)
+    payloads: dict[int, Any] = {}
+    segment_keys = np.array([[collectives.segment_key(int(key), r) for r in range(ranks)] for key in keys],
+                            dtype=np.int64)
+
+    def pack(rows: np.ndarray, actions: np.ndarray, first: bool) -> np.ndarray:
+        # Segment r of every row, for r = 0, 1, ...: the statistics are then added in segment order.
+        slots = [(k, r) for r in range(ranks) for k in rows.tolist()]
+        bounds = [segments[int(members[k])][r] for k, r in slots]
+        sent = kernels.send_group(kernels.GroupSend(
+            np.array([int(members[k]) * ranks + r for k, r in slots], dtype=np.int64),
+            [grads[k][a:b] if first else None for (k, _), (a, b) in zip(slots, bounds, strict=True)],
+            [residuals[k][a:b] for (k, _), (a, b) in zip(slots, bounds, strict=True)], [None] * len(slots),
+            [None] * len(slots), np.array([segment_keys[k, r] for k, r in slots], dtype=np.int64),
+            np.tile(actions, ranks), False, False, False, policy.max_distortion, policy.min_cosine),
+            segment_tables)
+        stats = np.zeros((len(rows), 4))
+        for r in range(ranks):
+            stats += sent.stats[r * len(rows):(r + 1) * len(rows)]
+        for j, k in enumerate(rows.tolist()):
+            slot = [r * len(rows) + j for r in range(ranks)]
+            payloads[int(members[k])] = [sent.buffer[sent.offsets[i]:sent.offsets[i + 1]] for i in slot]
+        return stats
+
+    def repack(rows: np.ndarray, actions: np.ndarray) -> np.ndarray:
+        for k in rows.tolist():
+            index = int(members[k])
+            for payload, (a, b) in zip(payloads[index], segments[index], strict=True):
+                kernels.decode_add(payload, residuals[k][a:b], name=sender.names[index])    # e <- e + q
+        return pack(rows, actions, False)
+
+    finite = np.flatnonzero(result.finite)
+    stats = np.zeros((m, 4))
+    stats[finite] = pack(finite, result.chosen[finite], True)
+    sender.escalate_group(members, result, stats, grads, [None] * m, payloads, repack)
+    return payloads
