@@ -206,6 +206,7 @@ class Auto:
         self.figures: dict[float, dict[str, float]] = {}
         self.rate_at: dict[float, float] = {}
         self.rate = 0.0
+        self.rate_bits = PASS_THROUGH_BITS    # the budget of the step the rate was measured on
         self.chosen: dict[int, float] = {}
         self.probe: tuple[float, int] | None = None
 
@@ -223,7 +224,8 @@ class Auto:
         if timing["link_s"] > 0 and timing["wire_bytes"] > 0:
             measured = timing["wire_bytes"] / timing["link_s"]
             # Exposed communication measures the link; hidden, it only says the link is at least this fast.
-            self.rate = measured if timing["exposed_s"] > 0.1 * span else max(self.rate, measured)
+            if timing["exposed_s"] > 0.1 * span or measured > self.rate:
+                self.rate, self.rate_bits = measured, bits
         history = self.spans[bits] = (self.spans[bits] + [span])[-AUTO_WINDOW:]
         kept = self._changed(bits, history, timing)
         if kept is not None:
@@ -321,6 +323,10 @@ class Auto:
         for bits in self.candidates:
             # Measured at another link rate: if the model says the rate moves its span by more than ``change``,
             # the measurement no longer holds.
+            # Not an uncompressed step's span on a rate seen through compressed payloads (a few MB, their start
+            # latency and the ranks' skew included): the change detector (5) still drops it when the link changes.
+            if bits == PASS_THROUGH_BITS and self.rate_bits < PASS_THROUGH_BITS:
+                continue
             then = self.predict(bits, self.rate_at.get(bits, 0.0)) if self.spans[bits] else None
             now = self.predict(bits)
             if then is not None and now is not None and abs(now - then) > self.change * then:
@@ -356,6 +362,7 @@ class Auto:
                 "measured_at": {str(b): s for b, s in self.measured_at.items()},
                 "figures": {str(b): dict(f) for b, f in self.figures.items()},
                 "rate_at": {str(b): r for b, r in self.rate_at.items()}, "rate": self.rate,
+                "rate_bits": self.rate_bits,
                 "chosen": {str(s): b for s, b in self.chosen.items()}, "probe": list(self.probe or [])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -364,6 +371,7 @@ class Auto:
         self.figures = {float(b): {k: float(v) for k, v in f.items()} for b, f in state["figures"].items()}
         self.rate_at = {float(b): float(r) for b, r in state["rate_at"].items()}
         self.rate = float(state["rate"])
+        self.rate_bits = float(state.get("rate_bits", PASS_THROUGH_BITS))
         self.chosen = {int(s): float(b) for s, b in state["chosen"].items()}
         self.probe = (float(state["probe"][0]), int(state["probe"][1])) if state["probe"] else None
 
