@@ -37,10 +37,14 @@ ddp: setup
 trainers: setup
 	$(PY) -m pytest trainer_tests -q
 
+# The regression gate: a ratio more than 2x its baseline fails, unless a second run of the suites clears it (ratios
+# of sub-millisecond kernels to a clone swing 2x on a shared 2-core machine; a real regression persists).
+SMOKE := $(PY) -m pytest bench/suites -q --benchmark-enable --benchmark-min-rounds=3 --benchmark-max-time=0.05 -m "not full"
 bench-smoke: setup
-	$(PY) -m pytest bench/suites -q --benchmark-enable --benchmark-min-rounds=3 --benchmark-max-time=0.05 \
-	  --benchmark-json=results/bench.json -m "not full"
-	$(PY) -m bench.suites.check_regression results/bench.json bench/suites/baseline.json
+	$(SMOKE) --benchmark-json=results/bench.json
+	$(PY) -m bench.suites.check_regression results/bench.json bench/suites/baseline.json || { \
+	  echo "bench-smoke: running the suites once more"; $(SMOKE) --benchmark-json=results/bench-again.json && \
+	  $(PY) -m bench.suites.check_regression results/bench-again.json bench/suites/baseline.json; }
 
 bench: setup
 	$(PY) -m pytest bench/suites -q --benchmark-enable --benchmark-json=results/bench-full.json

@@ -13,10 +13,10 @@ The life of one step (numbers reappear in the code; docs/DESIGN.md, "The life of
 
 1. **Begin**: finish the previous step's exchange if still pending; take the step's budget from the schedule; the
    policy allocates an action per tensor from the previous step's reduced statistics (:mod:`.policy`); digest it.
-2. **Screen** (:class:`.sending.Sender`, one batched pass over many tensors: docs/DESIGN.md, "The batched step"):
-   the group kernels measure every menu action on ``v = g + e`` over a sample of whole buckets (all buckets for
-   small tensors); the policy turns that into the admissible set. A group is a fusion group on the allgather path,
-   the whole step on the two-phase path (sent when it closes), one tensor on the dense path.
+2. **Screen** (:class:`.sending.Sender`, one batched pass over many tensors on the packed paths: docs/DESIGN.md,
+   "The batched step"): the kernels measure every menu action on ``v = g + e`` over a sample of whole buckets (all
+   buckets for small tensors); the policy turns that into the admissible set. A group is a fusion group on the
+   allgather path, the whole step on the two-phase path (sent when it closes); the dense path goes tensor by tensor.
 3. **Send** (the same pass): the allocated action if admissible, else the tensor *escalates*: the pass writes
    ``q = Q(v)`` and ``e <- v - q`` and returns the exact statistics of ``q``; if they fail the screen, the next
    candidate is tried, a round for all such tensors at once, and the lossless action always passes. Every sent
@@ -182,7 +182,7 @@ class SafeBitsCore:
         storage, whose values are consumed here); on the allgather path the send pass writes this rank's ``q``
         into it, so that the sum over ranks starts from them instead of decoding this rank's payload again."""
         start = time.perf_counter()
-        self._begin_for([index])
+        self._begin_for(index)
         path = self.path
         g = flat_gradient(self.names[index], grad, self._numels[index])
         own = checked_into(self.names[index], g, into) if path.batched else None
@@ -194,7 +194,7 @@ class SafeBitsCore:
             wire = path.add(index, self.sender.send(index, g, own))
         if path.batched and group is not None:
             path.send_group(group)
-        return self._sent([index], Sent(wire, self.step, path.name), start)
+        return self._sent(index, 1, Sent(wire, self.step, path.name), start)
 
     def send_group(self, indices: list[int], grads: list[torch.Tensor], intos: list[torch.Tensor | None], *,
                    close: bool = True) -> Sent:
@@ -211,20 +211,20 @@ class SafeBitsCore:
         flats = [flat_gradient(self.names[i], g, self._numels[i]) for i, g in zip(indices, grads, strict=True)]
         owns = [checked_into(self.names[i], g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
         self.allgather.send_together(indices, flats, owns)
-        return self._sent(rows, Sent(None, self.step, self.path.name), start, close)
+        return self._sent(rows, len(rows), Sent(None, self.step, self.path.name), start, close)
 
-    def _sent(self, rows: list[int] | np.ndarray, sent: Sent, start: float, close: bool = True) -> Sent:
-        """These tensors are on their way (handed over at ``start``); the step closes after its last one."""
+    def _sent(self, rows: int | np.ndarray, count: int, sent: Sent, start: float, close: bool = True) -> Sent:
+        """These ``count`` tensors are on their way (handed over at ``start``); the step closes after its last."""
         self.unsent[rows] = False
-        self._unsent_count -= len(rows)
+        self._unsent_count -= count
         self.clock.sent(start, time.perf_counter())
         if close:
             self.close()
         return sent
 
-    def _begin_for(self, indices: list[int]) -> None:
+    def _begin_for(self, indices: int | list[int]) -> None:
         """Begin a step for these tensors; one of them sent already: the last step missed some, it closes first."""
-        if self.in_step and not self.unsent[indices].all():
+        if self.in_step and not (self.unsent[indices] if isinstance(indices, int) else self.unsent[indices].all()):
             missing = [self.names[i] for i in np.flatnonzero(self.unsent)]
             logger.warning("SafeBits step %d closed with %d registered parameters never compressed (e.g. %s); "
                            "pass SafeBits the same parameters as the optimizer", self.step, len(missing),

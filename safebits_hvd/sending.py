@@ -1,11 +1,12 @@
 """Steps 2 and 3 of the life of a step (:mod:`.core`): the screen and the send, with error feedback.
 
-:class:`Sender` sends through one batched pass, :meth:`Sender.send_members` (docs/DESIGN.md, "The batched step"):
-a whole fusion group at a time on the allgather path (:meth:`Sender.send_group`), one tensor at a time on the dense
-path (:meth:`Sender.send_values`: Horovod allreduces the values ``compress`` returns). The two-phase path still sends
-tensor by tensor through :func:`escalate`, the per-tensor screen-and-escalate loop, which its second hop uses too:
-try the actions of an order until the exact statistics of what would be sent pass the screen (the lossless action
-always passes). The batched pass escalates in the same order, with the same keys and records, a round at a time.
+:class:`Sender` sends the packed paths' tensors through one batched pass, :meth:`Sender.send_members`
+(docs/DESIGN.md, "The batched step"): a whole fusion group at a time on the allgather path (:meth:`Sender.send_group`),
+the whole step on the two-phase path (:func:`.two_phase.send_first_hop`). The dense path sends tensor by tensor
+(:meth:`Sender.send`: Horovod allreduces the values ``compress`` returns) through :func:`escalate`, the per-tensor
+screen-and-escalate loop, which the two-phase second hop's rare failures use too: try the actions of an order until
+the exact statistics of what would be sent pass the screen (the lossless action always passes). The batched pass
+escalates in the same order, with the same keys and records, a round at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .allocator import Allocation
 from .errors import SafeBitsNonFiniteError
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
-from .rng import stream_keys
+from .rng import stream_key, stream_keys
 from .screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of
 from .statistics import StepStatistics
 
@@ -145,6 +146,8 @@ class Sender:
         if self.pass_through:            # before the residual is looked up: a missing one is not made
             return self.pass_on(index, g, own)
         fields, policy, path = self.fields, self.policy, self.path
+        n = g.numel()
+        e = self.residual(index, n, g.device)
         allocated = int(self.allocation.choice[index])
         action = self.menu[allocated]
         if not self.error_feedback and not path.packed and action.kind in (ActionKind.FLOAT32, ActionKind.FLOAT16):
@@ -154,11 +157,29 @@ class Sender:
             fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
             fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
             return g if action.lossless else g.to(torch.float16)
-        # Dense (the packed paths are batched: the core only registers their tensors): the batched pass over a
-        # group of one, one read back; q is what the front end's allreduce sums.
-        out = own if own is not None else torch.empty_like(g)
-        self.send_values(np.array([index], dtype=np.int64), [g], [out])
-        return out
+        # Dense (the packed paths are batched: the core only registers their tensors), one tensor at a time:
+        # Horovod allreduces the values compress returns. Not the batched pass: it would also pack a payload that
+        # travels nowhere (on the CPU, twice the time of a lossless send; docs/DESIGN.md, "The batched step").
+        if self.checks_finite and n and holds_nonfinite(g):
+            return self.send_nonfinite(index, g, own)
+        key = stream_key(self.seed, self.step, index)
+        if policy.allocates_from_statistics:
+            estimate = host.to_host(kernels.screen(g, e, self.menu, key, self.sample_of(index, n, g.device)))
+            distortion, cosine = distortion_cosine(estimate)
+            ok = policy.screen(distortion, cosine)
+            # What the allocator needs of an action is its distortion if it may plan with it (the screen admits it
+            # with the planning margin), +inf if not; the MAX over ranks then admits an action only if every rank
+            # did, at the largest distortion.
+            fields.screened[index] = np.where(policy.plannable(distortion, cosine), distortion, np.inf)
+        else:
+            ok = np.ones(len(self.menu), dtype=bool)
+        sent = escalate(path, self.menu, index, policy.send_order(index, allocated, ok), g, e, key, own,
+                        policy.accepts, self.names[index])
+        # An action that failed on the values it would have sent: the next allocation must not plan it.
+        fields.screened[index, sent.failed] = math.inf
+        self.record_sent(index, sent.action, sent.distortion, sent.cosine,
+                         policy.plannable_one(sent.action, sent.distortion, sent.cosine), float(sent.stats[3]))
+        return sent.sent
 
     def pass_on(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
         """A pass-through step (the budget fits every tensor uncompressed, on the dense path): the gradient as it
@@ -251,12 +272,6 @@ class Sender:
             offsets = np.concatenate([[0], np.cumsum([p.numel() for p in parts])]).astype(np.int64)
         assert buffer is not None
         return buffer, offsets, int(sizes.sum())
-
-    def send_values(self, members: np.ndarray, grads: list[torch.Tensor], owns: list[torch.Tensor]) -> None:
-        """The batched step on the dense path: :meth:`send_members`, each member's ``q`` (or, NaN/Inf, what
-        ``nonfinite`` sends) left in its ``owns`` tensor, which the front end's allreduce sums; the payloads the
-        pass packed travel nowhere."""
-        self.send_members(members, grads, owns)
 
     def send_members(self, members: np.ndarray, grads: list[torch.Tensor],
                      owns: list[torch.Tensor | None]) -> tuple[kernels.GroupSent, dict[int, Any]]:

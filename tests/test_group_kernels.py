@@ -174,24 +174,6 @@ def test_an_allgather_step_reads_back_at_most_twice_per_group_and_once_more() ->
         assert host.reads() - before <= 2 * groups + 1, (step, host.reads() - before, groups)
 
 
-def test_a_dense_step_reads_back_once_per_tensor_sent() -> None:
-    """On the dense path Horovod allreduces the values compress returns, so each tensor is a group of one, sent in
-    one batched pass: one read back (NaN check, screen, choice and statistics together) per tensor plus one per
-    escalation round, none on receiving; the per-tensor kernels' NaN check, screen and statistics read back three
-    times per tensor."""
-    sizes = (272, 16) * 100
-    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
-    compressor = sb.SafeBits(params, budget_bits=4.0, collective="dense")
-    for step in range(4):
-        random_grads(params, step)
-        before = host.reads()
-        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
-        for wire, ctx in pending:
-            compressor.decompress(wire, ctx)
-        assert compressor.last_step.collective == "dense"
-        assert host.reads() - before <= 2 * len(sizes) + 1, (step, host.reads() - before)
-
-
 def test_a_two_phase_step_reads_back_a_fixed_number_of_times_whatever_its_tensor_count() -> None:
     """The two-phase path sends the whole step when it closes: one read back for every tensor's check, screen and
     choice, one for the packing of every segment, one per escalation round (at most one per rung of the menu); its
