@@ -140,6 +140,9 @@ AUTO_WINDOW = 7
 """Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step
 noise of shared machines (a third of a step, between consecutive steps of one budget, on 2 busy cores)."""
 
+AUTO_EXPOSED_SHARE = 0.25
+"""The share of a step its exposed wait must reach (now or before) for a single span to say the link changed (5)."""
+
 AUTO_MAD_TO_SE = 1.4826 * 1.2533
 """A window's relative median absolute deviation, times this over the square root of its length, is the relative
 standard error of its median (normal noise: MAD = 0.674 sigma; a median's error is 1.2533 times a mean's)."""
@@ -175,11 +178,13 @@ class Auto:
        the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
        ``tolerance`` is no tie.
     5. **Follow the link**: a span :data:`AUTO_JUMP` times off its candidate's estimate, one more than ``change``
-       (relative) off it with the exposed communication moving by at least half the difference, or three in a
+       (relative) off it with the exposed communication moving by at least half the difference (and a quarter
+       of the step, :data:`AUTO_EXPOSED_SHARE`), or three in a
        row more than ``change`` off on the same side, mean the link (or the load) changed: that candidate keeps
        only the spans since, every other estimate is dropped. An estimate measured at another link rate is
-       dropped when the model says the new rate moves it by more than ``change``. Dropped ones are probed again
-       (3).
+       dropped when the model says the new rate moves it by more than ``change``, except the pass-through's when
+       the rate was seen through a compressed step (a few MB, their start latency and the ranks' skew included:
+       far below what an uncompressed step meets). Dropped ones are probed again (3).
 
     Every rank sees the same reduced records, so every rank chooses alike; the choice enters the allocation digest
     like any budget. Its state is checkpointed (:meth:`state_dict`)."""
@@ -246,7 +251,10 @@ class Auto:
             return [span]
         exposed_before = self.figures[bits]["exposed_s"] if bits in self.figures else math.nan
         moved = span - estimate
-        if abs(moved) > self.change * estimate and (timing["exposed_s"] - exposed_before) * moved > 0.5 * moved ** 2:
+        # The wait for the link moved the span, and the link is (or was) a real part of the step: on a fast link
+        # the exposed wait is the ranks' step-to-step skew, which must not read as a change.
+        if (abs(moved) > self.change * estimate and (timing["exposed_s"] - exposed_before) * moved > 0.5 * moved ** 2
+                and max(timing["exposed_s"], exposed_before) > AUTO_EXPOSED_SHARE * span):
             return [span]                                        # the wait for the link moved the span
         before = history[:-3]
         if len(before) >= 2:

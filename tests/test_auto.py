@@ -287,3 +287,19 @@ def test_a_rate_seen_through_compressed_payloads_does_not_drop_the_measured_pass
         chosen = drive(Auto(), lambda step: 2e9, 60, timing=skewed_fast_link_timing, noise=noise)
         # The first probes (16 and 8 bits, before anything compressed is measured) and then no compression.
         assert sum(b < PASS_THROUGH_BITS for b in chosen[8:]) <= 2, (noise, chosen)
+
+
+def test_the_ranks_skew_on_a_fast_link_is_not_a_link_change() -> None:
+    """Passing through on a fast link, a step the ranks' skew made slower waits longer for the other rank: its span
+    and its exposed wait move together, but the wait is a fifth of the step, not the link. Read as a change, it
+    dropped every estimate and sent `auto` back to probing compressed budgets."""
+    steps = iter(range(10**6))
+
+    def skew(bits: float, bytes_per_s: float) -> dict[str, float]:
+        figures = dict(skewed_fast_link_timing(bits, bytes_per_s))
+        slower = 0.04 if next(steps) % 4 == 3 else 0.0          # every fourth step 19% slower, all of it waiting
+        figures.update(span_s=figures["span_s"] + slower, exposed_s=figures["exposed_s"] + slower)
+        return figures
+
+    chosen = drive(Auto(probe_every=1000), lambda step: 2e9, 120, timing=skew)
+    assert sum(b < PASS_THROUGH_BITS for b in chosen[8:]) == 0, chosen
