@@ -204,10 +204,10 @@ class SafeBitsCore:
         start = time.perf_counter()
         self._begin_for(indices)
         rows = np.asarray(indices, dtype=np.int64)
-        if not self.path.front_end_groups or len(set(indices)) != len(rows):
-            return [self.send(index, grad, into) for index, grad, into in zip(indices, grads, intos, strict=True)][-1]
-        # The whole group at once: registered, marked sent and sent with one clock reading (the Python of one
-        # send per member is what the batched step saves).
+        if not (self.path.front_end_groups and len(rows) and len(set(indices)) == len(rows)):
+            sents = [self.send(index, grad, into) for index, grad, into in zip(indices, grads, intos, strict=True)]
+            return sents[-1] if sents else Sent(None, self.step, self.path.name)
+        # The whole group at once, with one clock reading: the Python of one send per member is what this saves.
         flats = [flat_gradient(self.names[i], g, self._numels[i]) for i, g in zip(indices, grads, strict=True)]
         owns = [checked_into(self.names[i], g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
         self.allgather.send_together(indices, flats, owns)

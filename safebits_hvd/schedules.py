@@ -286,7 +286,7 @@ class Auto:
         rate = self.rate if rate is None else rate
         compressed = bits < PASS_THROUGH_BITS
         measured = [b for b in self.candidates if b in self.figures and (b < PASS_THROUGH_BITS) == compressed]
-        own_time_known = bool(measured) or not compressed
+        own_time_known = self._own_time_known(bits)
         if not measured:
             measured = [b for b in self.candidates if b in self.figures]
         if not measured or rate <= 0:
@@ -303,6 +303,8 @@ class Auto:
         return max(backward + send, f["wire_bytes"] * bits / near / rate) + receive
 
     def _own_time_known(self, bits: float) -> bool:
+        """Whether SafeBits' own time at ``bits`` is known: none without compression, else once a compressed step
+        was measured."""
         return bits >= PASS_THROUGH_BITS or any(b in self.figures for b in self.candidates if b < PASS_THROUGH_BITS)
 
     # ------------------------------------------------------------------ 3 and 4: probe, choose
@@ -330,9 +332,9 @@ class Auto:
     def _choose(self, step: int) -> float:
         for bits in self.candidates:
             # Measured at another link rate: if the model says the rate moves its span by more than ``change``,
-            # the measurement no longer holds.
-            # Not an uncompressed step's span on a rate seen through compressed payloads (a few MB, their start
-            # latency and the ranks' skew included): the change detector (5) still drops it when the link changes.
+            # the measurement no longer holds; but not an uncompressed step's on a rate seen through compressed
+            # payloads (a few MB, their start latency and the ranks' skew included), which the change detector
+            # (5) still drops when the link changes.
             if bits == PASS_THROUGH_BITS and self.rate_bits < PASS_THROUGH_BITS:
                 continue
             then = self.predict(bits, self.rate_at.get(bits, 0.0)) if self.spans[bits] else None

@@ -156,6 +156,17 @@ def test_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing
     assert np.array_equal(screened.screen_stats, packed.screen_stats)
 
 
+def reads_in_a_step(compressor: sb.SafeBits, params: list, step: int) -> int:
+    """Reads back to the host in one step of fresh gradients through compress and decompress, in Horovod's order
+    (every compress, in backward's order, then every decompress)."""
+    random_grads(params, step)
+    before = host.reads()
+    pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+    for _, ctx in pending:
+        compressor.decompress(torch.ones(1), ctx)
+    return host.reads() - before
+
+
 def test_an_allgather_step_reads_back_at_most_twice_per_group_and_once_more() -> None:
     """G groups: one read back when each is sent, one when each is received, one for the step's reduced
     marker; a per-tensor read (a screen result, a header, a NaN check) would break the bound."""
@@ -165,13 +176,9 @@ def test_an_allgather_step_reads_back_at_most_twice_per_group_and_once_more() ->
     groups = len(collectives.fusion_groups(np.array(sizes)))
     assert groups < len(sizes) / 10
     for step in range(4):
-        random_grads(params, step)
-        before = host.reads()
-        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
-        for _, ctx in pending:
-            compressor.decompress(torch.ones(1), ctx)
+        reads = reads_in_a_step(compressor, params, step)
         assert compressor.last_step.collective == "allgather"
-        assert host.reads() - before <= 2 * groups + 1, (step, host.reads() - before, groups)
+        assert reads <= 2 * groups + 1, (step, reads, groups)
 
 
 def test_a_two_phase_step_reads_back_a_fixed_number_of_times_whatever_its_tensor_count() -> None:
@@ -183,13 +190,9 @@ def test_a_two_phase_step_reads_back_a_fixed_number_of_times_whatever_its_tensor
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
     compressor = sb.SafeBits(params, budget_bits=4.0, collective="two_phase")
     for step in range(4):
-        random_grads(params, step)
-        before = host.reads()
-        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
-        for _, ctx in pending:
-            compressor.decompress(torch.ones(1), ctx)
+        reads = reads_in_a_step(compressor, params, step)
         assert compressor.last_step.collective == "two_phase"
-        assert host.reads() - before <= 2 + 3 + 1 + len(sb.DEFAULT_MENU), (step, host.reads() - before)
+        assert reads <= 2 + 3 + 1 + len(sb.DEFAULT_MENU), (step, reads)
 
 
 def test_members_that_escalate_together_cost_one_read_back_per_round_not_per_member() -> None:
