@@ -58,13 +58,15 @@ class CollectivePath:
     paths, the reduced sum (:meth:`reduced_sum`). The core never asks which path it holds, only what it can do:
     ``packed`` (uint8 payloads through SafeBits' collectives, else float32 values through the front end's own
     allreduce), ``batched`` (tensors :meth:`register`-ed, then sent by the path in batches: a fusion group at a
-    time, or the whole step when it closes) and ``front_end_groups`` (a front end may make its own groups, each
-    sent in one collective as soon as it is complete).
+    time, or the whole step when it closes), ``sends_together`` (a front end may hand it several tensors at once,
+    :meth:`send_together`: one batched pass) and ``front_end_groups`` (each such group is also sent in one
+    collective of the path's own as soon as it is complete).
     """
 
     name = ""
     packed = True
     batched = False
+    sends_together = False
     front_end_groups = False
 
     def __init__(self, menu: Menu, cheapest: np.ndarray) -> None:
@@ -98,6 +100,12 @@ class CollectivePath:
 
     def flush(self) -> None:
         """Send everything registered and not sent yet (the step closes)."""
+
+    def send_together(self, members: list[int], gradients: list[torch.Tensor],
+                      owns: list[torch.Tensor | None]) -> None:
+        """Send these tensors (none sent yet this step) in one batched pass, each one's ``q`` into its ``owns``
+        tensor (on the dense path every one must be given: the values the front end all-reduces)."""
+        raise NotImplementedError
 
     def payload(self, index: int, step: int) -> torch.Tensor:
         """This rank's packed payload(s) of tensor ``index`` at ``step``, back to back, once sent."""
@@ -137,10 +145,28 @@ class DensePath(CollectivePath):
 
     name = "dense"
     packed = False
+    sends_together = True
 
-    def __init__(self, menu: Menu, cheapest: np.ndarray, bytes_per_element: int = 4) -> None:
+    def __init__(self, menu: Menu, cheapest: np.ndarray, sender: Any, bytes_per_element: int = 4) -> None:
         super().__init__(menu, cheapest)
+        self.sender = sender              # the core's sending.Sender
         self.bytes_per_element = bytes_per_element
+
+    def send_together(self, members: list[int], gradients: list[torch.Tensor],
+                      owns: list[torch.Tensor | None]) -> None:
+        """The DDP hook's bucket: every member's values into its ``owns`` tensor (the bucket's buffer, which DDP
+        all-reduces), in one batched pass (:meth:`.sending.Sender.send_values`); a pass-through step passes each on."""
+        sender = self.sender
+        if sender.pass_through or not sender.error_feedback:
+            sent = [sender.send(index, g, own) for index, g, own in zip(members, gradients, owns, strict=True)]
+        else:
+            sent = sender.send_values(np.asarray(members, dtype=np.int64), gradients, owns)
+        for index, values, own in zip(members, sent, owns, strict=True):
+            if own is None:
+                raise ValueError("the dense path's send_together needs a tensor for every member's values")
+            if values is not own:
+                own.copy_(values)
+            self.add(index, own)
 
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
                own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
@@ -210,6 +236,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
 
     name = "allgather"
     batched = True
+    sends_together = True
     front_end_groups = True
 
     def __init__(self, names: list[str], numels: np.ndarray, tables: kernels.GroupTables, cheapest: np.ndarray,

@@ -102,11 +102,10 @@ class SafeBitsCore:
                  schedule: Callable[[int], float], seed: int,
                  exchange: StatisticsExchange | Callable[[], StatisticsExchange], error_feedback: bool = True,
                  nonfinite: str = "propagate", sample_buckets: int = 16, consistency_check_every: int = 1,
-                 max_history: int = 10000, log_path: str | os.PathLike[str] | None = None,
-                 collective: str = "dense",
+                 max_history: int = 10000, log_path: str | os.PathLike[str] | None = None, collective: str = "dense",
                  transport: PayloadTransport | Callable[[], PayloadTransport] = make_transport,
-                 dense_wire_bytes: int = 4, name: str = "safebits",
-                 fusion_elements: int = collectives.FUSION_ELEMENTS) -> None:
+                 dense_wire_bytes: int = 4, name: str = "safebits", fusion_elements: int = collectives.FUSION_ELEMENTS,
+                 ) -> None:
         # -- what is being compressed, and how decisions are made
         self.names = names
         self.numels = numels
@@ -139,9 +138,9 @@ class SafeBitsCore:
                              sample_buckets=sample_buckets, tables=tables)
         self.two_phase = TwoPhasePath(names, numels, policy, name, self.sender)
         self.allgather = AllgatherPath(names, numels, tables, cheapest, self.sender, name, fusion_elements)
-        self.paths: dict[str, CollectivePath] = {"dense": DensePath(policy.menu, cheapest, dense_wire_bytes),
-                                                 "allgather": self.allgather, "two_phase": self.two_phase}
-        self.path: CollectivePath = self.paths["dense"]
+        self.path: CollectivePath = DensePath(policy.menu, cheapest, self.sender, dense_wire_bytes)
+        self.paths: dict[str, CollectivePath] = {"dense": self.path, "allgather": self.allgather,
+                                                 "two_phase": self.two_phase}
         self.step = 0                                  # index of the next step to begin
         # The last finished step's reduced statistics: the next allocation's input (None before the first step).
         self.previous_screened: np.ndarray | None = None
@@ -199,19 +198,21 @@ class SafeBitsCore:
     def send_group(self, indices: list[int], grads: list[torch.Tensor], intos: list[torch.Tensor | None], *,
                    close: bool = True) -> Sent:
         """:meth:`send` of several tensors at once: on the allgather path one group of the step, one batched pass
-        and one collective (the DDP hook's chunks of a bucket; every rank must group alike), else each in turn.
-        ``close=False``: the front end closes the step (:meth:`close`) once its own collectives are started."""
+        and one collective (the DDP hook's chunks of a bucket; every rank must group alike); on the dense path one
+        batched pass, the values written into ``intos`` (every one given: the bucket DDP all-reduces); else each in
+        turn. ``close=False``: the front end closes the step (:meth:`close`) once its own collectives are started."""
         start = time.perf_counter()
         self._begin_for(indices)
-        rows = np.asarray(indices, dtype=np.int64)
-        if not (self.path.front_end_groups and len(rows) and len(set(indices)) == len(rows)):
+        rows, path = np.asarray(indices, dtype=np.int64), self.path
+        if not (path.sends_together and len(rows) and len(set(indices)) == len(rows)
+                and (path.packed or all(into is not None for into in intos))):
             sents = [self.send(index, grad, into) for index, grad, into in zip(indices, grads, intos, strict=True)]
             return sents[-1] if sents else Sent(None, self.step, self.path.name)
         # The whole group at once, with one clock reading: the Python of one send per member is what this saves.
         flats = [flat_gradient(self.names[i], g, self._numels[i]) for i, g in zip(indices, grads, strict=True)]
         owns = [checked_into(self.names[i], g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
-        self.allgather.send_together(indices, flats, owns)
-        return self._sent(rows, len(rows), Sent(None, self.step, self.path.name), start, close)
+        path.send_together(indices, flats, owns)
+        return self._sent(rows, len(rows), Sent(None, self.step, path.name), start, close)
 
     def _sent(self, rows: int | np.ndarray, count: int, sent: Sent, start: float, close: bool = True) -> Sent:
         """These ``count`` tensors are on their way (handed over at ``start``); the step closes after its last."""

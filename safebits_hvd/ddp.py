@@ -173,12 +173,15 @@ class SafeBitsState(CoreRecords):
         starts = np.concatenate([[0], np.cumsum(numels)]).tolist()
         targets = grads if in_place else [None] * len(indices)
         pieces = [_Piece(index, starts[k], starts[k + 1], targets[k]) for k, index in enumerate(indices)]
-        if not core.path.front_end_groups:
+        if not core.path.front_end_groups and in_place:
+            # Dense: the dequantized values replace the gradients in the buffer (one batched pass), which DDP
+            # all-reduces below.
+            core.send_group(indices, grads, targets)
+        elif not core.path.front_end_groups:
             for k, index in enumerate(indices):
                 sent = core.send(index, grads[k], into=targets[k])
                 if not sent.packed and sent.wire is not targets[k]:
-                    # The dequantized values replace the gradient in the buffer, which DDP all-reduces below.
-                    buffer[starts[k]:starts[k + 1]].copy_(sent.wire)
+                    buffer[starts[k]:starts[k + 1]].copy_(sent.wire)     # the values, into the buffer
         else:
             # Allgather: each chunk of the bucket is one group, sent in one batched pass, its collective started
             # before the rest of the bucket is packed.

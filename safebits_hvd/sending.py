@@ -1,12 +1,12 @@
 """Steps 2 and 3 of the life of a step (:mod:`.core`): the screen and the send, with error feedback.
 
-:class:`Sender` sends the packed paths' tensors through one batched pass, :meth:`Sender.send_members`
+:class:`Sender` sends every path's tensors through one batched pass, :meth:`Sender.send_members`
 (docs/DESIGN.md, "The batched step"): a whole fusion group at a time on the allgather path (:meth:`Sender.send_group`),
-the whole step on the two-phase path (:func:`.two_phase.send_first_hop`). The dense path sends tensor by tensor
-(:meth:`Sender.send`: Horovod allreduces the values ``compress`` returns) through :func:`escalate`, the per-tensor
-screen-and-escalate loop, which the two-phase second hop's rare failures use too: try the actions of an order until
-the exact statistics of what would be sent pass the screen (the lossless action always passes). The batched pass
-escalates in the same order, with the same keys and records, a round at a time.
+the whole step on the two-phase path (:func:`.two_phase.send_first_hop`), on the dense path a tensor (Horovod
+allreduces the values ``compress`` returns) or a DDP bucket at a time, values only (:meth:`Sender.send_values`).
+:func:`escalate` is the per-tensor screen-and-escalate loop, which the two-phase second hop's rare failures use: try
+the actions of an order until the exact statistics of what would be sent pass the screen (the lossless action
+always passes). The batched pass escalates in the same order, with the same keys and records, a round at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .allocator import Allocation
 from .errors import SafeBitsNonFiniteError
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
-from .rng import stream_key, stream_keys
+from .rng import stream_keys
 from .screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of
 from .statistics import StepStatistics
 
@@ -146,8 +146,6 @@ class Sender:
         if self.pass_through:            # before the residual is looked up: a missing one is not made
             return self.pass_on(index, g, own)
         fields, policy, path = self.fields, self.policy, self.path
-        n = g.numel()
-        e = self.residual(index, n, g.device)
         allocated = int(self.allocation.choice[index])
         action = self.menu[allocated]
         if not self.error_feedback and not path.packed and action.kind in (ActionKind.FLOAT32, ActionKind.FLOAT16):
@@ -157,29 +155,17 @@ class Sender:
             fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
             fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
             return g if action.lossless else g.to(torch.float16)
-        # Dense (the packed paths are batched: the core only registers their tensors), one tensor at a time:
-        # Horovod allreduces the values compress returns. Not the batched pass: it would also pack a payload that
-        # travels nowhere (on the CPU, twice the time of a lossless send; docs/DESIGN.md, "The batched step").
-        if self.checks_finite and n and holds_nonfinite(g):
-            return self.send_nonfinite(index, g, own)
-        key = stream_key(self.seed, self.step, index)
-        if policy.allocates_from_statistics:
-            estimate = host.to_host(kernels.screen(g, e, self.menu, key, self.sample_of(index, n, g.device)))
-            distortion, cosine = distortion_cosine(estimate)
-            ok = policy.screen(distortion, cosine)
-            # What the allocator needs of an action is its distortion if it may plan with it (the screen admits it
-            # with the planning margin), +inf if not; the MAX over ranks then admits an action only if every rank
-            # did, at the largest distortion.
-            fields.screened[index] = np.where(policy.plannable(distortion, cosine), distortion, np.inf)
-        else:
-            ok = np.ones(len(self.menu), dtype=bool)
-        sent = escalate(path, self.menu, index, policy.send_order(index, allocated, ok), g, e, key, own,
-                        policy.accepts, self.names[index])
-        # An action that failed on the values it would have sent: the next allocation must not plan it.
-        fields.screened[index, sent.failed] = math.inf
-        self.record_sent(index, sent.action, sent.distortion, sent.cosine,
-                         policy.plannable_one(sent.action, sent.distortion, sent.cosine), float(sent.stats[3]))
-        return sent.sent
+        # Dense (the packed paths are batched: the core only registers their tensors): Horovod allreduces the
+        # values compress returns, so each tensor is a group of one.
+        out = own if own is not None else torch.empty_like(g)
+        return self.send_values(np.array([index], dtype=np.int64), [g], [out])[0]
+
+    def send_values(self, members: np.ndarray, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> list[Any]:
+        """The dense path's batched pass (:meth:`send_members`, ``GroupOutput.VALUES``: one read back, no payload):
+        each member's ``q`` into its ``outs`` tensor (which may be its gradient). Returns what travels of each:
+        ``outs[k]``, or what replaced it (a NaN/Inf gradient, as ``nonfinite`` says)."""
+        _, replaced = self.send_members(members, grads, list(outs), kernels.GroupOutput.VALUES)
+        return [replaced.get(int(index), out) for index, out in zip(members, outs, strict=True)]
 
     def pass_on(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
         """A pass-through step (the budget fits every tensor uncompressed, on the dense path): the gradient as it
@@ -273,40 +259,45 @@ class Sender:
         assert buffer is not None
         return buffer, offsets, int(sizes.sum())
 
-    def send_members(self, members: np.ndarray, grads: list[torch.Tensor],
-                     owns: list[torch.Tensor | None]) -> tuple[kernels.GroupSent, dict[int, Any]]:
+    def send_members(self, members: np.ndarray, grads: list[torch.Tensor], owns: list[torch.Tensor | None],
+                     output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> tuple[kernels.GroupSent,
+                                                                                          dict[int, Any]]:
         """One pass screens, chooses and packs every member (:func:`.kernels.send_group`, one read back), ``q``
-        into its ``owns`` tensor if any; a NaN/Inf gradient then takes :meth:`send_nonfinite`, and members whose
-        exact statistics fail the screen escalate together, one batched pass (one read back) per round
-        (:meth:`escalate_group`). Returns the pass's result and, by tensor, what replaced a member's payload in it
-        (escalated or non-finite)."""
+        into its ``owns`` tensor if any (``GroupOutput.VALUES``: only there, the dense path's values); a NaN/Inf
+        gradient then takes :meth:`send_nonfinite`, and members whose exact statistics fail the screen escalate
+        together, one batched pass (one read back) per round (:meth:`escalate_group`). Returns the pass's result
+        and, by tensor, what replaced a member's payload (or values) in it (escalated or non-finite)."""
         policy = self.policy
         residuals = [self.residual(int(i), int(self.numels[i]), grads[0].device) for i in members]
         keys = stream_keys(self.seed, self.step, members)
-        result = kernels.send_group(self.group_request(members, grads, residuals, owns, keys), self.tables)
+        result = kernels.send_group(self.group_request(members, grads, residuals, owns, keys, output), self.tables)
         self.take_screen(members, result)
         payloads: dict[int, Any] = {}
+        values = output == kernels.GroupOutput.VALUES
 
         def repack(rows: np.ndarray, actions: np.ndarray) -> np.ndarray:
             for k in rows.tolist():
                 index = int(members[k])
-                sent = payloads.get(index, result.buffer[result.offsets[k]:result.offsets[k + 1]])
-                kernels.decode_add(sent, residuals[k], name=self.names[index])    # e <- e + q
+                sent = payloads.get(index, owns[k] if values
+                                    else result.buffer[result.offsets[k]:result.offsets[k + 1]])
+                self.path.restore(index, sent, residuals[k], self.names[index])     # e <- e + q
             retry = kernels.send_group(kernels.GroupSend(
                 members[rows], [None] * len(rows), [residuals[k] for k in rows], [owns[k] for k in rows],
                 [None] * len(rows), keys[rows], actions, False, False, False, policy.max_distortion,
-                policy.min_cosine), self.tables)
+                policy.min_cosine, output), self.tables)
             for j, k in enumerate(rows.tolist()):
-                payloads[int(members[k])] = retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
+                index = int(members[k])
+                payloads[index] = owns[k] if values else retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
             return retry.stats
 
         self.escalate_group(members, result, result.stats, grads, owns, payloads, repack)
         return result, payloads
 
     def group_request(self, members: np.ndarray, grads: list[torch.Tensor], residuals: list[torch.Tensor],
-                      owns: list[torch.Tensor | None], keys: np.ndarray, pack: bool = True) -> kernels.GroupSend:
+                      owns: list[torch.Tensor | None], keys: np.ndarray,
+                      output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.GroupSend:
         """The batched pass's request for ``members``: the NaN/Inf check, the screen on each member's sampled
-        buckets, the choice from the allocation, and (``pack``) the packing pass."""
+        buckets, the choice from the allocation, and what ``output`` says to write."""
         policy = self.policy
         assert self.allocation is not None
         screening = policy.allocates_from_statistics
@@ -314,7 +305,7 @@ class Sender:
         samples = [self.sample_of(int(i), int(self.numels[i]), device) if screening else None for i in members]
         return kernels.GroupSend(members, grads, residuals, owns, samples, keys, self.allocation.choice[members],
                                  self.checks_finite, screening, policy.screen_enabled, policy.max_distortion,
-                                 policy.min_cosine, pack)
+                                 policy.min_cosine, output)
 
     def take_screen(self, members: np.ndarray, result: kernels.GroupSent) -> None:
         """Record what the screen of a batched pass estimated, for the next allocation."""

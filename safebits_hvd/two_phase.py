@@ -303,7 +303,7 @@ def send_first_hop(sender: Sender, members: np.ndarray, grads: list[torch.Tensor
                    segments: list[list[tuple[int, int]]],
                    segment_tables: kernels.GroupTables) -> dict[int, list[torch.Tensor]]:
     """The two-phase first hop of ``members`` batched: one pass checks, screens and chooses per tensor
-    (``pack=False``, one read back); one more packs every segment of every finite member at its tensor's choice
+    (``GroupOutput.SCREEN``, one read back); one more packs every segment of every finite member at its tensor's choice
     under the segment's RNG key (:func:`.collectives.segment_key`; one read back), segment after segment, as
     ``TwoPhasePath.encode`` does one tensor; a tensor's exact statistics are its segments' added in segment
     order; escalation as :meth:`.sending.Sender.send_members`, each round repacking every segment of its members.
@@ -314,8 +314,8 @@ def send_first_hop(sender: Sender, members: np.ndarray, grads: list[torch.Tensor
     ranks = len(segments[int(members[0])])
     residuals = [sender.residual(int(i), int(sender.numels[i]), device) for i in members]
     keys = stream_keys(sender.seed, sender.step, members)
-    result = kernels.send_group(sender.group_request(members, grads, residuals, [None] * m, keys, pack=False),
-                                sender.tables)
+    request = sender.group_request(members, grads, residuals, [None] * m, keys, kernels.GroupOutput.SCREEN)
+    result = kernels.send_group(request, sender.tables)
     sender.take_screen(members, result)
     payloads: dict[int, Any] = {}
     segment_keys = np.array([[collectives.segment_key(int(key), r) for r in range(ranks)] for key in keys],

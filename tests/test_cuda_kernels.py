@@ -230,8 +230,8 @@ def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocatio
 @needs_gpu
 @pytest.mark.parametrize("nan_member", [None, 5])
 def test_cuda_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member):
-    """``pack=False`` (the two-phase first hop's screen) on the GPU: the verdicts, screen statistics and choices of
-    the packing pass, no payload, no residual or q written, one read back."""
+    """``GroupOutput.SCREEN`` (the two-phase first hop's screen) on the GPU: the verdicts, screen statistics and
+    choices of the packing pass, no payload, no residual or q written, one read back."""
     tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.02, 0.97).cost_order)
     allocated = np.random.RandomState(3).randint(0, len(MENU), GROUP_M)
     gradients, residuals, samples, keys, allocated = _cuda_group(allocated, 7, nan_member)
@@ -239,7 +239,7 @@ def test_cuda_send_group_without_packing_screens_and_chooses_alike_and_writes_no
     sents = [torch.full_like(g, 5.0) for g in gradients]
     reads = host.reads()
     screened = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
-                                        True, True, True, 0.02, 0.97, False), tables)
+                                        True, True, True, 0.02, 0.97, K.GroupOutput.SCREEN), tables)
     assert host.reads() - reads == 1
     assert screened.buffer.numel() == 0 and not screened.offsets.any() and not screened.stats.any()
     for got, want, sent in zip(residuals, before, sents, strict=True):
@@ -249,6 +249,31 @@ def test_cuda_send_group_without_packing_screens_and_chooses_alike_and_writes_no
     assert np.array_equal(screened.finite, packed.finite)
     assert np.array_equal(screened.chosen, packed.chosen)
     assert _close(screened.screen_stats, packed.screen_stats)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("nan_member", [None, 5])
+def test_cuda_send_group_of_values_writes_q_and_residuals_as_the_packing_pass_and_no_payload(nan_member):
+    """``GroupOutput.VALUES`` (the dense path) on the GPU: bitwise the packing pass's q and residuals, the same
+    choices and statistics, no payload, one read back."""
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.02, 0.97).cost_order)
+    allocated = np.random.RandomState(4).randint(0, len(MENU), GROUP_M)
+    gradients, residuals, samples, keys, allocated = _cuda_group(allocated, 9, nan_member)
+    packed_residuals = [e.clone() for e in residuals]
+    value_sents = [torch.full_like(g, 5.0) for g in gradients]
+    packed_sents = [torch.full_like(g, 5.0) for g in gradients]
+    reads = host.reads()
+    values = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, value_sents, samples, keys,
+                                      allocated, True, True, True, 0.02, 0.97, K.GroupOutput.VALUES), tables)
+    assert host.reads() - reads == 1
+    packed = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, packed_residuals, packed_sents, samples, keys,
+                                      allocated, True, True, True, 0.02, 0.97), tables)
+    assert values.buffer.numel() == 0 and not values.offsets.any()
+    assert np.array_equal(values.chosen, packed.chosen) and np.array_equal(values.stats, packed.stats)
+    for k in range(GROUP_M):
+        assert torch.equal(bits(residuals[k]), bits(packed_residuals[k])), k
+        assert torch.equal(bits(value_sents[k]), bits(packed_sents[k])), k
 
 
 @gpu

@@ -136,8 +136,8 @@ def test_decode_group_names_the_tensor_of_an_invalid_topk_payload() -> None:
 
 @pytest.mark.parametrize("nan_member", [None, 5])
 def test_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member: int | None) -> None:
-    """``pack=False`` (the two-phase first hop's screen): the same verdicts, screen statistics and choices as the
-    packing pass, and no payload, residual or ``q`` written."""
+    """``GroupOutput.SCREEN`` (the two-phase first hop's screen): the same verdicts, screen statistics and choices
+    as the packing pass, and no payload, residual or ``q`` written."""
     policy = BudgetPolicy(MENU, SIZES, 0.02, 0.97)
     tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
     allocated = np.random.RandomState(3).randint(0, len(MENU), len(SIZES))
@@ -145,7 +145,8 @@ def test_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing
     before = [e.clone() for e in residuals]
     sents = [torch.full_like(g, 5.0) for g in gradients]
     screened = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples, keys,
-                                                    allocated, True, True, True, 0.02, 0.97, False), tables)
+                                                    allocated, True, True, True, 0.02, 0.97,
+                                                    kernels.GroupOutput.SCREEN), tables)
     assert screened.buffer.numel() == 0 and not screened.offsets.any() and not screened.stats.any()
     for got, want, sent in zip(residuals, before, sents, strict=True):
         assert torch.equal(bits(got), bits(want)) and bool((sent == 5.0).all())
@@ -154,6 +155,40 @@ def test_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing
     assert np.array_equal(screened.finite, packed.finite)
     assert np.array_equal(screened.chosen, packed.chosen)
     assert np.array_equal(screened.screen_stats, packed.screen_stats)
+
+
+@pytest.mark.parametrize("nan_member", [None, 5])
+def test_send_group_of_values_is_bitwise_the_per_tensor_quantize_ef_and_writes_no_payload(
+        nan_member: int | None) -> None:
+    """``GroupOutput.VALUES`` (the dense path): each finite member's q, residual and statistics bitwise what
+    :func:`kernels.quantize_ef` gives at the action the pass chose, the same choices as the packing pass, no
+    payload; a non-finite member's tensors untouched."""
+    policy = BudgetPolicy(MENU, SIZES, 0.02, 0.97)
+    tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
+    allocated = np.random.RandomState(4).randint(0, len(MENU), len(SIZES))
+    gradients, residuals, samples, keys, allocated = group_case(allocated, 9, nan_member)
+    before = [e.clone() for e in residuals]
+    sents = [torch.full_like(g, 5.0) for g in gradients]
+    values = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples, keys,
+                                                  allocated, True, True, True, 0.02, 0.97,
+                                                  kernels.GroupOutput.VALUES), tables)
+    assert values.buffer.numel() == 0 and not values.offsets.any()
+    packed = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, [e.clone() for e in before],
+                                                  [None] * len(SIZES), samples, keys, allocated, True, True, True,
+                                                  0.02, 0.97), tables)
+    assert np.array_equal(values.chosen, packed.chosen) and np.array_equal(values.finite, packed.finite)
+    for k, g in enumerate(gradients):
+        if not values.finite[k]:
+            assert torch.equal(bits(residuals[k]), bits(before[k])) and bool((sents[k] == 5.0).all())
+            continue
+        e, out = before[k].clone(), torch.empty_like(g)
+        stats = kernels.quantize_ef(g, e, out, MENU[int(values.chosen[k])], int(keys[k])).numpy()
+        assert np.array_equal(values.stats[k], stats), k
+        assert torch.equal(bits(residuals[k]), bits(e)) and torch.equal(bits(sents[k]), bits(out)), k
+    with pytest.raises(ValueError, match="VALUES"):
+        kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, [None] * len(SIZES),
+                                             samples, keys, allocated, True, True, True, 0.02, 0.97,
+                                             kernels.GroupOutput.VALUES), tables)
 
 
 def reads_in_a_step(compressor: sb.SafeBits, params: list, step: int) -> int:
@@ -193,6 +228,35 @@ def test_a_two_phase_step_reads_back_a_fixed_number_of_times_whatever_its_tensor
         reads = reads_in_a_step(compressor, params, step)
         assert compressor.last_step.collective == "two_phase"
         assert reads <= 2 + 3 + 1 + len(sb.DEFAULT_MENU), (step, reads)
+
+
+def test_the_dense_path_reads_back_once_per_tensor_and_once_per_group_alike() -> None:
+    """The dense path (Horovod all-reduces the values ``compress`` returns): one read back per tensor, the screen,
+    choice and statistics of a group of one together; a front end's group (the DDP hook's bucket, through
+    ``SafeBitsCore.send_group``) one read back in all, its values bitwise those of one ``compress`` per tensor, its
+    records the same. With NaN in one gradient (``nonfinite="skip"``: that tensor sends zeros)."""
+    sizes = (272, 16, 0, 5000) * 25
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    per_tensor = sb.SafeBits(params, budget_bits=3.0, collective="dense", nonfinite="skip", name="dense.a")
+    grouped = sb.SafeBits(params, budget_bits=3.0, collective="dense", nonfinite="skip", name="dense.b")
+    order = list(reversed(range(len(sizes))))          # backward's order
+    for step in range(4):
+        random_grads(params, step)
+        params[7][1].grad[3] = float("nan") if step == 2 else params[7][1].grad[3]
+        grads = [params[i][1].grad.clone() for i in order]
+        before = host.reads()
+        sent = [per_tensor.compress(params[i][1].grad)[0].clone() for i in order]
+        assert host.reads() - before <= len(sizes)
+        outs = [g.clone() for g in grads]
+        before = host.reads()
+        grouped.core.send_group(order, grads, outs)
+        assert host.reads() - before == 1
+        for k, (want, got) in enumerate(zip(sent, outs, strict=True)):
+            assert torch.equal(want.view(torch.int32), got.view(torch.int32)), (step, k)
+        a, b = per_tensor.last_step, grouped.last_step
+        assert a.collective == b.collective == "dense" and a.actions == b.actions
+        assert a.escalations == b.escalations and a.modeled_bits_total == b.modeled_bits_total
+        assert a.nonfinite == b.nonfinite and (step != 2 or a.nonfinite)
 
 
 def test_members_that_escalate_together_cost_one_read_back_per_round_not_per_member() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from enum import IntEnum
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -253,10 +254,20 @@ class GroupTables:
         return table.get(head, -1)
 
 
+class GroupOutput(IntEnum):
+    """What :func:`send_group` writes after the NaN/Inf check, the screen and the choice (``group.c`` takes the same
+    numbers)."""
+
+    SCREEN = 0      # nothing: no payload, no residual, no q (the two-phase first hop packs each segment apart)
+    PAYLOAD = 1     # the packed payloads, the residuals, and q into the ``sents`` given (the packed paths)
+    VALUES = 2      # q into ``sents`` (every one given) and the residuals, no payload (the dense path: Horovod or
+                    # DDP all-reduces the values; a payload beside them would travel nowhere)
+
+
 class GroupSend(NamedTuple):
     """One group's send: per member (a row of the tables), its flat float32 gradient, residual, the tensor that
-    receives ``q`` (or None), the screen's sample of buckets (None: all), RNG key and allocated action.
-    ``pack=False``: the NaN/Inf check, the screen and the choice only (no payload, no residual written)."""
+    receives ``q`` (or None), the screen's sample of buckets (None: all), RNG key and allocated action; ``output``:
+    what the pass writes (:class:`GroupOutput`)."""
 
     members: np.ndarray
     grads: list[torch.Tensor]
@@ -270,7 +281,7 @@ class GroupSend(NamedTuple):
     screen_enabled: bool        # choose by the screen (else the allocated action)
     max_distortion: float
     min_cosine: float
-    pack: bool = True
+    output: GroupOutput = GroupOutput.PAYLOAD
 
 
 class GroupSent(NamedTuple):
@@ -304,7 +315,10 @@ def first_candidates(screen_stats: np.ndarray, allocated: np.ndarray, cost_order
 def send_group(request: GroupSend, tables: GroupTables) -> GroupSent:
     """Send every member of a group in one pass: NaN/Inf check, screen, the choice of the first action to try,
     and the packing pass (``v = g + e``, payload of ``q``, ``e <- v - q``, ``q`` into ``sents``), each member
-    bitwise as :func:`screen` and :func:`quantize_pack_ef` would. The results are read back once."""
+    bitwise as :func:`screen` and :func:`quantize_pack_ef` (:func:`quantize_ef` for ``GroupOutput.VALUES``) would.
+    The results are read back once."""
+    if request.output == GroupOutput.VALUES and any(s is None for s in request.sents):
+        raise ValueError("send_group: GroupOutput.VALUES writes q into every member's sents tensor; one is None")
     device = request.residuals[0].device if request.residuals else torch.device("cpu")
     backend = _backend(device)
     if backend.__name__.endswith(".cuda"):
@@ -334,13 +348,17 @@ def _send_group_loop(request: GroupSend, tables: GroupTables, device: torch.devi
                 chosen[k] = first_candidates(screen_stats[k:k + 1], chosen[k:k + 1],
                                              tables.cost_order[index:index + 1], tables.lossless,
                                              request.max_distortion, request.min_cosine)[0]
-        if not request.pack:
+        if request.output == GroupOutput.SCREEN:
             continue
-        payload, member_stats = quantize_pack_ef(g, e, tables.menu[int(chosen[k])], int(request.keys[k]),
-                                                 sent=request.sents[k])
-        payloads.append(payload)
+        action, key, sent = tables.menu[int(chosen[k])], int(request.keys[k]), request.sents[k]
+        if request.output == GroupOutput.VALUES:
+            assert sent is not None
+            member_stats = quantize_ef(g, e, sent, action, key)
+        else:
+            payload, member_stats = quantize_pack_ef(g, e, action, key, sent=sent)
+            payloads.append(payload)
         stats[k] = host.to_host(member_stats)
-    sizes = [0 if c < 0 or not request.pack else int(tables.payload_bytes[i, c])
+    sizes = [0 if c < 0 or request.output != GroupOutput.PAYLOAD else int(tables.payload_bytes[i, c])
              for i, c in zip(request.members, chosen, strict=True)]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     buffer = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=device)

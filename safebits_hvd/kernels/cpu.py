@@ -237,7 +237,7 @@ def _address(a: np.ndarray) -> int:
 def send_group(request: Any, tables: Any) -> Any:
     """``group.c``'s ``sb_send_group`` over the members of ``request`` (:class:`~safebits_hvd.kernels.GroupSend`);
     returns a :class:`~safebits_hvd.kernels.GroupSent`."""
-    from . import GroupSent
+    from . import GroupOutput, GroupSent
 
     lib = load()
     members = np.ascontiguousarray(request.members, dtype=np.int64)
@@ -247,7 +247,7 @@ def send_group(request: Any, tables: Any) -> Any:
     numels = np.ascontiguousarray(tables.numels[members])
     keys = np.ascontiguousarray(request.keys, dtype=np.uint32)
     allocated = np.ascontiguousarray(request.allocated, dtype=np.int32)
-    capacity = int(tables.largest_payload_bytes[members].sum()) if request.pack else 0
+    capacity = int(tables.largest_payload_bytes[members].sum()) if request.output == GroupOutput.PAYLOAD else 0
     buffer = torch.empty(capacity, dtype=torch.uint8)
     finite = np.empty(m, dtype=np.uint8)
     screen_stats = np.zeros((m, nact, 4))
@@ -265,7 +265,7 @@ def send_group(request: Any, tables: Any) -> Any:
         tables.lossless_index, int(request.check_finite), int(request.do_screen), int(request.screen_enabled),
         request.max_distortion, request.min_cosine, _address(tables.payload_bytes), _address(tables.headers),
         buffer.data_ptr(), capacity, _address(finite), _address(screen_stats), _address(chosen), _address(offsets),
-        _address(stats), int(request.pack), torch.get_num_threads())
+        _address(stats), int(request.output), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("sb_send_group: out of memory")
     if rc != 0:

@@ -224,7 +224,7 @@ def send_group(request: Any, tables: Any) -> Any:
     not torch's ``part.sum(dim=0)`` of :func:`screen` / :func:`quantize_pack_ef`: equal to float64 rounding, not
     bitwise."""
     from .. import host
-    from . import GroupSent
+    from . import GroupOutput, GroupSent
 
     device = request.residuals[0].device
     members = np.ascontiguousarray(request.members, dtype=np.int64)
@@ -240,8 +240,10 @@ def send_group(request: Any, tables: Any) -> Any:
     pairs = np.array([0 if not request.do_screen else -(-int(n) // bucket) if s is None else s.numel()
                       for n, s in zip(numels, samples, strict=True)], dtype=np.int64)
     pair_off = _prefix(pairs)
-    largest = tables.largest_payload_bytes[members] * bool(request.pack)     # pack=False: nothing staged
-    capacity = int(largest.sum())
+    # SCREEN: nothing staged. VALUES packs into the stage as PAYLOAD does and drops it there (the q it writes is
+    # the same; one kernel serves both), so only PAYLOAD has a buffer.
+    largest = tables.largest_payload_bytes[members] * (request.output != GroupOutput.SCREEN)
+    capacity = int(largest.sum()) if request.output == GroupOutput.PAYLOAD else 0
     # Each member packs into a 16-byte-aligned staging payload (the kernels' word-wide writes need it), then one
     # gather lays the payloads out back to back.
     stage_off = _prefix(-(-largest // 16) * 16)
@@ -278,10 +280,10 @@ def send_group(request: Any, tables: Any) -> Any:
              np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _cp(cost_order), _cp(lossless),
              np.int32(tables.lossless_index), np.float64(request.max_distortion), np.float64(request.min_cosine),
              _cp(payload_bytes), _cp(r["chosen"]), _cp(sizes)), device)
-    if not request.pack:
+    if request.output == GroupOutput.SCREEN:
         sizes.zero_()                                     # the check, the screen and the choice only
     torch.cumsum(sizes, 0, out=r["offsets"][1:])        # the layout: a prefix sum on the device (int64: exact)
-    if request.pack:
+    if request.output != GroupOutput.SCREEN:
         _launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
                 (np.int32(m), _cp(t["stage_off"]), _cp(t["tensor"]), _cp(r["chosen"]), _cp(r["offsets"]),
                  np.int32(nact), _cp(headers), _cp(stage)), device)
@@ -292,16 +294,17 @@ def send_group(request: Any, tables: Any) -> Any:
                      _cp(t["key"]), _cp(r["chosen"]), _cp(t["stage_addr"]), np.int32(bucket), *menu_args, _cp(part)),
                     device)
             _launch("sb_segment_sum_kernel", m, (_cp(part), _cp(t["bucket_off"]), np.int32(1), _cp(stats)), device)
-        _launch("sb_gather_kernel", _grid(capacity),
-                (np.int32(m), _cp(r["offsets"]), _cp(r["offsets"]), np.int32(0), _cp(t["stage_addr"]), _cp(buffer),
-                 np.int64(capacity)), device)
+        if request.output == GroupOutput.PAYLOAD:
+            _launch("sb_gather_kernel", _grid(capacity),
+                    (np.int32(m), _cp(r["offsets"]), _cp(r["offsets"]), np.int32(0), _cp(t["stage_addr"]),
+                     _cp(buffer), np.int64(capacity)), device)
     data = host.to_host(results)                 # the group's one device-to-host synchronization
     values: dict[str, np.ndarray] = {}
     start = 0
     for name, size in spans.items():
         values[name] = data[start:start + size]
         start += size
-    offsets = values["offsets"].copy()
+    offsets = values["offsets"].copy() if request.output == GroupOutput.PAYLOAD else np.zeros(m + 1, dtype=np.int64)
     return GroupSent(buffer[:int(offsets[-1])], values["bad"] == 0,
                      values["screen"].view(np.float64).reshape(m, nact, 4), values["chosen"].copy(), offsets,
                      values["stats"].view(np.float64).reshape(m, 4))

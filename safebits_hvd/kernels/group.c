@@ -8,6 +8,9 @@
  */
 
 #define SB_HEADER_BYTES 16 /* safebits_hvd/wire.py HEADER_BYTES */
+#define SB_OUTPUT_SCREEN 0 /* kernels.GroupOutput */
+#define SB_OUTPUT_PAYLOAD 1
+#define SB_OUTPUT_VALUES 2
 
 /* 1 when every element of x[0..n) is finite (no early exit: the loop vectorizes). */
 static int sb_all_finite(const float *x, sb_i64 n) {
@@ -24,8 +27,9 @@ static int sb_all_finite(const float *x, sb_i64 n) {
  * otherwise), and pack it: header (from the table headers[tensor][action], 16 bytes) and body, back to back in
  * member order in `buffer`; q into sent[k] unless 0. A non-finite member is neither screened nor packed (chosen -1,
  * no bytes): the caller sends it on its own path. offsets[0..m]: where each member's payload starts, and the end.
- * pack = 0: the check, the screen and the choice only (nothing written, offsets and stats zero; the two-phase first
- * hop packs each tensor's segments apart).
+ * output (kernels.GroupOutput): SB_OUTPUT_SCREEN, the check, the screen and the choice only (nothing written,
+ * offsets and stats zero; the two-phase first hop packs each tensor's segments apart); SB_OUTPUT_PAYLOAD, as above;
+ * SB_OUTPUT_VALUES, q into sent[k] (every one given) and the residual, no payload (sb_quantize_ef; offsets zero).
  * Returns 0, -1 when out of memory, -2 when the payloads would not fit `capacity` bytes. */
 int sb_send_group(int m, const sb_i64 *member, const sb_i64 *g, const sb_i64 *e, const sb_i64 *sent,
                   const sb_i64 *n, const sb_i64 *samples, const sb_i64 *nsel, const sb_u32 *keys, sb_i64 bucket,
@@ -34,7 +38,7 @@ int sb_send_group(int m, const sb_i64 *member, const sb_i64 *g, const sb_i64 *e,
                   int lossless_index, int check_finite, int do_screen, int screen_enabled, double max_distortion,
                   double min_cosine, const sb_i64 *payload_bytes, const unsigned char *headers,
                   unsigned char *buffer, sb_i64 capacity, unsigned char *finite, double *screen_stats, int *chosen,
-                  sb_i64 *offsets, double *stats, int pack, int nthreads) {
+                  sb_i64 *offsets, double *stats, int output, int nthreads) {
     int fail = 0;
     if (nthreads < 1) nthreads = 1;
     /* Phase 1: finite check, screen and choice. */
@@ -66,10 +70,28 @@ int sb_send_group(int m, const sb_i64 *member, const sb_i64 *g, const sb_i64 *e,
         }
     }
     if (fail) return -1;
-    if (!pack) {
+    if (output != SB_OUTPUT_PAYLOAD) {
         memset(offsets, 0, (size_t)(m + 1) * sizeof(sb_i64));
         memset(stats, 0, (size_t)m * 4 * sizeof(double));
-        return 0;
+    }
+    if (output == SB_OUTPUT_SCREEN) return 0;
+    if (output == SB_OUTPUT_VALUES) {
+        for (int large = 0; large < 2; large++) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (!large && m > 1)
+            for (int k = 0; k < m; k++) {
+                if ((n[k] > SB_PAR_MIN) != large) continue;
+                int a = chosen[k];
+                if (a < 0) continue;
+                int rc = sb_quantize_ef((const float *)(intptr_t)g[k], (float *)(intptr_t)e[k],
+                                        (float *)(intptr_t)sent[k], n[k], bucket, kinds[a], levels[a], stochastic[a],
+                                        topks[a], trits[a], keys[k], stats + 4 * k, large ? nthreads : 1);
+                if (rc) {
+#pragma omp atomic write
+                    fail = 1;
+                }
+            }
+        }
+        return fail ? -1 : 0;
     }
     /* Phase 2: the layout (member order, back to back). */
     offsets[0] = 0;
