@@ -190,6 +190,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 "wire_bytes_per_step": None if wire is None else wire / steps,
                 "modeled_bytes_per_step": case["modeled_bytes_per_step"],
                 "collective": case.get("collective"), "violations": case.get("violations", 0),
+                # The budget of each timed step, bits per parameter (what `auto` chose; null for Horovod's own).
+                "budget_bits_per_step": [None if b is None else b / case["parameters"]
+                                         for b in case.get("budget_bits_per_rank") or []],
             })
     index = {(r["rate"], r["model"], r["compressor"]): r for r in rows}
     # Each front end against its own references: Horovod's none / fp16, DDP's ddp:none / ddp:fp16.
@@ -207,6 +210,15 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         else:
             transfer = 0.0 if r["rate_bps"] is None else r["modeled_bytes_per_step"] * 8 / r["rate_bps"]
             r["vs_limit"] = r["step_time_s"] / (base + transfer)
+    for r in rows:
+        if r["compressor"].endswith("@auto"):
+            front = front_end_prefix(r["compressor"])
+            fixed = [o for o in rows if o["rate"] == r["rate"] and o["model"] == r["model"]
+                     and front_end_prefix(o["compressor"]) == front and not o["compressor"].endswith("@auto")]
+            best = max(fixed, key=lambda o: o["samples_per_s"], default=None)
+            r["best_fixed"] = None if best is None else best["compressor"]
+            r["ratio_to_best"] = (r["samples_per_s"] / best["samples_per_s"]
+                                  if best is not None and best["samples_per_s"] > 0 else None)
     return rows
 
 
@@ -310,6 +322,37 @@ def build_tables(rows: list[dict[str, Any]]) -> str:
                  "`modeled` = modeled bits / 8. `vs limit`: step time / (none's step time on the unlimited link + "
                  "modeled bytes / link rate); `-` without an unlimited run. `ddp:` rows: PyTorch DDP with that "
                  "communication hook, compared with `ddp:none` and `ddp:fp16`.")
+    return "\n".join(lines) + "\n"
+
+
+def budget_runs(bits: list[float | None]) -> str:
+    """A step-by-step budget list in runs: ``[32, 32, 2, 2, 2]`` -> ``"32 x2, 2 x3"``."""
+    runs: list[list[Any]] = []
+    for b in bits:
+        label = "-" if b is None else f"{b:.3g}"
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return ", ".join(f"{label} x{count}" for label, count in runs)
+
+
+def auto_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: every ``@auto`` row against the best fixed compressor of its front end on the same model and rate
+    (the throughput of each, ``x best``, ``x none``) and the budget ``auto`` chose at each timed step (bits per
+    parameter, in runs; 32 is no compression). Empty without ``@auto`` rows."""
+    autos = [r for r in rows if r["compressor"].endswith("@auto")]
+    if not autos:
+        return ""
+    lines = ["| model | rate | auto | best fixed | best's throughput | auto's throughput | x best | x none | "
+             "budgets of the timed steps |", "|" + " --- |" * 9]
+    for r in autos:
+        best = next((o for o in rows if o["rate"] == r["rate"] and o["model"] == r["model"]
+                     and o["compressor"] == r["best_fixed"]), None)
+        lines.append(f"| {r['model']} | {r['rate']} | {r['compressor']} | {r['best_fixed'] or '-'} | "
+                     f"{format_value(None if best is None else best['throughput_per_s'], '.1f')} | "
+                     f"{format_value(r['throughput_per_s'], '.1f')} | {format_value(r['ratio_to_best'], '.2f', 'x')} | "
+                     f"{format_value(r['ratio_to_none'], '.2f', 'x')} | {budget_runs(r['budget_bits_per_step'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -563,6 +606,9 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
     rows = summarize(runs)
     models = model_facts(rows)
     md = build_tables(rows)
+    autos = auto_table(rows)
+    if autos:
+        md += "\n### `auto` against the best fixed choice of each cell\n\n" + autos
     total = time.perf_counter() - start
     with open(os.path.join(args.out_dir, "link.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "rates": list(runs), "models": models, "compressors": args.compressors,

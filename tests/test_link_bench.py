@@ -104,6 +104,26 @@ def test_summarize() -> None:
     assert rows["unlimited", "fp16"]["vs_limit"] == pytest.approx(0.8)
 
 
+def test_auto_is_compared_with_the_best_fixed_choice_of_its_front_end() -> None:
+    """``ratio_to_best``: auto's throughput over the best fixed compressor's on the same model, rate and front end
+    (DDP's auto against DDP's rows only); the budgets of its timed steps in bits per parameter, in runs."""
+    runs = fake_runs()
+    auto = case("cnn", "safebits@auto", [1.0, 0.5, 0.5], 3_000_000, 1100.0, wire=3300.0)
+    auto["budget_bits_per_rank"] = [32.0 * 1000, 2.0 * 1000, 2.0 * 1000]      # 1,000 parameters
+    ddp_auto = case("cnn", "ddp:safebits@auto", [0.25, 0.25], 3_000_000, 1100.0, wire=3300.0)
+    runs["1gbit"] += [auto, ddp_auto, case("cnn", "ddp:none", [0.5, 0.5], 24_000_000, 8000.0)]
+    rows = {(r["rate"], r["compressor"]): r for r in link.summarize(runs)}
+    hvd, ddp = rows["1gbit", "safebits@auto"], rows["1gbit", "ddp:safebits@auto"]
+    assert hvd["best_fixed"] == "safebits@4.4" and hvd["ratio_to_best"] == pytest.approx(0.5 / 0.5)
+    assert ddp["best_fixed"] == "ddp:none" and ddp["ratio_to_best"] == pytest.approx(0.5 / 0.25)
+    assert hvd["budget_bits_per_step"] == [32.0, 2.0, 2.0]
+    assert "safebits@4.4" not in [r.get("best_fixed") for r in rows.values() if r["compressor"] == "none"]
+    table = link.auto_table(list(rows.values()))
+    assert "| cnn | 1gbit | safebits@auto | safebits@4.4 |" in table and "32 x1, 2 x2" in table
+    assert "| cnn | 1gbit | ddp:safebits@auto | ddp:none |" in table and "2.00x" in table
+    assert link.auto_table([r for r in rows.values() if "auto" not in r["compressor"]]) == ""
+
+
 def test_rounds_are_pooled_per_compressor() -> None:
     first = case("cnn", "safebits@4.4", [0.5, 0.7], 3_000, 1000.0, wire=2000.0)
     second = case("cnn", "safebits@4.4", [0.6, 0.9, 0.8], 6_000, 1100.0, wire=3000.0)
