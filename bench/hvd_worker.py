@@ -50,6 +50,7 @@ from bench.tasks import (
     model_facts,
 )
 from safebits_hvd.baselines import BUDGETED, make_compressor
+from safebits_hvd.baselines import label as compressor_label
 
 FIXED = ["fp32", "fp16", "qsgd8", "qsgd4", "qsgd2", "terngrad", "signsgd_ef", "topk10_ef", "topk1_ef"]
 """Fixed-action baselines of the demo's default plan, in table order."""
@@ -68,7 +69,7 @@ def barrier(tag: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- demo: one run
-def run_one(task: Task, compressor: str, budget_bits: float | None, seed: int, run_id: int,
+def run_one(task: Task, compressor: str, budget_bits: float | str | None, seed: int, run_id: int,
             thresholds: tuple[float, float] | None = None) -> dict[str, Any]:
     """Train ``task`` with one compressor under Horovod; returns the run's summary and per-step curves.
 
@@ -143,7 +144,7 @@ def parse_thresholds(text: str) -> tuple[float, float]:
     return distortion, cosine
 
 
-Plan = list[tuple[str, float | None, tuple[float, float] | None]]
+Plan = list[tuple[str, float | str | None, tuple[float, float] | None]]
 
 
 def make_plan(budgets: list[float], thresholds: list[tuple[float, float] | None],
@@ -163,14 +164,16 @@ def make_plan(budgets: list[float], thresholds: list[tuple[float, float] | None]
     return [p for p in plan if not compressors or p[0] in compressors]
 
 
-def parse_run(text: str) -> tuple[str, float | None, None]:
-    """``"safebits@2"`` -> ``("safebits", 2.0, None)``, ``"fp32"`` -> ``("fp32", None, None)``: one run of a plan
-    (a :mod:`bench.specs` spec of the registry; Horovod's own ``none``/``fp16`` are ``fp32``/``fp16`` here, and
-    ``auto`` is for the link benchmark, whose link it measures)."""
+def parse_run(text: str) -> tuple[str, float | str | None, None]:
+    """``"safebits@2"`` -> ``("safebits", 2.0, None)``, ``"safebits@auto"`` -> ``("safebits", "auto", None)``,
+    ``"fp32"`` -> ``("fp32", None, None)``: one run of a plan (a :mod:`bench.specs` spec of the registry; Horovod's
+    own ``none``/``fp16`` are ``fp32``/``fp16`` here). ``auto`` chooses its budgets from the demo's own link
+    (localhost), as it would from any other."""
     spec = specs.argument(text)
-    if spec.ddp or spec.name in specs.HOROVOD_BUILTIN or spec.budget_bits == "auto":
-        raise argparse.ArgumentTypeError(f"{text!r}: the demo runs registry compressors at a number of bits")
-    return spec.name, None if spec.budget_bits is None else float(spec.budget_bits), None
+    if spec.ddp or spec.name in specs.HOROVOD_BUILTIN:
+        raise argparse.ArgumentTypeError(f"{text!r}: the demo runs registry compressors at a number of bits or auto")
+    budget = spec.budget_bits
+    return spec.name, budget if budget is None or budget == "auto" else float(budget), None
 
 
 class Progress:
@@ -260,8 +263,8 @@ def demo_main(args: argparse.Namespace) -> None:
         for seed in args.seeds:
             for compressor, budget, thresholds in task_plan:
                 if rank0:
-                    print(f"[demo] {progress.line()}: {task.name} seed={seed} "
-                          f"{compressor}{'' if budget is None else f'@{budget:g}'}", flush=True)
+                    print(f"[demo] {progress.line()}: {task.name} seed={seed} {compressor_label(compressor, budget)}",
+                          flush=True)
                 result = run_one(task, compressor, budget, seed, run_id, thresholds)
                 progress.done(result["wall_s"])
                 run_id += 1

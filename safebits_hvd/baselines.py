@@ -180,6 +180,8 @@ def make_compressor(name: str, named_parameters: Iterable[tuple[str, torch.nn.Pa
     return REGISTRY[name](named_parameters, seed=seed, budget_bits=budget_bits, **kwargs)
 
 
-def label(name: str, budget_bits: float | None = None) -> str:
-    """How reports name a run: ``name`` or ``name@budget`` (``safebits@4.4``)."""
-    return name + (f"@{budget_bits:g}" if budget_bits is not None else "")
+def label(name: str, budget_bits: float | str | None = None) -> str:
+    """How reports name a run: ``name`` or ``name@budget`` (``safebits@4.4``, ``safebits@auto``)."""
+    if budget_bits is None:
+        return name
+    return f"{name}@{budget_bits}" if isinstance(budget_bits, str) else f"{name}@{budget_bits:g}"

@@ -191,6 +191,15 @@ def test_the_demo_shows_the_constant_rate_regime_unless_the_runs_are_chosen() ->
         assert name in ("fp32", "unscreened_quantizers", "safebits_quantizers") and bits in (None, 1.0)
 
 
+def test_a_demo_run_may_be_auto_and_is_labelled_so() -> None:
+    assert worker.parse_run("safebits@auto") == ("safebits", "auto", None)
+    assert worker.parse_run("safebits@4.4") == ("safebits", 4.4, None)
+    assert stats.run_label({"compressor": "safebits", "budget_bits": "auto"}) == "safebits@auto"
+    for bad in ("none", "ddp:safebits@4.4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            worker.parse_run(bad)
+
+
 def test_the_progress_line_counts_runs_and_estimates_the_time_left_per_task() -> None:
     progress = worker.Progress(["cnn", "cnn", "lm", "lm"])
     assert progress.line().startswith("run 1/4 (0 done, 0 s so far, time left unknown")
