@@ -44,6 +44,8 @@ def stream_key(seed: int, step: int, tensor_index: int) -> int:
 
 def stream_keys(seed: int, step: int, tensor_indices: np.ndarray) -> np.ndarray:
     """:func:`stream_key` of many tensors at once (uint32: NumPy's uint32 products wrap modulo 2^32, as fmix32's)."""
+    if len(tensor_indices) == 1:          # the dense path's group of one: Python integers cost less than NumPy's
+        return np.array([stream_key(seed, step, int(tensor_indices[0]))], dtype=np.uint32)
     x = np.uint32(mix32(mix32(seed & MASK32) ^ (step & MASK32))) ^ tensor_indices.astype(np.uint32)
     for shift, multiplier in ((16, MIX_MUL1), (13, MIX_MUL2)):
         x ^= x >> np.uint32(shift)

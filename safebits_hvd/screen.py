@@ -32,9 +32,10 @@ _SCALAR_ROWS = 64   # up to this many actions, distortion_cosine goes through di
 def distortion_cosine(stats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Normalized distortion and cosine from ``(..., 4)`` sum statistics (zero-vector conventions above)."""
     stats = np.asarray(stats, dtype=np.float64)
-    if stats.ndim == 2 and stats.shape[0] <= _SCALAR_ROWS:
-        # One tensor's menu (the send path, once per tensor per step): Python floats beat NumPy's per-call cost.
-        pairs = [distortion_cosine_of(row) for row in stats.tolist()]
+    if stats.ndim >= 2 and stats.size <= 4 * _SCALAR_ROWS:
+        # One tensor's menu (the dense path's group of one, once per tensor per step): Python floats beat NumPy's
+        # per-call cost.
+        pairs = [distortion_cosine_of(row) for row in stats.reshape(-1, 4).tolist()]
         return (np.array([p[0] for p in pairs], dtype=np.float64).reshape(stats.shape[:-1]),
                 np.array([p[1] for p in pairs], dtype=np.float64).reshape(stats.shape[:-1]))
     err2, qv, q2, v2 = stats[..., 0], stats[..., 1], stats[..., 2], stats[..., 3]

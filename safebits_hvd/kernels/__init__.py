@@ -244,6 +244,8 @@ class GroupTables:
         self.lossless_index = int(menu.lossless_index)
         # Header bytes -> action, per tensor: a payload that is not the allocated one is looked up here.
         self._action_of_header: dict[int, dict[bytes, int]] = {}
+        # What a backend derives from these tables once (the C backend: their addresses), by backend.
+        self.backend_arguments: dict[str, Any] = {}
 
     def action_of_header(self, tensor: int, head: bytes) -> int:
         """The menu action whose header for ``tensor`` is ``head``, or -1."""
