@@ -10,11 +10,13 @@ collective (payloads, the exchange, DDP's bucket all_reduce) adds to. From those
 ``backward_s``      first to last gradient handed to SafeBits (the backward span, SafeBits' sends included)
 ``send_s``          time spent inside SafeBits' send calls (screen, packing, starting collectives)
 ``receive_s``       time spent inside SafeBits' receive calls, less the waiting in them (decoding, summing)
-``exposed_s``       time the step waited for collectives after backward: from the close to the first reduced
-                    tensor asked for (the front end's own allreduce, on the dense path), plus every wait after the
-                    close (payload collectives, the statistics exchange)
+``exposed_s``       time the step waited for collectives after backward: from the close to the last reduced
+                    tensor handed back, less the time spent inside SafeBits' receive calls (what is left is the front
+                    end waiting: Horovod's ``synchronize()`` between two ``decompress`` calls, for its own allreduce
+                    on the dense path), plus every SafeBits wait after the close (payload collectives, the
+                    statistics exchange)
 ``link_s``          the span the step's collectives were in flight: first gradient to the end of the last wait in
-                    a receive call, or to the first reduced tensor asked for if none waited
+                    a receive call or to the last reduced tensor handed back, whichever is later
 ``wire_bytes``      bytes this rank handed to the collectives (``StepRecord.wire_bytes``)
 ``span_s``          first gradient to the end of the step (the part of the step SafeBits' choice can change)
 ==================  ==============================================================================================
@@ -48,8 +50,9 @@ class StepClock:
         self._reset()
 
     def _reset(self) -> None:
-        self._first_send = self._close = self._first_receive = -1.0
-        self._send = self._receive = self._waited_at_close = 0.0
+        self._first_send = self._close = -1.0
+        self._last_receive = -1.0                      # the end of the last receive call
+        self._send = self._receive = self._in_receive = self._waited_at_close = 0.0
         self._last_wait_end = -1.0
 
     def sent(self, start: float, end: float) -> None:
@@ -65,9 +68,9 @@ class StepClock:
 
     def received(self, start: float, end: float, waited: float) -> None:
         """A reduced tensor was asked for at ``start`` and handed back at ``end``, ``waited`` of it waiting."""
-        if self._first_receive < 0:
-            self._first_receive = start
+        self._last_receive = end
         self._receive += end - start - waited
+        self._in_receive += end - start
         if waited > 0:
             self._last_wait_end = end
 
@@ -77,11 +80,17 @@ class StepClock:
         if self._first_send < 0 or self._close < 0:        # nothing sent on this rank (or a restored state)
             self._reset()
             return
-        first_receive = self._first_receive if self._first_receive >= 0 else now
+        received = self._last_receive >= 0
+        last_receive = self._last_receive if received else now
         waited = waited_seconds() - self._waited_at_close
+        # After the close, whatever is not inside a receive call is the front end waiting for communication
+        # (Horovod's synchronize() waits for its own allreduces between decompress calls); SafeBits' own waits,
+        # inside receive calls or not (the DDP hook's bucket all_reduce on the dense path), are counted by
+        # waited_seconds().
+        front_end_waiting = max(0.0, last_receive - self._close - self._in_receive) if received else 0.0
         self.last = np.array([self._close - self._first_send, self._send, max(0.0, self._receive),
-                              max(0.0, first_receive - self._close) + waited,
-                              max(self._last_wait_end, first_receive) - self._first_send,
+                              front_end_waiting + waited,
+                              max(self._last_wait_end, last_receive) - self._first_send,
                               float(wire_bytes), now - self._first_send])
         self.last_step = step
         self._reset()

@@ -303,3 +303,32 @@ def test_the_ranks_skew_on_a_fast_link_is_not_a_link_change() -> None:
 
     chosen = drive(Auto(probe_every=1000), lambda step: 2e9, 120, timing=skew)
     assert sum(b < PASS_THROUGH_BITS for b in chosen[8:]) == 0, chosen
+
+
+def test_the_clock_sees_the_front_end_waiting_between_reduced_tensors() -> None:
+    """Horovod's dense path (a pass-through step): ``synchronize()`` waits for its own allreduces between two
+    ``decompress`` calls, outside SafeBits. That wait is exposed communication and the link is in flight until the
+    last reduced tensor is handed back; seeing only up to the first one made a 100 Mbit/s link look 40x faster
+    than it was. Without any receive call (the DDP hook's dense path waits inside SafeBits), nothing is added."""
+    import time
+
+    from safebits_hvd.clock import StepClock, timing_record
+
+    clock = StepClock()
+    start = time.perf_counter()
+    clock.sent(start, start + 0.001)
+    clock.closed()
+    for _ in range(3):                            # each decompress after 40 ms of the front end waiting
+        time.sleep(0.04)
+        now = time.perf_counter()
+        clock.received(now, now, 0.0)
+    clock.finished(0, 1000)
+    figures = timing_record(clock.last)
+    assert figures["exposed_s"] >= 0.11 and figures["link_s"] >= 0.11, figures
+    assert figures["span_s"] >= figures["link_s"]
+
+    clock.sent(time.perf_counter(), time.perf_counter())
+    clock.closed()
+    time.sleep(0.04)                               # no receive call: not counted as waiting
+    clock.finished(1, 1000)
+    assert timing_record(clock.last)["exposed_s"] < 0.02
