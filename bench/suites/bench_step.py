@@ -4,7 +4,8 @@ The allgather path (``collective="allgather"``, the default on 2 ranks) in one p
 registers its tensor until its fusion group is complete, the group is sent in one batched pass, and the first
 decompress of a group decodes the whole group (docs/DESIGN.md, "The batched step"). With 16-element tensors the
 kernels' own work is small, so the figure is SafeBits' cost per tensor; with 272 elements (the 1,000-tensor model
-of ``bench.suites.horovod_overhead``) it includes the kernels.
+of ``bench.suites.horovod_overhead``) it includes the kernels. ``test_thousand_tensor_dense_step``: the same step on
+the dense path (each tensor a group of one, its values only), for comparison.
 
 ``extra_info``: ``us_per_tensor`` (compress plus decompress, per tensor, median step), ``host_reads_per_step``
 (reads back to the host, :mod:`safebits_hvd.host`), ``step_vs_clone`` (the step over ``torch.clone`` of the same
@@ -26,9 +27,9 @@ from safebits_hvd import host
 TENSORS = 1000
 
 
-def make_step(numel: int) -> tuple[Any, Any, list[torch.Tensor]]:
+def make_step(numel: int, collective: str = "allgather") -> tuple[Any, Any, list[torch.Tensor]]:
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel))) for i in range(TENSORS)]
-    compressor = sb.SafeBits(params, budget_bits=4.4, collective="allgather")
+    compressor = sb.SafeBits(params, budget_bits=4.4, collective=collective)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(numel, generator=gen) for _ in params]
 
@@ -53,8 +54,23 @@ def median_seconds(fn: Any, repeats: int) -> float:
 
 @pytest.mark.parametrize("numel", [16, 272])
 def test_thousand_tensor_step(benchmark: Any, numel: int) -> None:
+    compressor, reads = measure_step(benchmark, numel, "allgather")
+    groups = len(sb.collectives.fusion_groups(compressor.numels))
+    assert reads <= 2 * groups + 1, (reads, groups)
+
+
+@pytest.mark.parametrize("numel", [16, 272])
+def test_thousand_tensor_dense_step(benchmark: Any, numel: int) -> None:
+    """The dense path (``collective="dense"``: Horovod allreduces the values ``compress`` returns, so each tensor
+    is sent alone, a group of one): one read back per tensor."""
+    _, reads = measure_step(benchmark, numel, "dense")
+    assert reads <= TENSORS, reads
+
+
+def measure_step(benchmark: Any, numel: int, collective: str) -> tuple[Any, int]:
+    """Time the 1,000-tensor step on ``collective``; returns the compressor and the reads back of one step."""
     torch.set_num_threads(1)
-    compressor, step, grads = make_step(numel)
+    compressor, step, grads = make_step(numel, collective)
     for _ in range(3):
         step()                            # warm: index cache, residuals, samples
     reads = host.reads()
@@ -71,6 +87,5 @@ def test_thousand_tensor_step(benchmark: Any, numel: int) -> None:
         "host_reads_per_step": reads,
     })
     record = compressor.last_step
-    assert record is not None and len(record.actions) == TENSORS
-    groups = len(sb.collectives.fusion_groups(compressor.numels))
-    assert reads <= 2 * groups + 1, (reads, groups)
+    assert record is not None and len(record.actions) == TENSORS and record.collective == collective
+    return compressor, reads
