@@ -156,14 +156,14 @@ class DensePath(CollectivePath):
                       owns: list[torch.Tensor | None]) -> None:
         """The DDP hook's bucket: every member's values into its ``owns`` tensor (the bucket's buffer, which DDP
         all-reduces), in one batched pass (:meth:`.sending.Sender.send_values`); a pass-through step passes each on."""
-        sender = self.sender
+        sender, outs = self.sender, [own for own in owns if own is not None]
+        if len(outs) != len(owns):
+            raise ValueError("the dense path's send_together needs a tensor for every member's values")
         if sender.pass_through or not sender.error_feedback:
-            sent = [sender.send(index, g, own) for index, g, own in zip(members, gradients, owns, strict=True)]
+            sent = [sender.send(index, g, own) for index, g, own in zip(members, gradients, outs, strict=True)]
         else:
-            sent = sender.send_values(np.asarray(members, dtype=np.int64), gradients, owns)
-        for index, values, own in zip(members, sent, owns, strict=True):
-            if own is None:
-                raise ValueError("the dense path's send_together needs a tensor for every member's values")
+            sent = sender.send_values(np.asarray(members, dtype=np.int64), gradients, outs)
+        for index, values, own in zip(members, sent, outs, strict=True):
             if values is not own:
                 own.copy_(values)
             self.add(index, own)
