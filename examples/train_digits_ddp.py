@@ -79,6 +79,9 @@ def main() -> None:
                   f"compression ratio {ratio:.2f}x, {violations} budget violations and {escalations} escalations "
                   f"in {len(records)} steps, {wire_kb:.1f} kB on the wire per step ({records[-1].collective})",
                   flush=True)
+    # Every rank reaches the end before any tears its connections down (Gloo otherwise aborts a rank now and then,
+    # "terminate called without an active exception", when its peer has already gone).
+    dist.barrier()
     dist.destroy_process_group()
 
 
