@@ -106,7 +106,9 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
         for kind in ("step", "bytes"):
             fig, ax = plt.subplots(figsize=(9, 5.5))
             baseline_colors = iter(plt.get_cmap("tab10").colors)
-            budgets = sorted({r["budget_bits"] for r in task_runs if r["budget_bits"] is not None})
+            # A shade per budget, "auto" (a string) after the numbers.
+            budgets = sorted({r["budget_bits"] for r in task_runs if r["budget_bits"] is not None},
+                             key=lambda b: (isinstance(b, str), b if not isinstance(b, str) else 0.0))
             for run in task_runs:
                 curves = run["curves"]
                 loss = smooth(curves["train_loss"], 10)

@@ -200,6 +200,16 @@ def test_a_demo_run_may_be_auto_and_is_labelled_so() -> None:
             worker.parse_run(bad)
 
 
+def test_the_plots_take_auto_beside_numeric_budgets(tmp_path: Path) -> None:
+    """``demo.plot`` shades SafeBits' runs by budget; ``"auto"`` (a string) sorts after the numbers."""
+    curves = {"train_loss": [2.0, 1.5, 1.0], "bits": [100, 100, 100]}
+    runs = [{"task": "t", "seed": 0, "compressor": name, "budget_bits": budget, "max_distortion": distortion,
+             "min_cosine": 0.7 if distortion else None, "curves": curves}
+            for name, budget, distortion in (("fp32", None, None), ("safebits", 4.4, 0.5), ("safebits", "auto", 0.5))]
+    paths = demo.plot(runs, str(tmp_path))
+    assert len(paths) == 2 and all(Path(p).stat().st_size > 0 for p in paths)
+
+
 def test_the_progress_line_counts_runs_and_estimates_the_time_left_per_task() -> None:
     progress = worker.Progress(["cnn", "cnn", "lm", "lm"])
     assert progress.line().startswith("run 1/4 (0 done, 0 s so far, time left unknown")
