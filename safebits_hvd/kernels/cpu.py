@@ -249,32 +249,29 @@ def send_group(request: Any, tables: Any) -> Any:
     allocated = np.ascontiguousarray(request.allocated, dtype=np.int32)
     capacity = int(tables.largest_payload_bytes[members].sum()) if request.output == GroupOutput.PAYLOAD else 0
     buffer = torch.empty(capacity, dtype=torch.uint8)
-    # The results, one float64 array (one address): screen statistics, statistics, then the int64 offsets and the
-    # int32 choices and finite flags in the bytes after them.
-    results = np.zeros(m * nact * 4 + m * 4 + (m + 1) + m, dtype=np.float64)
-    screen_stats = results[:m * nact * 4].reshape(m, nact, 4)
-    stats = results[m * nact * 4:m * (nact + 1) * 4].reshape(m, 4)
-    offsets = results[m * (nact + 1) * 4:m * (nact + 1) * 4 + m + 1].view(np.int64)
-    flags = results[m * (nact + 1) * 4 + m + 1:].view(np.int32)
-    chosen, finite = flags[:m], flags[m:].view(np.uint8)[:m]
+    finite = np.empty(m, dtype=np.uint8)
+    screen_stats = np.zeros((m, nact, 4))
+    chosen = np.empty(m, dtype=np.int32)
+    offsets = np.empty(m + 1, dtype=np.int64)
+    stats = np.empty((m, 4))
     tables_arguments = _tables_arguments(tables)
     # Every array must outlive the call: an address alone does not keep its array alive.
     grads, residuals, sents = _pointers(request.grads), _pointers(request.residuals), _pointers(request.sents)
     sample_pointers = _pointers(samples)
-    base = results.ctypes.data
     rc = lib.sb_send_group(
-        m, members.ctypes.data, grads.ctypes.data, residuals.ctypes.data, sents.ctypes.data, numels.ctypes.data,
-        sample_pointers.ctypes.data, nsel.ctypes.data, keys.ctypes.data, tables.menu.bucket_size, nact,
-        *tables_arguments[:5], allocated.ctypes.data, *tables_arguments[5:7], tables.lossless_index,
+        m, _address(members), _address(grads), _address(residuals), _address(sents), _address(numels),
+        _address(sample_pointers), _address(nsel), _address(keys), tables.menu.bucket_size, nact,
+        *tables_arguments[:5], _address(allocated), *tables_arguments[5:7], tables.lossless_index,
         int(request.check_finite), int(request.do_screen), int(request.screen_enabled), request.max_distortion,
-        request.min_cosine, *tables_arguments[7:], buffer.data_ptr(), capacity, finite.ctypes.data, base,
-        chosen.ctypes.data, offsets.ctypes.data, stats.ctypes.data, int(request.output), torch.get_num_threads())
+        request.min_cosine, *tables_arguments[7:], buffer.data_ptr(), capacity, _address(finite),
+        _address(screen_stats), _address(chosen), _address(offsets), _address(stats), int(request.output),
+        torch.get_num_threads())
     if rc == -1:
         raise MemoryError("sb_send_group: out of memory")
     if rc != 0:
         raise RuntimeError(f"sb_send_group failed with code {rc}")
     return GroupSent(buffer[:int(offsets[-1])], finite.astype(bool), screen_stats, chosen.astype(np.int64),
-                     offsets.copy(), stats)
+                     offsets, stats)
 
 
 def _tables_arguments(tables: Any) -> tuple[int, ...]:
