@@ -240,10 +240,6 @@ class BudgetPolicy:
         return ((not self.screen_enabled) | self.lossless[actions]
                 | passes(distortion, cosine, self.max_distortion, self.min_cosine, margin))
 
-    def plannable_one(self, action_index: int, distortion: float, cosine: float) -> bool:
-        """:meth:`plannable` of one action's exact statistics (:meth:`sent_passes` with the planning margin)."""
-        return bool(self.sent_passes(action_index, distortion, cosine, self.planning_margin))
-
     def send_order(self, index: int, allocated: int, ok: np.ndarray) -> list[int]:
         """Actions to try for tensor ``index``, in order: the allocated one if admissible, the other admissible
         ones by cost, the lossless one last (unscreened: only the allocated one)."""

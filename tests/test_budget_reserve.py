@@ -144,7 +144,7 @@ def test_the_plan_avoids_actions_that_pass_the_screen_narrowly() -> None:
     cosine = np.array([1.0, 1.0, 0.9, 0.9])
     assert policy.screen(distortion, cosine).tolist() == [True, True, True, True]
     assert policy.plannable(distortion, cosine).tolist() == [True, True, True, False]
-    assert policy.plannable_one(3, 0.49, 0.9) is False and policy.accepts(3, 0.49, 0.9)
+    assert not policy.sent_passes(3, 0.49, 0.9, policy.planning_margin) and policy.accepts(3, 0.49, 0.9)
     cosine[2] = 0.805                                        # int4's cosine passes by 2.5% of the way to 1
     assert not policy.plannable(distortion, cosine)[2] and policy.screen(distortion, cosine)[2]
 
