@@ -134,24 +134,37 @@ def test_decode_group_names_the_tensor_of_an_invalid_topk_payload() -> None:
                              np.array([0]), ["layer.weight"])
 
 
+class TightGroup:
+    """Every member of :data:`SIZES` under the tight screen (0.02, 0.97), its allocation drawn from
+    ``allocation_seed``: the case of :func:`group_case`, the residuals as they were, and ``sents`` filled with 5.0
+    (what a pass leaves unwritten stays 5.0)."""
+
+    def __init__(self, allocation_seed: int, seed: int, nan_member: int | None) -> None:
+        self.tables = kernels.GroupTables(MENU, SIZES, BudgetPolicy(MENU, SIZES, 0.02, 0.97).cost_order)
+        allocated = np.random.RandomState(allocation_seed).randint(0, len(MENU), len(SIZES))
+        self.gradients, self.residuals, self.samples, self.keys, self.allocated = group_case(allocated, seed,
+                                                                                             nan_member)
+        self.before = [e.clone() for e in self.residuals]
+        self.sents: list[torch.Tensor | None] = [torch.full_like(g, 5.0) for g in self.gradients]
+
+    def send(self, residuals: list[torch.Tensor], sents: list[torch.Tensor | None],
+             output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.GroupSent:
+        return kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), self.gradients, residuals, sents,
+                                                    self.samples, self.keys, self.allocated, True, True, True, 0.02,
+                                                    0.97, output), self.tables)
+
+
 @pytest.mark.parametrize("nan_member", [None, 5])
 def test_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member: int | None) -> None:
     """``GroupOutput.SCREEN`` (the two-phase first hop's screen): the same verdicts, screen statistics and choices
     as the packing pass, and no payload, residual or ``q`` written."""
-    policy = BudgetPolicy(MENU, SIZES, 0.02, 0.97)
-    tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
-    allocated = np.random.RandomState(3).randint(0, len(MENU), len(SIZES))
-    gradients, residuals, samples, keys, allocated = group_case(allocated, 7, nan_member)
-    before = [e.clone() for e in residuals]
-    sents = [torch.full_like(g, 5.0) for g in gradients]
-    screened = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples, keys,
-                                                    allocated, True, True, True, 0.02, 0.97,
-                                                    kernels.GroupOutput.SCREEN), tables)
+    group = TightGroup(3, 7, nan_member)
+    residuals, sents = group.residuals, group.sents
+    screened = group.send(residuals, sents, kernels.GroupOutput.SCREEN)
     assert screened.buffer.numel() == 0 and not screened.offsets.any() and not screened.stats.any()
-    for got, want, sent in zip(residuals, before, sents, strict=True):
+    for got, want, sent in zip(residuals, group.before, sents, strict=True):
         assert torch.equal(bits(got), bits(want)) and bool((sent == 5.0).all())
-    packed = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples, keys,
-                                                  allocated, True, True, True, 0.02, 0.97), tables)
+    packed = group.send(residuals, sents)
     assert np.array_equal(screened.finite, packed.finite)
     assert np.array_equal(screened.chosen, packed.chosen)
     assert np.array_equal(screened.screen_stats, packed.screen_stats)
@@ -163,32 +176,22 @@ def test_send_group_of_values_is_bitwise_the_per_tensor_quantize_ef_and_writes_n
     """``GroupOutput.VALUES`` (the dense path): each finite member's q, residual and statistics bitwise what
     :func:`kernels.quantize_ef` gives at the action the pass chose, the same choices as the packing pass, no
     payload; a non-finite member's tensors untouched."""
-    policy = BudgetPolicy(MENU, SIZES, 0.02, 0.97)
-    tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
-    allocated = np.random.RandomState(4).randint(0, len(MENU), len(SIZES))
-    gradients, residuals, samples, keys, allocated = group_case(allocated, 9, nan_member)
-    before = [e.clone() for e in residuals]
-    sents = [torch.full_like(g, 5.0) for g in gradients]
-    values = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples, keys,
-                                                  allocated, True, True, True, 0.02, 0.97,
-                                                  kernels.GroupOutput.VALUES), tables)
+    group = TightGroup(4, 9, nan_member)
+    residuals, sents, before = group.residuals, group.sents, group.before
+    values = group.send(residuals, sents, kernels.GroupOutput.VALUES)
     assert values.buffer.numel() == 0 and not values.offsets.any()
-    packed = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, [e.clone() for e in before],
-                                                  [None] * len(SIZES), samples, keys, allocated, True, True, True,
-                                                  0.02, 0.97), tables)
+    packed = group.send([e.clone() for e in before], [None] * len(SIZES))
     assert np.array_equal(values.chosen, packed.chosen) and np.array_equal(values.finite, packed.finite)
-    for k, g in enumerate(gradients):
+    for k, g in enumerate(group.gradients):
         if not values.finite[k]:
             assert torch.equal(bits(residuals[k]), bits(before[k])) and bool((sents[k] == 5.0).all())
             continue
         e, out = before[k].clone(), torch.empty_like(g)
-        stats = kernels.quantize_ef(g, e, out, MENU[int(values.chosen[k])], int(keys[k])).numpy()
+        stats = kernels.quantize_ef(g, e, out, MENU[int(values.chosen[k])], int(group.keys[k])).numpy()
         assert np.array_equal(values.stats[k], stats), k
         assert torch.equal(bits(residuals[k]), bits(e)) and torch.equal(bits(sents[k]), bits(out)), k
     with pytest.raises(ValueError, match="VALUES"):
-        kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, [None] * len(SIZES),
-                                             samples, keys, allocated, True, True, True, 0.02, 0.97,
-                                             kernels.GroupOutput.VALUES), tables)
+        group.send(residuals, [None] * len(SIZES), kernels.GroupOutput.VALUES)
 
 
 def reads_in_a_step(compressor: sb.SafeBits, params: list, step: int) -> int:
