@@ -6,7 +6,7 @@
  * bitwise that of one call per member. Members up to SB_PAR_MIN elements run in parallel across members, one thread
  * each; larger ones after them, one at a time, each with nthreads (as a call of its own would), outside any parallel
  * construct: in libgomp a parallel region nested in another, even an inactive one, starts its threads anew on every
- * call (half a millisecond a member on this machine, more than the work of a 64K-element tensor).
+ * call, which costs more than the work of a 64K-element tensor (docs/RESULTS.md 5.1).
  */
 
 #define SB_HEADER_BYTES 16 /* safebits_hvd/wire.py HEADER_BYTES */
