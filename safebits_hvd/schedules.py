@@ -161,18 +161,25 @@ class Auto:
        two steps of a run (warm-up) nor from a step that switched into or out of pass-through (it pays for the
        switch: the start policy, the residual flush); a switch between two compressed budgets is measured, so a
        compressed probe costs one step.
-    2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the same
-       kind (its last step's figures scaled to its estimate): ``max(backward + send, bytes / rate) + receive``,
-       with the link rate from the steps whose communication was exposed, the bytes scaled by the budgets' ratio,
-       SafeBits' own time as measured (none without compression, and none while no compressed step is measured:
-       a lower bound).
-    3. **Probe** the candidate the rule of 4 would choose if every unmeasured candidate took its prediction, less
-       the model's error allowance ``prune`` (a lower bound as it is), when that is an unmeasured one: so only
-       candidates that could win are probed, the predicted fastest first, and a link seen slower jumps straight
-       to it. One whose telemetry is still on its way (the last two steps) is held, not probed again. Before the
-       first measurement the costliest is held (no compression first, as PowerSGD's hook starts). Every
-       ``probe_every`` steps the one measured longest ago is probed again, unless predicted above ``1 + prune``
-       times the fastest estimate.
+    2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the
+       same kind, compressed or not (its last step's figures scaled to its estimate):
+       ``max(backward + send, link) + receive``. SafeBits' own time (send, receive) is none without compression,
+       interpolated in log bits between the nearest compressed budgets measured on either side, else the nearest
+       one's, and none while no compressed step is measured (a lower bound). ``link``, when the collectives end:
+       from one of the same kind measured on this link, its end moved by the bytes added (or taken away) at the
+       link rate (compressed collectives start late, once their group is packed, so only the same kind tells
+       when); else the bytes at the link rate from the first gradient on. The link rate comes from the steps whose
+       communication was exposed.
+    3. **Probe** the candidate the rule of 4 would choose if every unmeasured candidate took a lower bound,
+       when that is an unmeasured one: so only candidates that could win are probed, the predicted fastest
+       first, and a link seen slower jumps straight to it. The lower bound takes the model's error allowance
+       ``prune`` off what was not measured at that budget (the transfer; SafeBits' own time unless bracketed);
+       below the fewest compressed bits measured on this link, where nothing bounds a budget from below, off
+       its whole span, and there only the fewest bits are probed (they bound the rest: the least to send, the
+       least own work) and nothing else until their telemetry is in. One whose telemetry is still on its way
+       (the last two steps) is held, not probed again. Before the first measurement the costliest is held (no
+       compression first, as PowerSGD's hook starts). Every ``probe_every`` steps the one measured longest ago
+       is probed again, unless predicted above ``1 + prune`` times the fastest estimate.
     4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
        for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
        the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
@@ -280,32 +287,58 @@ class Auto:
         return statistics.median(deviations) if deviations else 0.0
 
     # ------------------------------------------------------------------ 2. predict
-    def predict(self, bits: float, rate: float | None = None) -> float | None:
+    def predict(self, bits: float, rate: float | None = None, allowance: float = 0.0) -> float | None:
         """The span predicted for ``bits`` (see the class docstring, 2); None when nothing fits: nothing measured
-        or no link rate measured yet. ``rate``: the link's bytes per second (default: the current estimate)."""
+        or no link rate measured yet. ``rate``: the link's bytes per second (default: the current estimate).
+        ``allowance``: the model's relative error on what it did not measure at ``bits`` (the transfer, and
+        SafeBits' own time unless bracketed), taken off them: a lower bound."""
         rate = self.rate if rate is None else rate
         compressed = bits < PASS_THROUGH_BITS
         measured = [b for b in self.candidates if b in self.figures and (b < PASS_THROUGH_BITS) == compressed]
-        own_time_known = self._own_time_known(bits)
         if not measured:
             measured = [b for b in self.candidates if b in self.figures]
         if not measured or rate <= 0:
             return None
         near = min(measured, key=lambda b: (abs(math.log(b / bits)), -b))
-        # Its last step's figures, scaled to its estimate: one step's noise would otherwise move every prediction.
-        f, estimate = self.figures[near], self.estimate(near)
-        if estimate is not None and f["span_s"] > 0:
-            f = {k: v if k == "wire_bytes" else v * estimate / f["span_s"] for k, v in f.items()}
-        near_compressed = near < PASS_THROUGH_BITS
-        send = f["send_s"] if compressed and own_time_known and near_compressed else 0.0
-        receive = f["receive_s"] if compressed and own_time_known and near_compressed else 0.0
+        f = self._scaled(near)
+        send, receive = self._own_time(bits, allowance) if compressed else (0.0, 0.0)
         backward = f["backward_s"] - f["send_s"]                   # backward's own compute, without SafeBits
-        return max(backward + send, f["wire_bytes"] * bits / near / rate) + receive
+        current = [b for b in measured if self.spans[b] and (b < PASS_THROUGH_BITS) == compressed]
+        if current:
+            # One of the same kind measured on this link: the collectives start as its did (compressed ones late,
+            # once their group is packed) and end later (sooner) by the bytes added (taken away) at the link rate.
+            near = min(current, key=lambda b: (abs(math.log(b / bits)), -b))
+            g = self._scaled(near)
+            moved = g["wire_bytes"] * (bits / near - 1) / rate
+            link = g["link_s"] + (moved / (1 + allowance) if moved > 0 else moved * (1 + allowance))
+        else:
+            link = f["wire_bytes"] * bits / near / rate / (1 + allowance)    # from the first gradient on
+        return max(backward + send, link) + receive
 
-    def _own_time_known(self, bits: float) -> bool:
-        """Whether SafeBits' own time at ``bits`` is known: none without compression, else once a compressed step
-        was measured."""
-        return bits >= PASS_THROUGH_BITS or any(b in self.figures for b in self.candidates if b < PASS_THROUGH_BITS)
+    def _scaled(self, bits: float) -> dict[str, float]:
+        """A measured candidate's last step's figures, scaled to its estimate: one step's noise would otherwise move
+        every prediction made from it."""
+        f, estimate = self.figures[bits], self.estimate(bits)
+        if estimate is None or f["span_s"] <= 0:
+            return f
+        return {k: v if k == "wire_bytes" else v * estimate / f["span_s"] for k, v in f.items()}
+
+    def _own_time(self, bits: float, allowance: float) -> tuple[float, float]:
+        """SafeBits' own (send, receive) seconds at a compressed ``bits``: interpolated in log bits between the
+        nearest measured budgets on either side; else the nearest one's, less ``allowance`` (it grows with the bits,
+        but not strictly); none while no compressed step is measured (a lower bound)."""
+        measured = [b for b in self.candidates if b in self.figures and b < PASS_THROUGH_BITS]
+        below = max((b for b in measured if b <= bits), default=None)
+        above = min((b for b in measured if b >= bits), default=None)
+        if below is not None and above is not None:
+            low, high = self._scaled(below), self._scaled(above)
+            weight = math.log(bits / below) / math.log(above / below) if above > below else 0.0
+            return tuple(low[k] + weight * (high[k] - low[k]) for k in ("send_s", "receive_s"))  # type: ignore[return-value]
+        near = below if below is not None else above
+        if near is None:
+            return 0.0, 0.0
+        f = self._scaled(near)
+        return f["send_s"] / (1 + allowance), f["receive_s"] / (1 + allowance)
 
     # ------------------------------------------------------------------ 3 and 4: probe, choose
     def __call__(self, step: int) -> float:
@@ -350,11 +383,22 @@ class Auto:
         if any(p is None for p in predicted.values()):           # nothing to predict from yet
             waiting = [b for b in unmeasured if b in pending]
             return max(waiting) if waiting else max(unmeasured)
-        # Probe what could win if the model erred by ``prune`` (a lower bound, own time unknown, is optimistic as
-        # it is); hold one whose telemetry is on its way only if it wins even then.
-        hoped = {b: ((p * (1 + self.prune) if b in pending else
-                      p / (1 + self.prune) if self._own_time_known(b) else p), 0.0)
-                 for b, p in predicted.items() if p is not None}
+        # Probe what could win if the model erred by ``prune``: on what it did not measure at that budget (the
+        # transfer; SafeBits' own time unless bracketed), and on the whole span below every measured compressed
+        # budget, where nothing bounds it from below (while none is measured, the prediction leaves SafeBits' own
+        # time out: a lower bound as it is). Hold one whose telemetry is on its way only if it wins even
+        # then.
+        floor = min((b for b in known if b < PASS_THROUGH_BITS), default=PASS_THROUGH_BITS)
+        own_time_known = any(b < PASS_THROUGH_BITS for b in self.figures)
+        hoped = {b: (p * (1 + self.prune) if b in pending else
+                     (p / (1 + self.prune) if own_time_known else p) if b < floor else
+                     self.predict(b, allowance=self.prune), 0.0) for b, p in predicted.items() if p is not None}
+        # Below that floor the fewest bits bound the rest (the least to send, the least own work): probe them
+        # first, and no other one there while their telemetry is on its way.
+        unbounded = [b for b in hoped if b < floor]
+        for b in unbounded:
+            if b != min(unbounded) or any(c in pending for c in unbounded if c != b):
+                del hoped[b]
         if hoped:
             bits = self._pick({**known, **hoped})
             if bits in hoped:

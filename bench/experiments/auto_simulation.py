@@ -5,7 +5,9 @@ hands the schedule each step's telemetry two steps later, as SafeBits does) in t
 - ``modeled``: ``simulated_timing`` (10M parameters, backward 100 ms) through unlimited (10 GB/s, 100 steps),
   100 Mbit/s (100 steps) and 1 Gbit/s (100 steps);
 - ``resnet18``: ``resnet18_timing``, fitted to the step times measured in docs/RESULTS.md 4.4 (ResNet-18, batch 4,
-  2 ranks), through unlimited (30 steps), 100 Mbit/s (25) and 1 Gbit/s (30), as that run's phases.
+  2 ranks), through unlimited (30 steps), 100 Mbit/s (25) and 1 Gbit/s (30), as that run's phases;
+- ``tight``: ``tight_timing``, ResNet-18 where compressing costs only 10-20% of a step on the unlimited link
+  (results/issue30/link_b4.md), through unlimited (30), 1 Gbit/s (30) and 100 Mbit/s (25).
 
 Per phase: auto's total against the best fixed budget's (the per-phase oracle), and the steps until auto settles
 (its first of 3 steps in a row within 10% of the best fixed step time, the criterion of RESULTS 4.4). The floor is
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from safebits_hvd.schedules import AUTO_CANDIDATES, Auto
-from tests.test_auto import RESNET18_RATES, Timing, drive, resnet18_timing, simulated_timing
+from tests.test_auto import RESNET18_RATES, Timing, drive, resnet18_timing, simulated_timing, tight_timing
 
 SETTLED_WITHIN = 0.10          # RESULTS 4.4: within 10% of the phase's best fixed step time...
 SETTLED_STEPS = 3              # ... for 3 steps in a row
@@ -63,6 +65,9 @@ SCENARIOS = [
     Scenario("resnet18", resnet18_timing, [("unlimited", RESNET18_RATES["unlimited"], 30),
                                            ("100 Mbit/s", RESNET18_RATES["100 Mbit/s"], 25),
                                            ("1 Gbit/s", RESNET18_RATES["1 Gbit/s"], 30)]),
+    Scenario("tight", tight_timing, [("unlimited", RESNET18_RATES["unlimited"], 30),
+                                     ("1 Gbit/s", RESNET18_RATES["1 Gbit/s"], 30),
+                                     ("100 Mbit/s", RESNET18_RATES["100 Mbit/s"], 25)]),
 ]
 
 
