@@ -7,7 +7,8 @@ Run: ``.venv/bin/python -m pytest bench/suites/bench_kernels.py --benchmark-enab
 The packed wire format: ``test_quantize_pack_ef`` (the fused packing pass into a reused payload) and
 ``test_decode_add`` (one payload added into a float32 tensor) on 16M floats; targets: pack <= 1.5x clone,
 decode_add <= 1x clone (reported as ``pack_vs_clone`` / ``decode_add_vs_clone``, not asserted);
-``test_quantize_pack_ef_sent``: the packing pass that also writes the dequantized values (``pack_sent_vs_clone``).
+``test_quantize_pack_ef_sent``: the packing pass that also writes the dequantized values (``pack_sent_vs_clone``);
+``test_quantize_pack_ef_warm``: the packing pass on 2.4M warm floats against a warm ``copy_`` (``pack_vs_warm_copy``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,23 @@ def test_quantize_pack_ef_sent(benchmark, name):
         _sync()
 
     _run(benchmark, fn, g, "pack_sent_vs_clone")
+
+
+@pytest.mark.parametrize("name", WIRE_ACTIONS)
+def test_quantize_pack_ef_warm(benchmark, name):
+    """The packing pass on a tensor the size of ResNet-18's largest (2.4M floats) against a ``copy_`` into a tensor
+    already written: both warm, so the ratio is the pass's arithmetic, not page faults (``pack_vs_warm_copy``)."""
+    g, e, out = _tensors(2_359_296)
+    action = A.ACTIONS[name]
+    payload, _ = K.quantize_pack_ef(g, e, action, KEY)
+    t_copy = best_time(lambda: (out.copy_(g), _sync()))
+
+    def fn():
+        K.quantize_pack_ef(g, e, action, KEY, payload)
+        _sync()
+
+    _run(benchmark, fn, g)
+    benchmark.extra_info["pack_vs_warm_copy"] = benchmark.extra_info["kernel_s"] / t_copy
 
 
 @pytest.mark.parametrize("name", WIRE_ACTIONS)
