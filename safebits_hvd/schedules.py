@@ -299,7 +299,11 @@ class Auto:
             measured = [b for b in self.candidates if b in self.figures]
         if not measured or rate <= 0:
             return None
-        near = min(measured, key=lambda b: (abs(math.log(b / bits)), -b))
+
+        def nearest(options: list[float]) -> float:
+            return min(options, key=lambda b: (abs(math.log(b / bits)), -b))
+
+        near = nearest(measured)
         f = self._scaled(near)
         send, receive = self._own_time(bits, allowance) if compressed else (0.0, 0.0)
         backward = f["backward_s"] - f["send_s"]                   # backward's own compute, without SafeBits
@@ -307,9 +311,9 @@ class Auto:
         if current:
             # One of the same kind measured on this link: the collectives start as its did (compressed ones late,
             # once their group is packed) and end later (sooner) by the bytes added (taken away) at the link rate.
-            near = min(current, key=lambda b: (abs(math.log(b / bits)), -b))
-            g = self._scaled(near)
-            moved = g["wire_bytes"] * (bits / near - 1) / rate
+            same = nearest(current)
+            g = self._scaled(same)
+            moved = g["wire_bytes"] * (bits / same - 1) / rate
             link = g["link_s"] + (moved / (1 + allowance) if moved > 0 else moved * (1 + allowance))
         else:
             link = f["wire_bytes"] * bits / near / rate / (1 + allowance)    # from the first gradient on
@@ -333,7 +337,8 @@ class Auto:
         if below is not None and above is not None:
             low, high = self._scaled(below), self._scaled(above)
             weight = math.log(bits / below) / math.log(above / below) if above > below else 0.0
-            return tuple(low[k] + weight * (high[k] - low[k]) for k in ("send_s", "receive_s"))  # type: ignore[return-value]
+            send, receive = (low[k] + weight * (high[k] - low[k]) for k in ("send_s", "receive_s"))
+            return send, receive
         near = below if below is not None else above
         if near is None:
             return 0.0, 0.0
@@ -386,19 +391,25 @@ class Auto:
         # Probe what could win if the model erred by ``prune``: on what it did not measure at that budget (the
         # transfer; SafeBits' own time unless bracketed), and on the whole span below every measured compressed
         # budget, where nothing bounds it from below (while none is measured, the prediction leaves SafeBits' own
-        # time out: a lower bound as it is). Hold one whose telemetry is on its way only if it wins even
-        # then.
+        # time out: a lower bound as it is). Hold one whose telemetry is on its way only if it wins even then.
         floor = min((b for b in known if b < PASS_THROUGH_BITS), default=PASS_THROUGH_BITS)
         own_time_known = any(b < PASS_THROUGH_BITS for b in self.figures)
-        hoped = {b: (p * (1 + self.prune) if b in pending else
-                     (p / (1 + self.prune) if own_time_known else p) if b < floor else
-                     self.predict(b, allowance=self.prune), 0.0) for b, p in predicted.items() if p is not None}
         # Below that floor the fewest bits bound the rest (the least to send, the least own work): probe them
         # first, and no other one there while their telemetry is on its way.
-        unbounded = [b for b in hoped if b < floor]
-        for b in unbounded:
-            if b != min(unbounded) or any(c in pending for c in unbounded if c != b):
-                del hoped[b]
+        unbounded = sorted(b for b in predicted if b < floor)
+        probeable_below = unbounded[:1] if not any(b in pending for b in unbounded[1:]) else []
+        hoped: dict[float, tuple[float, float]] = {}
+        for b, p in predicted.items():
+            if (b < floor and b not in probeable_below) or p is None:
+                continue
+            if b in pending:
+                hoped[b] = (p * (1 + self.prune), 0.0)
+            elif b < floor:
+                hoped[b] = (p / (1 + self.prune) if own_time_known else p, 0.0)
+            else:
+                bound = self.predict(b, allowance=self.prune)
+                assert bound is not None                # the same figures and rate predicted it above
+                hoped[b] = (bound, 0.0)
         if hoped:
             bits = self._pick({**known, **hoped})
             if bits in hoped:
