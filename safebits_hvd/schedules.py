@@ -133,12 +133,32 @@ AUTO_CANDIDATES = (2.0, 3.0, 4.4, 6.0, 8.0, 16.0, PASS_THROUGH_BITS)
 """The budgets :class:`Auto` chooses among (those within its bounds), bits per parameter; 32 is no compression."""
 
 AUTO_JUMP = 2.0
-"""A single span this many times its candidate's estimate (or this many times smaller) means the link changed:
-beyond any step-to-step noise measured here (:data:`AUTO_WINDOW`)."""
+"""A span this many times smaller than its candidate's estimate, two in a row this many times larger, or one this
+squared times larger, mean the link changed: beyond the step-to-step noise measured here (the byte LM of
+``make demo`` on localhost: single steps down to 0.6x their median, and up to 2.9x: a hiccup of the machine,
+never two in a row)."""
 
 AUTO_WINDOW = 7
 """Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step
 noise of shared machines (a third of a step, between consecutive steps of one budget, on 2 busy cores)."""
+
+AUTO_WARMUP = 2
+"""The first steps of a run, whose spans :class:`Auto` does not keep (allocation, connection set-up)."""
+
+AUTO_WARM_AFTER = 6
+"""Steps after which a run is warm: the spans of the steps before, kept, still run slow (the byte LM of
+``make demo`` on localhost: 2.7x and 1.5x its steady step at steps 2 and 3), so a candidate measured only before
+this step is measured again once the run is warm (:class:`Auto`, 3)."""
+
+AUTO_WARM_SLOWDOWN = 2.0
+"""How much slower than warm steps a run's first steps may be (the byte LM of ``make demo`` on localhost: 1.8x over
+steps 2 and 3): a candidate measured only then and estimated slower than the choice by more is not measured
+again (3). Measuring it again costs four steps, once."""
+
+AUTO_NOISE_BAND = 3.0
+"""A span must be off its estimate by this many times the spans' relative spread (:meth:`Auto.spread`, a median
+absolute deviation), and by ``change`` at least, to say the link changed (5): noise as wide as the byte LM's
+steps on localhost (a fifth of a step, most of it the wait for the other rank) otherwise reads as changes."""
 
 AUTO_EXPOSED_SHARE = 0.25
 """The share of a step its exposed wait must reach (now or before) for a single span to say the link changed (5)."""
@@ -158,7 +178,7 @@ class Auto:
     them. Then, per candidate budget (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
 
     1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, none from the first
-       two steps of a run (warm-up) nor from a step that switched into or out of pass-through (it pays for the
+       :data:`AUTO_WARMUP` steps of a run nor from a step that switched into or out of pass-through (it pays for the
        switch: the start policy, the residual flush); a switch between two compressed budgets is measured, so a
        compressed probe costs one step.
     2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the
@@ -169,7 +189,9 @@ class Auto:
        from one of the same kind measured on this link, its end moved by the bytes added (or taken away) at the
        link rate (compressed collectives start late, once their group is packed, so only the same kind tells
        when); else the bytes at the link rate from the first gradient on. The link rate comes from the steps whose
-       communication was exposed.
+       communication was exposed. A rate read through compressed payloads (small, so mostly their start latency
+       and the ranks' skew) does not say how fast an allreduce of every gradient is: a pass-through measured
+       before keeps its own link time.
     3. **Probe** the candidate the rule of 4 would choose if every unmeasured candidate took a lower bound,
        when that is an unmeasured one: so only candidates that could win are probed, the predicted fastest
        first, and a link seen slower jumps straight to it. The lower bound takes the model's error allowance
@@ -178,20 +200,34 @@ class Auto:
        its whole span, and there only the fewest bits are probed (they bound the rest: the least to send, the
        least own work) and nothing else until their telemetry is in. One whose telemetry is still on its way
        (the last two steps) is held, not probed again. Before the first measurement the costliest is held (no
-       compression first, as PowerSGD's hook starts). Every ``probe_every`` steps the one measured longest ago
-       is probed again, unless predicted above ``1 + prune`` times the fastest estimate.
+       compression first, as PowerSGD's hook starts).
+
+       Measured again: (a) **after the warm-up**: the pass-through, held first, is measured in a run's first
+       steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
+       before step :data:`AUTO_WARM_AFTER` is measured again for three steps after the switch (its early spans
+       dropped; one span cannot tell a warm run's 15% from its noise), unless estimated
+       :data:`AUTO_WARM_SLOWDOWN` times slower than the choice. (b) **Now and then**: every ``probe_every``
+       steps the one measured longest ago (two steps into or out of pass-through), unless predicted above
+       ``1 + prune`` times the fastest estimate.
     4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
        for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
        the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
        ``tolerance`` is no tie.
-    5. **Follow the link**: a span :data:`AUTO_JUMP` times off its candidate's estimate, one more than ``change``
-       (relative) off it with the exposed communication moving by at least half the difference (and a quarter
-       of the step, :data:`AUTO_EXPOSED_SHARE`), or three in a
-       row more than ``change`` off on the same side, mean the link (or the load) changed: that candidate keeps
-       only the spans since, every other estimate is dropped. An estimate measured at another link rate is
-       dropped when the model says the new rate moves it by more than ``change``, except the pass-through's when
-       the rate was seen through a compressed step (a few MB, their start latency and the ranks' skew included:
-       far below what an uncompressed step meets). Dropped ones are probed again (3).
+    5. **Follow the link**. The link (or the load) changed when the last spans of the candidate just measured
+       are, against its estimate before them:
+
+       - one :data:`AUTO_JUMP` times shorter, or its square longer; two in a row :data:`AUTO_JUMP` times
+         longer (a single one may be a hiccup of the machine);
+       - one shorter by more than the band, off a median of three spans or more, with the exposed wait falling
+         by at least half the difference and a quarter of the step (:data:`AUTO_EXPOSED_SHARE`);
+       - three in a row off by more than the band, on the same side.
+
+       The band is ``change``, or :data:`AUTO_NOISE_BAND` times the spans' spread where that is wider. That
+       candidate keeps only the spans since; every other estimate is dropped, its figures scaled to it still
+       predicting it, unless the link got slower (then an uncompressed step measured on the faster link would
+       invite a costly probe). An estimate measured at another link rate is dropped when the model says the new
+       rate moves it by more than ``change``, except the pass-through's when the rate was seen through a
+       compressed step (2). Dropped ones are probed again (3).
 
     Every rank sees the same reduced records, so every rank chooses alike; the choice enters the allocation digest
     like any budget. Its state is checkpointed (:meth:`state_dict`)."""
@@ -229,7 +265,7 @@ class Auto:
         for old in [s for s in self.chosen if s < step - 1]:
             del self.chosen[old]
         span = timing.get("span_s", math.nan)
-        if bits is None or previous is None or not math.isfinite(span) or step < 2:
+        if bits is None or previous is None or not math.isfinite(span) or step < AUTO_WARMUP:
             return
         if previous != bits and PASS_THROUGH_BITS in (bits, previous):
             return                                               # it paid for the switch (1)
@@ -241,12 +277,24 @@ class Auto:
         history = self.spans[bits] = (self.spans[bits] + [span])[-AUTO_WINDOW:]
         kept = self._changed(bits, history, timing)
         if kept is not None:
-            # The link (or the load) changed: what was measured before no longer holds.
-            self.spans = {b: [] for b in self.candidates}
+            # The link (or the load) changed: what was measured before no longer holds. Slower: the figures go too,
+            # else an uncompressed step measured on the faster link would invite a costly probe.
+            slower = statistics.median(kept) > statistics.median(history[:-len(kept)])
+            for b in self.candidates:
+                self._drop(b, forget=slower)
             self.spans[bits] = kept
         self.measured_at[bits] = step
         self.figures[bits] = dict(timing)
         self.rate_at[bits] = self.rate
+
+    def _drop(self, bits: float, forget: bool = False) -> None:
+        """Forget a candidate's spans; its last figures, scaled to its estimate, still predict it (2), unless
+        ``forget``."""
+        if forget:
+            self.figures.pop(bits, None)
+        elif bits in self.figures:
+            self.figures[bits] = self._scaled(bits)
+        self.spans[bits] = []
 
     def _changed(self, bits: float, history: list[float], timing: dict[str, float]) -> list[float] | None:
         """The spans to keep when the last span(s) say the link changed (5), else None."""
@@ -254,20 +302,24 @@ class Auto:
             return None
         span = history[-1]
         estimate = statistics.median(history[:-1])
-        if not estimate / AUTO_JUMP <= span <= estimate * AUTO_JUMP:
+        if not estimate / AUTO_JUMP <= span <= estimate * AUTO_JUMP ** 2:
             return [span]
+        if min(history[-2:]) > AUTO_JUMP * statistics.median(history[:-2]):
+            return history[-2:]                                  # two in a row: a single one may be a hiccup
         exposed_before = self.figures[bits]["exposed_s"] if bits in self.figures else math.nan
         moved = span - estimate
-        # The wait for the link moved the span, and the link is (or was) a real part of the step: on a fast link
-        # the exposed wait is the ranks' step-to-step skew, which must not read as a change.
-        if (abs(moved) > self.change * estimate and (timing["exposed_s"] - exposed_before) * moved > 0.5 * moved ** 2
+        band = max(self.change, AUTO_NOISE_BAND * self.spread())     # beyond the step-to-step noise too
+        # The wait for the link shortened the span (off a median of three at least; a longer one may be a hiccup),
+        # and the link was a real part of the step: on a fast link the exposed wait is the ranks' skew.
+        if (len(history) > 3 and -moved > band * estimate
+                and (timing["exposed_s"] - exposed_before) * moved > 0.5 * moved ** 2
                 and max(timing["exposed_s"], exposed_before) > AUTO_EXPOSED_SHARE * span):
             return [span]                                        # the wait for the link moved the span
         before = history[:-3]
         if len(before) >= 2:
             estimate = statistics.median(before)
-            if (all(x > (1 + self.change) * estimate for x in history[-3:])
-                    or all(x < (1 - self.change) * estimate for x in history[-3:])):
+            if (all(x > (1 + band) * estimate for x in history[-3:])
+                    or all(x < (1 - band) * estimate for x in history[-3:])):
                 return history[-3:]
         return None
 
@@ -315,6 +367,10 @@ class Auto:
             g = self._scaled(same)
             moved = g["wire_bytes"] * (bits / same - 1) / rate
             link = g["link_s"] + (moved / (1 + allowance) if moved > 0 else moved * (1 + allowance))
+        elif near == bits and not compressed and self.rate_bits < PASS_THROUGH_BITS:
+            # A rate read through compressed payloads (their start latency, the ranks' skew) does not say how fast
+            # a pass-through's allreduce is (see _choose): it keeps its own last link time.
+            link = f["link_s"] / (1 + allowance)
         else:
             link = f["wire_bytes"] * bits / near / rate / (1 + allowance)    # from the first gradient on
         return max(backward + send, link) + receive
@@ -353,8 +409,8 @@ class Auto:
         else:
             bits = self._choose(step)
             previous = self.chosen.get(step - 1)
-            unmeasurable = step < 2 or (previous != bits and PASS_THROUGH_BITS in (bits, previous))
-            if self.estimate(bits) is None and unmeasurable:
+            unmeasurable = step < AUTO_WARMUP or (previous != bits and PASS_THROUGH_BITS in (bits, previous))
+            if self.estimate(bits) is None and unmeasurable and self.probe is None:
                 self.probe = (bits, 1)                           # its first step measures nothing (1): hold it
         self.chosen[step] = bits
         return bits
@@ -378,7 +434,7 @@ class Auto:
             then = self.predict(bits, self.rate_at.get(bits, 0.0)) if self.spans[bits] else None
             now = self.predict(bits)
             if then is not None and now is not None and abs(now - then) > self.change * then:
-                self.spans[bits] = []
+                self._drop(bits)
         spread = self.spread()
         known = {b: (e, AUTO_MAD_TO_SE * spread / math.sqrt(len(self.spans[b])))
                  for b in self.candidates if (e := self.estimate(b)) is not None}
@@ -414,13 +470,24 @@ class Auto:
             bits = self._pick({**known, **hoped})
             if bits in hoped:
                 return bits
+        choice = self._pick(known)
+        if choice < PASS_THROUGH_BITS and len(self.spans[choice]) >= 3:
+            # Measured only while the run was warming up (the pass-through, held first): measure it again.
+            for b in sorted(self.figures, reverse=True):
+                if (self.measured_at[b] < AUTO_WARM_AFTER and b not in pending
+                        and self._scaled(b)["span_s"] < AUTO_WARM_SLOWDOWN * known[choice][0]):
+                    self._drop(b)
+                    self.probe = (b, 3)                          # the switch, then three spans: a median
+                    return b
         if step % self.probe_every == 0 and len(known) > 1:      # now and then, the one measured longest ago
             stalest = min(known, key=lambda b: self.measured_at.get(b, -1))
             guess = self.predict(stalest)
             fastest = min(e for e, _ in known.values())
             if stalest not in pending and guess is not None and guess <= (1 + self.prune) * fastest:
+                if PASS_THROUGH_BITS in (stalest, self.chosen.get(step - 1)):
+                    self.probe = (stalest, 1)                    # the switch measures nothing (1): one more step
                 return stalest
-        return self._pick(known)
+        return choice
 
     def state_dict(self) -> dict[str, Any]:
         return {"spans": {str(b): list(v) for b, v in self.spans.items()},
