@@ -3,8 +3,10 @@
  * The Python loader (cpu.py) compiles source.translation_unit("cpu.c") (constants, safebits_math.h, this file)
  * as ONE translation unit with
  * `cc -O3 -fopenmp -ffp-contract=off -fPIC -shared` (no -ffast-math, no -march=native: bit-identical to the
- * PyTorch reference). Hot per-bucket functions are also built for AVX2 with target_clones (runtime dispatch);
- * AVX2 changes the vector width, never an IEEE result (no FMA: -ffp-contract=off).
+ * PyTorch reference). Hot per-bucket functions are also built for AVX2 with target_clones (runtime dispatch by
+ * the CPU); a target changes the vector width, never an IEEE result (no FMA: -ffp-contract=off).
+ * tests/test_kernel_targets.py builds each target alone (and AVX-512's, which measured slower) and compares their
+ * bits.
  *
  * Every bucket is processed by one thread: pass 1 reads g and e into a bucket buffer (L1) and reduces max|v| or
  * the lane sums, pass 2 quantizes into `out`, pass 3 writes e = v - q and accumulates the float64 statistics in
@@ -201,7 +203,7 @@ static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *r
 }
 
 /* The cases are the keys of safebits_hvd.actions.LLOYD_MAX_LEVELS (the wire decoder refuses any other count).
- * Cloned for AVX2 itself: a callee is compiled for the default target even when its caller is a clone. */
+ * Cloned itself: a callee is compiled for the default target even when its caller is a clone. */
 SB_CLONES static void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word,
                                 float *restrict scratch, int len, int levels, float *scale_out) {
     switch (levels) {
@@ -352,37 +354,43 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
     }
 }
 
-/* One lane-ordered float64 sum over a bucket of TERM(qd, vd) (qd, vd: q[j], v[j] as doubles): element j goes to
- * lane j % SB_SUM_LANES, then 0 + lane 0 + lane 1 + ... + lane 7. One sum per loop: eight lanes of one sum fit
- * in two AVX2 registers, four sums at once spill to the stack. */
-#define SB_STATS_SUM(TERM, OUT)                                                                              \
-    do {                                                                                                     \
-        double s_[SB_SUM_LANES] = {0}, a_ = 0;                                                               \
-        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)                                              \
-            for (l = 0; l < SB_SUM_LANES; l++) {                                                             \
-                double qd = (double)q[i + l], vd = (double)v[i + l];                                         \
-                s_[l] += (TERM);                                                                             \
-            }                                                                                                \
-        for (l = 0; i + l < len; l++) {                                                                      \
-            double qd = (double)q[i + l], vd = (double)v[i + l];                                             \
-            s_[l] += (TERM);                                                                                 \
-        }                                                                                                    \
-        for (l = 0; l < SB_SUM_LANES; l++) a_ += s_[l];                                                      \
-        (OUT) = a_;                                                                                          \
-    } while (0)
+/* Four float64 lanes as one GCC/Clang vector (an AVX2 register): the eight lanes of a sum (SB_SUM_LANES) are two. */
+typedef double sb_d4 __attribute__((vector_size(4 * sizeof(double))));
+typedef float sb_f4 __attribute__((vector_size(4 * sizeof(float))));
 
-/* acc[0..4) = [sum (q-v)^2, sum q v, sum q^2, sum v^2] in float64, lane-ordered. If e != NULL also e = v - q. */
+/* acc[0..4) = [sum (q-v)^2, sum q v, sum q^2, sum v^2] in float64, lane-ordered: element j goes to lane
+ * j % SB_SUM_LANES of each sum, then 0 + lane 0 + lane 1 + ... + lane 7. If e != NULL also e = v - q. The four
+ * sums in one pass, as vectors of four lanes (a loop over the lanes the compiler does not keep in registers for
+ * four sums at once). */
 SB_CLONES void sb_bucket_stats(const float *restrict q, const float *restrict v, float *restrict e, int len,
                                double *acc) {
     int i, l;
+    sb_d4 s[4][2] = {{{0}}};   /* s[sum][half]: lanes 0-3 and 4-7 */
     if (e)
         for (i = 0; i < len; i++) e[i] = v[i] - q[i];
-    SB_STATS_SUM((qd - vd) * (qd - vd), acc[0]);
-    SB_STATS_SUM(qd * vd, acc[1]);
-    SB_STATS_SUM(qd * qd, acc[2]);
-    SB_STATS_SUM(vd * vd, acc[3]);
+    for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
+        for (int h = 0; h < 2; h++) {
+            sb_f4 qf, vf;
+            memcpy(&qf, q + i + 4 * h, sizeof qf);
+            memcpy(&vf, v + i + 4 * h, sizeof vf);
+            sb_d4 qd = __builtin_convertvector(qf, sb_d4), vd = __builtin_convertvector(vf, sb_d4), d = qd - vd;
+            s[0][h] += d * d;
+            s[1][h] += qd * vd;
+            s[2][h] += qd * qd;
+            s[3][h] += vd * vd;
+        }
+    for (l = 0; i + l < len; l++) {
+        double qd = (double)q[i + l], vd = (double)v[i + l], d = qd - vd;
+        s[0][l / 4][l % 4] += d * d;
+        s[1][l / 4][l % 4] += qd * vd;
+        s[2][l / 4][l % 4] += qd * qd;
+        s[3][l / 4][l % 4] += vd * vd;
+    }
+    for (int k = 0; k < 4; k++) {
+        acc[k] = 0.0;
+        for (l = 0; l < SB_SUM_LANES; l++) acc[k] += s[k][l / 4][l % 4];
+    }
 }
-#undef SB_STATS_SUM
 
 /* vb = g + e (or e when g is NULL). */
 SB_CLONES void sb_load_v(const float *restrict g, const float *restrict e, float *restrict vb, int len) {

@@ -60,13 +60,15 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build() -> Path:
-    """Compile (if not cached) and return the path of the shared object. Raises RuntimeError on failure."""
+def build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile (if not cached) and return the path of the shared object. Raises RuntimeError on failure.
+    ``extra_flags``: added to :data:`CFLAGS` (the tests build each target of the runtime dispatch this way)."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install cc/gcc)")
     src = source()
-    digest = hashlib.sha256("\0".join([src, cc, *CFLAGS]).encode()).hexdigest()
+    flags = (*CFLAGS, *extra_flags)
+    digest = hashlib.sha256("\0".join([src, cc, *flags]).encode()).hexdigest()
     out_dir = cache_dir()
     target = out_dir / f"{digest}.so"
     if target.exists():
@@ -76,7 +78,7 @@ def build() -> Path:
         c_path = Path(tmp) / "safebits_cpu.c"
         c_path.write_text(src)
         so_tmp = Path(tmp) / f"{digest}.so"
-        proc = subprocess.run([cc, *CFLAGS, "-o", str(so_tmp), str(c_path)], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, "-o", str(so_tmp), str(c_path)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling the SafeBits CPU kernels with {cc} failed:\n{proc.stderr}")
         os.replace(so_tmp, target)
@@ -88,28 +90,32 @@ def load() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            lib = ctypes.CDLL(str(build()))
-            p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
-            lib.sb_quantize_ef.argtypes = [p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
-            lib.sb_quantize_ef.restype = i32
-            lib.sb_quantize_pack_ef.argtypes = [p, p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
-            lib.sb_quantize_pack_ef.restype = i32
-            lib.sb_decode.argtypes = [p, p, i64, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-            lib.sb_decode.restype = i32
-            lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, p, u32, p, i32]
-            lib.sb_screen.restype = i32
-            lib.sb_send_group.argtypes = [i32, p, p, p, p, p, p, p, p, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32,
-                                          i32, ctypes.c_double, ctypes.c_double, p, p, p, i64, p, p, p, p, p, i32,
-                                          i32]
-            lib.sb_send_group.restype = i32
-            lib.sb_decode_group.argtypes = [i32, i32, p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_float, i32]
-            lib.sb_decode_group.restype = i32
-            lib.sb_allocate.argtypes = [p, p, i64, i32, i64, p, p, p]
-            lib.sb_allocate.restype = i32
-            lib.sb_allocate_workspace_bytes.argtypes = [i64, i32]
-            lib.sb_allocate_workspace_bytes.restype = i64
-            _lib = lib
+            _lib = bind(ctypes.CDLL(str(build())))
         return _lib
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the argument and return types of a built library's functions; returns it."""
+    p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
+    lib.sb_quantize_ef.argtypes = [p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
+    lib.sb_quantize_ef.restype = i32
+    lib.sb_quantize_pack_ef.argtypes = [p, p, p, p, i64, i64, i32, i32, i32, i32, i32, u32, p, i32]
+    lib.sb_quantize_pack_ef.restype = i32
+    lib.sb_decode.argtypes = [p, p, i64, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    lib.sb_decode.restype = i32
+    lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, p, u32, p, i32]
+    lib.sb_screen.restype = i32
+    lib.sb_send_group.argtypes = [i32, p, p, p, p, p, p, p, p, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32,
+                                  i32, ctypes.c_double, ctypes.c_double, p, p, p, i64, p, p, p, p, p, i32,
+                                  i32]
+    lib.sb_send_group.restype = i32
+    lib.sb_decode_group.argtypes = [i32, i32, p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_float, i32]
+    lib.sb_decode_group.restype = i32
+    lib.sb_allocate.argtypes = [p, p, i64, i32, i64, p, p, p]
+    lib.sb_allocate.restype = i32
+    lib.sb_allocate_workspace_bytes.argtypes = [i64, i32]
+    lib.sb_allocate_workspace_bytes.restype = i64
+    return lib
 
 
 def available() -> bool:
@@ -185,10 +191,10 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
 
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
-                     key: int, sent: torch.Tensor | None) -> torch.Tensor:
+                     key: int, sent: torch.Tensor | None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``pack.c``'s fused packing pass into ``payload`` (header already written), and ``q`` into ``sent`` unless
-    None; returns the statistics."""
-    lib = load()
+    None; returns the statistics. ``lib``: another build of the kernels (:func:`build`, :func:`bind`)."""
+    lib = lib or load()
     stats = torch.empty(4, dtype=torch.float64)           # the C code zeroes it
     rc = lib.sb_quantize_pack_ef(_ptr(g), e.data_ptr(), payload.data_ptr() + HEADER_BYTES, _ptr(sent), e.numel(),
                                  action.bucket_size, *_action_args(action), key & 0xFFFFFFFF, stats.data_ptr(),
