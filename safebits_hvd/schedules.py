@@ -212,7 +212,8 @@ class Auto:
     4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
        for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
        the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
-       ``tolerance`` is no tie.
+       ``tolerance`` is no tie. The pass-through is tied within ``tolerance`` plus that error: compressing must
+       show it is faster (it loses bits, and the target is never to be slower than no compression).
     5. **Follow the link**. The link (or the load) changed when the last spans of the candidate just measured
        are, against its estimate before them:
 
@@ -419,8 +420,11 @@ class Auto:
         """Step 4 on ``{bits: (span, relative standard error)}``: the most bits among those tied with the fastest."""
         best_bits = min(values, key=lambda b: (values[b][0], -b))
         best, best_error = values[best_bits]
+        # Compressing must show it is faster: the pass-through is tied unless the noise cannot explain the
+        # difference; between compressed budgets, unless the noise can.
         tied = [b for b, (span, error) in values.items()
-                if span <= best * (1 + self.tolerance - math.hypot(error, best_error))]
+                if span <= best * (1 + self.tolerance + (1 if b == PASS_THROUGH_BITS else -1)
+                                   * math.hypot(error, best_error))]
         return max([best_bits, *tied])
 
     def _choose(self, step: int) -> float:
