@@ -135,8 +135,8 @@ AUTO_CANDIDATES = (2.0, 3.0, 4.4, 6.0, 8.0, 16.0, PASS_THROUGH_BITS)
 AUTO_JUMP = 2.0
 """A span this many times smaller than its candidate's estimate, two in a row this many times larger, or one this
 squared times larger, mean the link changed: beyond the step-to-step noise measured here (the byte LM of
-``make demo`` on localhost: single steps down to 0.6x their median, and up to 2.9x: a hiccup of the machine,
-never two in a row)."""
+``make demo`` on localhost, ``bench.experiments.demo_lm_spans``: single steps down to 0.6x their median and up to
+2.5-4x, a hiccup of the machine, never two in a row)."""
 
 AUTO_WINDOW = 7
 """Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step

@@ -207,7 +207,7 @@ def test_a_pass_through_measured_while_the_run_warms_up_is_measured_again() -> N
 
 
 def test_a_single_slow_step_is_a_hiccup_not_a_link_change() -> None:
-    # The byte LM's steps on localhost: single steps up to 2.9x their median, never two in a row. Read as a
+    # The byte LM's steps on localhost: single steps up to 2.5-4x their median, never two in a row. Read as a
     # change, one dropped every estimate and sent auto back to probing (and kept it there: the rate its small
     # compressed payloads suggest is a thousandth of the loopback's).
     steps = iter(range(10**6))
