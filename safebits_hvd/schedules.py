@@ -138,6 +138,11 @@ squared times larger, mean the link changed: beyond the step-to-step noise measu
 ``make demo`` on localhost, ``bench.experiments.demo_lm_spans``: single steps down to 0.6x their median and up to
 2.5-4x, a hiccup of the machine, never two in a row)."""
 
+AUTO_HICCUP_S = 0.25
+"""How long a hiccup of the machine may hold one step (the digits CNN of ``make demo`` on localhost,
+``bench.experiments.demo_lm_spans --task digits_cnn``: 4 ms steps, single ones up to 87 ms): a single span longer by
+less waits for the next to confirm a change (5); confirming costs one step, short when the steps are."""
+
 AUTO_WINDOW = 7
 """Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step
 noise of shared machines (a third of a step, between consecutive steps of one budget, on 2 busy cores)."""
@@ -152,8 +157,8 @@ this step is measured again once the run is warm (:class:`Auto`, 3)."""
 
 AUTO_WARM_SLOWDOWN = 2.0
 """How much slower than warm steps a run's first steps may be (the byte LM of ``make demo`` on localhost: 1.8x over
-steps 2 and 3): a candidate measured only then and estimated slower than the choice by more is not measured
-again (3). Measuring it again costs four steps, once."""
+steps 2 and 3): a candidate measured only then and estimated slower than the choice by more (and by
+:data:`AUTO_HICCUP_S` at least) is not measured again (3). Measuring it again costs four steps, once."""
 
 AUTO_NOISE_BAND = 3.0
 """A span must be off its estimate by this many times the spans' relative spread (:meth:`Auto.spread`, a median
@@ -206,7 +211,9 @@ class Auto:
        steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
        before step :data:`AUTO_WARM_AFTER` is measured again for three steps after the switch (its early spans
        dropped; one span cannot tell a warm run's 15% from its noise), unless estimated
-       :data:`AUTO_WARM_SLOWDOWN` times slower than the choice. (b) **Now and then**: every ``probe_every``
+       :data:`AUTO_WARM_SLOWDOWN` times slower than the choice and :data:`AUTO_HICCUP_S` or more (the first
+       steps' excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN). (b) **Now
+       and then**: every ``probe_every``
        steps the one measured longest ago (two steps into or out of pass-through), unless predicted above
        ``1 + prune`` times the fastest estimate.
     4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
@@ -217,8 +224,10 @@ class Auto:
     5. **Follow the link**. The link (or the load) changed when the last spans of the candidate just measured
        are, against its estimate before them:
 
-       - one :data:`AUTO_JUMP` times shorter, or its square longer; two in a row :data:`AUTO_JUMP` times
-         longer (a single one may be a hiccup of the machine);
+       - one :data:`AUTO_JUMP` times shorter; one its square longer, or two in a row :data:`AUTO_JUMP` times
+         longer, and by :data:`AUTO_HICCUP_S` or more (a single one, or a shorter excess, may be a hiccup of the
+         machine; short steps wait for the third test). A single span its square longer by less is a hiccup,
+         not kept;
        - one shorter by more than the band, off a median of three spans or more, with the exposed wait falling
          by at least half the difference and a quarter of the step (:data:`AUTO_EXPOSED_SHARE`);
        - three in a row off by more than the band, on the same side.
@@ -275,6 +284,10 @@ class Auto:
             # Exposed communication measures the link; hidden, it only says the link is at least this fast.
             if timing["exposed_s"] > 0.1 * span or measured > self.rate:
                 self.rate, self.rate_bits = measured, bits
+        estimate = self.estimate(bits)
+        if (len(self.spans[bits]) >= 3 and estimate is not None and span > AUTO_JUMP ** 2 * estimate
+                and span - estimate < AUTO_HICCUP_S):
+            return                                               # a hiccup of the machine: not the link (5)
         history = self.spans[bits] = (self.spans[bits] + [span])[-AUTO_WINDOW:]
         kept = self._changed(bits, history, timing)
         if kept is not None:
@@ -303,9 +316,10 @@ class Auto:
             return None
         span = history[-1]
         estimate = statistics.median(history[:-1])
-        if not estimate / AUTO_JUMP <= span <= estimate * AUTO_JUMP ** 2:
+        if span < estimate / AUTO_JUMP or (span > estimate * AUTO_JUMP ** 2 and span - estimate > AUTO_HICCUP_S):
             return [span]
-        if min(history[-2:]) > AUTO_JUMP * statistics.median(history[:-2]):
+        earlier = statistics.median(history[:-2])
+        if min(history[-2:]) > max(AUTO_JUMP * earlier, earlier + AUTO_HICCUP_S):
             return history[-2:]                                  # two in a row: a single one may be a hiccup
         exposed_before = self.figures[bits]["exposed_s"] if bits in self.figures else math.nan
         moved = span - estimate
@@ -478,8 +492,9 @@ class Auto:
         if choice < PASS_THROUGH_BITS and len(self.spans[choice]) >= 3:
             # Measured only while the run was warming up (the pass-through, held first): measure it again.
             for b in sorted(self.figures, reverse=True):
+                early, now = self._scaled(b)["span_s"], known[choice][0]
                 if (self.measured_at[b] < AUTO_WARM_AFTER and b not in pending
-                        and self._scaled(b)["span_s"] < AUTO_WARM_SLOWDOWN * known[choice][0]):
+                        and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
                     self._drop(b)
                     self.probe = (b, 3)                          # the switch, then three spans: a median
                     return b

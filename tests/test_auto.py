@@ -223,6 +223,22 @@ def test_a_single_slow_step_is_a_hiccup_not_a_link_change() -> None:
     assert chosen[4:7] == [2.0] * 3 and chosen[7:] == [PASS_THROUGH_BITS] * 113, chosen
 
 
+def test_on_short_steps_a_hiccup_is_a_time_not_a_ratio() -> None:
+    # make demo's CNN on localhost: 4 ms steps, a single one up to 87 ms (20x) and the next still 3x; its first
+    # steps 15-20 ms. Ratios read these as link changes and the warm-up as a slower pass-through than it is.
+    steps = iter(range(10**6))
+
+    def short(bits: float, bytes_per_s: float) -> dict[str, float]:
+        figures = {k: v if k == "wire_bytes" else v / 6 for k, v in latency_bound_timing(bits, bytes_per_s).items()}
+        extra = {19: 0.083, 0: 0.008}.get(next(steps) % 20, 0.0)          # a hiccup, then a slow step
+        figures.update(span_s=figures["span_s"] + extra, exposed_s=figures["exposed_s"] + extra,
+                       link_s=figures["link_s"] + extra)
+        return figures
+
+    chosen = drive(Auto(), lambda step: 2e9, 160, short, warmup=(4.2, 4.2, 4.0, 4.0))
+    assert chosen[20:] == [PASS_THROUGH_BITS] * 140, chosen
+
+
 def test_a_slow_link_seen_in_pass_through_jumps_to_the_predicted_fastest_budget() -> None:
     # RESULTS 4.4's link: unlimited for 30 steps, then 100 Mbit/s (2 bits 0.59 s, 4.4 bits 1.12, none 7.3)
     rate = _phases((RESNET18_RATES["unlimited"], 30), (RESNET18_RATES["100 Mbit/s"], 25))

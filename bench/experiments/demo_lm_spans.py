@@ -1,21 +1,22 @@
 """Step times of ``make demo``'s byte LM under Horovod on localhost, by budget (docs/RESULTS.md 2.1b and 4.1): the
 telemetry that ``tests/test_auto.py::latency_bound_timing`` and ``LM_WARMUP`` are fitted to.
 
-The demo's task (``bench.tasks.make_task("bytes_lm")``, 160 steps, seed 0) with one compressor: ``none``
+The demo's task (``bench.tasks.make_task``: ``bytes_lm``, 160 steps, or with ``--task digits_cnn`` the CNN, 250
+steps; seed 0) with one compressor: ``none``
 (``hvd.Compression.none``), ``pass`` (SafeBits passing every step through: ``sb.Auto(min_bits=32)``), a fixed
 budget in bits per parameter, or ``auto``. Rank 0 prints the median wall time of steps 10-159, and for SafeBits the
 medians of its telemetry (``StepRecord.timing``), the spans of the first steps over the median, the largest and
 smallest span over the median, and the budget of every step (run-length).
 
 Usage: ``OMP_NUM_THREADS=1 horovodrun -np 2 --gloo .venv/bin/python -m bench.experiments.demo_lm_spans
-{none,pass,2,4.4,8,auto}``.
+{none,pass,2,4.4,8,auto} [--task digits_cnn]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
-import sys
 import time
 
 import horovod.torch as hvd
@@ -24,14 +25,18 @@ import torch
 import safebits_hvd as sb
 from bench.tasks import make_task
 
-STEPS = 160
+STEPS = {"bytes_lm": 160, "digits_cnn": 250}        # make demo's
 STEADY = 10          # steps before this one are the warm-up, left out of the medians
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("which", help="none, pass, a budget in bits per parameter, or auto")
+    parser.add_argument("--task", choices=sorted(STEPS), default="bytes_lm")
+    args = parser.parse_args()
     hvd.init()
-    which = sys.argv[1]
-    task = make_task("bytes_lm", steps=STEPS)
+    which, steps = args.which, STEPS[args.task]
+    task = make_task(args.task, steps=steps)
     torch.manual_seed(0)
     model = task.model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -46,7 +51,7 @@ def main() -> None:
     timings: list[dict[str, float]] = []
     bits: list[float] = []
     parameters = sum(p.numel() for p in model.parameters())
-    for step in range(STEPS):
+    for step in range(steps):
         start = time.perf_counter()
         task.set_lr(opt, step)
         opt.zero_grad()
@@ -60,7 +65,7 @@ def main() -> None:
     if hvd.rank() != 0:
         return
     print(f"{which}: wall {statistics.median(walls[STEADY:]) * 1000:.1f} ms per step (median of steps {STEADY}-"
-          f"{STEPS - 1})")
+          f"{steps - 1})")
     if which == "none":
         return
     steady = [t for t in timings[STEADY:] if t]
