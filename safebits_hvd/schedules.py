@@ -160,6 +160,14 @@ AUTO_WARM_SLOWDOWN = 2.0
 steps 2 and 3): a candidate measured only then and estimated slower than the choice by more (and by
 :data:`AUTO_HICCUP_S` at least) is not measured again (3). Measuring it again costs four steps, once."""
 
+AUTO_WARM_START = 30
+AUTO_WARM_START_S = 0.25
+"""The warm start: for its first ``warm_start`` steps (default :data:`AUTO_WARM_START`) :class:`Auto` passes through
+while that costs less than :data:`AUTO_WARM_START_S` a step (at most 7.5 s in all). A run's first steps decide much
+of its quality: three 2-bit steps at steps 4-6 cost ``make demo``'s byte LM +0.014 bits per byte, the same at steps
+40-42 +0.002 (``bench.experiments.early_probe_quality``); PyTorch's PowerSGD hook starts uncompressed for the same
+reason. Where an uncompressed step is long (a slow link), compressing at once is worth more than that."""
+
 AUTO_NOISE_BAND = 3.0
 """A span must be off its estimate by this many times the spans' relative spread (:meth:`Auto.spread`, a median
 absolute deviation), and by ``change`` at least, to say the link changed (5): noise as wide as the byte LM's
@@ -205,7 +213,8 @@ class Auto:
        its whole span, and there only the fewest bits are probed (they bound the rest: the least to send, the
        least own work) and nothing else until their telemetry is in. One whose telemetry is still on its way
        (the last two steps) is held, not probed again. Before the first measurement the costliest is held (no
-       compression first, as PowerSGD's hook starts).
+       compression first, as PowerSGD's hook starts), and through the warm start (the first ``warm_start`` steps,
+       :data:`AUTO_WARM_START_S`) the pass-through while its step is short.
 
        Measured again: (a) **after the warm-up**: the pass-through, held first, is measured in a run's first
        steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
@@ -243,7 +252,8 @@ class Auto:
     like any budget. Its state is checkpointed (:meth:`state_dict`)."""
 
     def __init__(self, min_bits: float = 2.0, max_bits: float = PASS_THROUGH_BITS, tolerance: float = 0.03,
-                 probe_every: int = 50, change: float = 0.15, prune: float = 0.1) -> None:
+                 probe_every: int = 50, change: float = 0.15, prune: float = 0.1,
+                 warm_start: int = AUTO_WARM_START) -> None:
         self.min_bits, self.max_bits = _positive("min_bits", min_bits), _positive("max_bits", max_bits)
         if self.min_bits > self.max_bits:
             raise ValueError(f"min_bits ({min_bits}) must be <= max_bits ({max_bits})")
@@ -253,6 +263,9 @@ class Auto:
             raise ValueError("tolerance must be in [0, 1), change > 0 and prune >= 0")
         if not isinstance(probe_every, int) or probe_every < 1:
             raise ValueError(f"probe_every must be an int >= 1, got {probe_every!r}")
+        if not isinstance(warm_start, int) or warm_start < 0:
+            raise ValueError(f"warm_start must be an int >= 0, got {warm_start!r}")
+        self.warm_start = warm_start
         candidates = [b for b in AUTO_CANDIDATES if self.min_bits <= b <= self.max_bits]
         self.candidates = sorted({self.min_bits, self.max_bits, *candidates})
         self.tolerance, self.probe_every, self.change, self.prune = tolerance, probe_every, change, prune
@@ -462,6 +475,8 @@ class Auto:
         if any(p is None for p in predicted.values()):           # nothing to predict from yet
             waiting = [b for b in unmeasured if b in pending]
             return max(waiting) if waiting else max(unmeasured)
+        if step < self.warm_start and known.get(PASS_THROUGH_BITS, (math.inf, 0.0))[0] < AUTO_WARM_START_S:
+            return PASS_THROUGH_BITS                             # the warm start (3): early steps decide quality
         # Probe what could win if the model erred by ``prune``: on what it did not measure at that budget (the
         # transfer; SafeBits' own time unless bracketed), and on the whole span below every measured compressed
         # budget, where nothing bounds it from below (while none is measured, the prediction leaves SafeBits' own
