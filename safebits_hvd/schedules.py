@@ -506,8 +506,9 @@ class Auto:
         choice = self._pick(known)
         if choice < PASS_THROUGH_BITS and len(self.spans[choice]) >= 3:
             # Measured only while the run was warming up (the pass-through, held first): measure it again.
+            now = known[choice][0]
             for b in sorted(self.figures, reverse=True):
-                early, now = self._scaled(b)["span_s"], known[choice][0]
+                early = self._scaled(b)["span_s"]
                 if (self.measured_at[b] < AUTO_WARM_AFTER and b not in pending
                         and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
                     self._drop(b)

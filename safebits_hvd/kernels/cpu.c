@@ -5,8 +5,8 @@
  * `cc -O3 -fopenmp -ffp-contract=off -fPIC -shared` (no -ffast-math, no -march=native: bit-identical to the
  * PyTorch reference). Hot per-bucket functions are also built for AVX2 with target_clones (runtime dispatch by
  * the CPU); a target changes the vector width, never an IEEE result (no FMA: -ffp-contract=off).
- * tests/test_kernel_targets.py builds each target alone (and AVX-512's, which measured slower) and compares their
- * bits.
+ * tests/test_kernel_targets.py builds each target alone (and AVX-512's, not cloned: slower here for the Lloyd-Max
+ * actions, docs/RESULTS.md 5.2) and compares their bits.
  *
  * Every bucket is processed by one thread: pass 1 reads g and e into a bucket buffer (L1) and reduces max|v| or
  * the lane sums, pass 2 quantizes into `out`, pass 3 writes e = v - q and accumulates the float64 statistics in
