@@ -235,6 +235,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
     collectives: set[str] = set()
     first_loss = global_loss(model)
     skipped = escalations = 0
+    passed_before = False
     for step in range(sc.steps):
         current["step"] = step
         seen.clear()
@@ -266,6 +267,18 @@ def run_training(sc: Scenario) -> dict[str, Any]:
             buckets = current["buckets"]
             check(transport.launches > buckets if sc.chunk_bytes is not None else transport.launches >= buckets,
                   f"step {step}: {transport.launches} allgather launches for {buckets} buckets")
+
+        if record.pass_through and passed_before:
+            # Passing through with no residual left to flush: DDP's own mean of the gradients as the hook saw them.
+            raw = RANKS.allgather_object({n: seen[n].numpy() for n in trainable})
+            for n in trainable:
+                mean = sum(torch.from_numpy(raw[r][n]) for r in range(ranks)) / ranks
+                scale = sum(torch.from_numpy(raw[r][n]).abs() for r in range(ranks)) / ranks    # float32 rounding
+                err = (reduced[n].to(torch.float64) - mean).abs()
+                check(bool((err <= 1e-6 * scale + 1e-12).all()),
+                      f"step {step}: passing through, the reduced gradient of {n} is not the mean of the gradients "
+                      f"(max error {float(err.max()):.3g})")
+        passed_before = record.pass_through
 
         # The reduced gradient: the mean, in rank order, of every rank's decoded payload.
         sent = decoded_sends(state, transport, record.collective, numels) if record.collective != "dense" else {}

@@ -73,7 +73,7 @@ class TrackingSafeBits(sb.SafeBits):
             return out, ctx
         if out.dtype != torch.float32 or out.numel() != tensor.numel():
             self.wire_problems.append(f"{name}: wire {out.dtype} x {out.numel()} for grad of {tensor.numel()}")
-        self._track(name, grad, out.detach().to(torch.float64).clone())
+        self._track(name, grad, out.detach().reshape(-1).to(torch.float64).clone())   # flat, or in its own shape
         return out, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -168,6 +168,12 @@ class DensePath(CollectivePath):
                 own.copy_(values)
             self.add(index, own)
 
+    def add_unchanged(self, numels: np.ndarray) -> None:
+        """Tensors of these sizes go on as they are (a pass-through step's bucket): count their bytes at once, as
+        :meth:`add` would one by one."""
+        ranks = self.transport.size
+        self.wire_bytes += int(((2 * numels * self.bytes_per_element * (ranks - 1)) // ranks).sum())
+
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
                own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
         out = own if own is not None else torch.empty_like(e)

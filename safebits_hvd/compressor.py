@@ -107,6 +107,11 @@ class CoreCompressor(CoreRecords, Compressor):
             self._follow_world()
         index = self._index.find(tensor, None if began else core.unsent)
         reusable = tensor.dtype == torch.float32 and tensor.is_contiguous() and not tensor.requires_grad
+        if reusable and core.passes_on(index):
+            # Passing through, after the step's first tensor: Horovod allreduces the gradient itself, as with
+            # Compression.none.
+            step = core.step
+            return core.pass_on(index, tensor), Context(step, tensor.shape, tensor.dtype, index, "dense", None)
         flat = (tensor if tensor.dim() == 1 else tensor.view(-1)) if reusable else None
         sent = core.send(index, tensor if flat is None else flat, into=flat)
         if not sent.packed:
@@ -150,7 +155,7 @@ class CoreCompressor(CoreRecords, Compressor):
             core.taken(ctx.step)
         if tensor.dtype != ctx.dtype:
             tensor = tensor.to(ctx.dtype)
-        return tensor.view(ctx.shape)
+        return tensor if tensor.shape == ctx.shape else tensor.view(ctx.shape)
 
     def _follow_world(self) -> None:
         """Between steps: when elastic Horovod removed workers it re-initializes without a state sync

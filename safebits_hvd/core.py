@@ -195,6 +195,38 @@ class SafeBitsCore:
             path.send_group(group)
         return self._sent(index, 1, Sent(wire, self.step, path.name), start)
 
+    def passes_on(self, index: int) -> bool:
+        """Whether tensor ``index`` is one of a pass-through step begun already and not sent yet (:meth:`pass_on`
+        takes it)."""
+        return self.in_step and self.pass_through and bool(self.unsent[index])
+
+    def pass_on(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """:meth:`send` where :meth:`passes_on`: a float32 contiguous gradient in its own shape, handed on as it is
+        (or with a residual of an earlier step added, flat): no flattening, no torch call, so that passing
+        through costs about what ``Compression.none`` costs. Returns what travels."""
+        start = time.perf_counter()
+        if grad.numel() != self._numels[index]:
+            raise ValueError(f"gradient of {self.names[index]!r} has {grad.numel()} elements, its parameter "
+                             f"{self._numels[index]}")
+        wire = self.path.add(index, self.sender.pass_on(index, grad, None))
+        self._sent(index, 1, Sent(wire, self.step, self.path.name), start)
+        return wire
+
+    def pass_on_unchanged(self, indices: list[int]) -> bool:
+        """:meth:`send_group` of tensors whose values the front end's allreduce takes where they are (DDP's bucket),
+        in a pass-through step where they go on unchanged (:meth:`.sending.Sender.passes_unchanged`): marked sent
+        at once, with no Python per tensor. False, with nothing sent, where :meth:`send_group` must run instead."""
+        start = time.perf_counter()
+        self._begin_for(indices)
+        if not self.sender.passes_unchanged():
+            return False
+        rows, path = np.asarray(indices, dtype=np.int64), self.path
+        assert isinstance(path, DensePath)          # a pass-through step's
+        self.sender.record_passed(rows)
+        path.add_unchanged(self.numels[rows].astype(np.int64))
+        self._sent(rows, len(rows), Sent(None, self.step, path.name), start)
+        return True
+
     def send_group(self, indices: list[int], grads: list[torch.Tensor], intos: list[torch.Tensor | None], *,
                    close: bool = True) -> Sent:
         """:meth:`send` of several tensors at once: on the allgather path one group of the step, one batched pass

@@ -158,9 +158,6 @@ class SafeBitsState(CoreRecords):
             raise RuntimeError(f"DDP bucket {bucket.index()} holds {buffer.numel()} elements, its parameters "
                                f"{sum(numels)}")
         in_place = buffer.dtype == torch.float32      # decode straight into DDP's buffer
-        # What DDP reduces is the buffer: its ranges are the gradients (bucket.gradients() would make the same
-        # views one at a time); a buffer of another dtype is converted per tensor by the core.
-        grads = list(buffer.split(numels)) if in_place else bucket.gradients()
         began = not core.in_step
         if began:
             self._pending = []       # buckets of a step that an error interrupted: DDP never waits for them
@@ -170,6 +167,27 @@ class SafeBitsState(CoreRecords):
             self._allocation_check = None
             if core.path.front_end_groups:
                 self._start_allocation_check(step)      # the step's first collective, on every rank alike
+        pieces: list[_Piece] = []     # passing through, none: DDP all-reduces the bucket as its default hook does
+        if not (in_place and core.pass_on_unchanged(indices)):
+            pieces = self._send(buffer, bucket, indices, numels, in_place)
+        work = None
+        if collective == "dense" and self.world_size > 1:
+            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+        elif collective == "two_phase" and isinstance(core.transport, TorchDistributedTransport):
+            core.transport.flush()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._pending.append(_PendingBucket(future, buffer, pieces, work))
+        if bucket.is_last():
+            self._close_step(step, collective)
+        return future
+
+    def _send(self, buffer: torch.Tensor, bucket: dist.GradBucket, indices: list[int], numels: list[int],
+              in_place: bool) -> list[_Piece]:
+        """Send the bucket's tensors through the core on the step's path; returns their pieces of the buffer."""
+        core = self.core
+        # What DDP reduces is the buffer: its ranges are the gradients (bucket.gradients() would make the same
+        # views one at a time); a buffer of another dtype is converted per tensor by the core.
+        grads = list(buffer.split(numels)) if in_place else bucket.gradients()
         starts = np.concatenate([[0], np.cumsum(numels)]).tolist()
         targets = grads if in_place else [None] * len(indices)
         pieces = [_Piece(index, starts[k], starts[k + 1], targets[k]) for k, index in enumerate(indices)]
@@ -197,16 +215,7 @@ class SafeBitsState(CoreRecords):
             # Closing starts the statistics exchange: only after the allocation check and the payloads' launch,
             # so every rank issues its collectives in the same order even when the check fails.
             core.close()
-        work = None
-        if collective == "dense" and self.world_size > 1:
-            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-        elif collective == "two_phase" and isinstance(core.transport, TorchDistributedTransport):
-            core.transport.flush()
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._pending.append(_PendingBucket(future, buffer, pieces, work))
-        if bucket.is_last():
-            self._close_step(step, collective)
-        return future
+        return pieces
 
     def _launch(self, expected: int) -> None:
         """Start the allgather of the payloads queued since the last launch, which total ``expected`` bytes at

@@ -123,6 +123,8 @@ class Sender:
         self.nonfinite = nonfinite
         self.sample_buckets = sample_buckets
         self.tables = tables
+        # Each tensor's lossless action's position in its cost order (what a pass-through step records as sent).
+        self.lossless_position = policy.position_in_cost_order[:, policy.lossless_index].copy()
         # Without error feedback there is no residual to protect: NaN/Inf go through the quantizer as they would
         # through Horovod's own compressors (the baselines), and the check's extra pass is saved.
         self.checks_finite = error_feedback or nonfinite != "propagate"
@@ -171,19 +173,32 @@ class Sender:
         """A pass-through step (the budget fits every tensor uncompressed, on the dense path): the gradient as it
         is, as ``Compression.none`` sends it, with no screen and no pass over it; a residual left from earlier
         steps is added once and dropped (lossless: nothing is lost, only sent late). The NaN/Inf check runs only
-        where ``nonfinite`` asks for more than passing them on."""
+        where ``nonfinite`` asks for more than passing them on. ``g`` may keep its own shape (contiguous) when
+        ``own`` is None (:meth:`.core.SafeBitsCore.pass_on`); what is returned then is ``g``, or flat."""
         fields = self.fields
         assert fields is not None
         if self.nonfinite != "propagate" and g.numel() and holds_nonfinite(g):
-            return self.send_nonfinite(index, g, own)
-        fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
-        fields.sent_distortion[index] = 0.0
-        fields.neg_sent_cosine[index] = -1.0
-        e = self.memory.pop(self.names[index]) if self.error_feedback else None
+            return self.send_nonfinite(index, g.view(-1), own)
+        self.record_passed(index)
+        e = self.memory.pop(self.names[index]) if self.error_feedback and self.memory.residuals else None
         if e is None:
             return g
-        out = own if own is not None else torch.empty_like(g)
-        return torch.add(g, e.to(g.device), out=out)
+        out = own if own is not None else torch.empty_like(e)
+        return torch.add(g.view(-1), e.to(g.device), out=out)
+
+    def passes_unchanged(self) -> bool:
+        """Whether a pass-through step's tensors go on exactly as they are: nothing to check for NaN/Inf and no
+        residual left to flush (:meth:`pass_on` would return each gradient itself)."""
+        return self.pass_through and self.nonfinite == "propagate" and not (self.error_feedback
+                                                                            and self.memory.residuals)
+
+    def record_passed(self, rows: Any) -> None:
+        """The step's statistics of tensors passed through (one index or an array): the lossless action sent."""
+        fields = self.fields
+        assert fields is not None
+        fields.sent_position[rows] = self.lossless_position[rows]
+        fields.sent_distortion[rows] = 0.0
+        fields.neg_sent_cosine[rows] = -1.0
 
     def record_sent(self, rows: Any, actions: Any, distortion: Any, cosine: Any, plannable: Any, v2: Any) -> None:
         """The step's statistics of what was sent: of one tensor (Python numbers) or of many (arrays)."""

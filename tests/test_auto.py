@@ -358,6 +358,34 @@ def test_pass_through_sends_the_gradient_and_flushes_the_residual_once() -> None
     assert not c.last_step.pass_through                     # compressed again, from the start policy
 
 
+def test_passing_through_hands_on_the_gradient_itself_in_its_shape() -> None:
+    """After a pass-through step's first tensor, compress returns the gradient itself, in its own shape (no view, no
+    copy), as Compression.none does, and decompress returns it again; the first pass-through step adds the residual
+    a compressed step left, exactly, and leaves none."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(30, 40), (7,), (5, 6, 7), (64, 64)]
+    params = [(f"w{i}", torch.nn.Parameter(torch.randn(shape, generator=gen))) for i, shape in enumerate(shapes)]
+    budgets = iter([2.0, 32.0, 32.0])
+    c = sb.SafeBits(params, budget_bits=lambda step: next(budgets))
+    for step in range(3):
+        random_grads(params, step)
+        owed = {name: e.clone() for name, e in c.memory.residuals.items()}
+        if step == 1:
+            assert set(owed) == {name for name, _ in params}
+        for k, (name, p) in enumerate(reversed(params)):
+            g = p.grad.clone()
+            wire, ctx = c.compress(p.grad)
+            out = c.decompress(wire, ctx)
+            assert out.shape == p.shape
+            if step == 1:
+                assert torch.equal(out.reshape(-1), g.reshape(-1) + owed[name])
+            if step == 2:
+                assert torch.equal(out, g)
+                assert k == 0 or (wire is p.grad and out is p.grad), name
+        if step:
+            assert c.last_step.pass_through and not c.memory.residuals
+
+
 def test_every_rank_chooses_alike_from_disagreeing_local_timings() -> None:
     """Two ranks in one process (PairExchange) measure different wall times (rank 1 sleeps in its backward), but
     decide from the MAX-reduced telemetry: the same budget every step, and the allocation digests agree (a
