@@ -5,7 +5,8 @@ registers its tensor until its fusion group is complete, the group is sent in on
 decompress of a group decodes the whole group (docs/DESIGN.md, "The batched step"). With 16-element tensors the
 kernels' own work is small, so the figure is SafeBits' cost per tensor; with 272 elements (the 1,000-tensor model
 of ``bench.suites.horovod_overhead``) it includes the kernels. ``test_thousand_tensor_dense_step``: the same step on
-the dense path (each tensor a group of one, its values only), for comparison.
+the dense path (each tensor a group of one, its values only), for comparison;
+``test_thousand_tensor_pass_through_step``: a pass-through step (32 bits).
 
 ``extra_info``: ``us_per_tensor`` (compress plus decompress, per tensor, median step), ``host_reads_per_step``
 (reads back to the host, :mod:`safebits_hvd.host`), ``step_vs_clone`` (the step over ``torch.clone`` of the same
@@ -27,9 +28,10 @@ from safebits_hvd import host
 TENSORS = 1000
 
 
-def make_step(numel: int, collective: str = "allgather") -> tuple[Any, Any, list[torch.Tensor]]:
+def make_step(numel: int, collective: str = "allgather",
+              budget_bits: float = 4.4) -> tuple[Any, Any, list[torch.Tensor]]:
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel))) for i in range(TENSORS)]
-    compressor = sb.SafeBits(params, budget_bits=4.4, collective=collective)
+    compressor = sb.SafeBits(params, budget_bits=budget_bits, collective=collective)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(numel, generator=gen) for _ in params]
 
@@ -67,10 +69,17 @@ def test_thousand_tensor_dense_step(benchmark: Any, numel: int) -> None:
     assert reads <= TENSORS, reads
 
 
-def measure_step(benchmark: Any, numel: int, collective: str) -> tuple[Any, int]:
+def test_thousand_tensor_pass_through_step(benchmark: Any) -> None:
+    """A pass-through step (32 bits on the dense path: what ``budget_bits="auto"`` runs where compression does not
+    pay): after the step's first tensor, ``compress`` hands on the gradient itself, with no read back."""
+    compressor, reads = measure_step(benchmark, 272, "dense", budget_bits=32.0)
+    assert compressor.last_step.pass_through and reads == 0, reads
+
+
+def measure_step(benchmark: Any, numel: int, collective: str, budget_bits: float = 4.4) -> tuple[Any, int]:
     """Time the 1,000-tensor step on ``collective``; returns the compressor and the reads back of one step."""
     torch.set_num_threads(1)
-    compressor, step, grads = make_step(numel, collective)
+    compressor, step, grads = make_step(numel, collective, budget_bits)
     for _ in range(3):
         step()                            # warm: index cache, residuals, samples
     reads = host.reads()
