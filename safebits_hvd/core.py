@@ -11,8 +11,10 @@ each gradient to a parameter index and drives the core through three calls:
 
 The life of one step (numbers reappear in the code; docs/DESIGN.md, "The life of one step"):
 
-1. **Begin**: finish the previous step's exchange if still pending; take the step's budget from the schedule; the
-   policy allocates an action per tensor from the previous step's reduced statistics (:mod:`.policy`); digest it.
+1. **Begin**: finish the previous step's exchange if still pending; a schedule that reads telemetry
+   (``observe_timing``: ``budget_bits="auto"``) takes the previous step's, reduced; take the step's budget from the
+   schedule; the policy allocates an action per tensor from the previous step's reduced statistics
+   (:mod:`.policy`); digest it.
 2. **Screen** (:class:`.sending.Sender`, one batched pass over many tensors on the packed paths: docs/DESIGN.md,
    "The batched step"): the kernels measure every menu action on ``v = g + e`` over a sample of whole buckets (all
    buckets for small tensors); the policy turns that into the admissible set. A group is a fusion group on the
@@ -24,7 +26,8 @@ The life of one step (numbers reappear in the code; docs/DESIGN.md, "The life of
 4. **Close**: when every tensor has been sent, start the statistics exchange (:mod:`.exchange`; layout:
    :mod:`.statistics`). Starting needs nothing from other ranks, so it cannot deadlock.
 5. **Finish**: wait for the exchange; record the step (:mod:`.telemetry`); keep the reduced statistics for the next
-   allocation; check that every rank allocated the same way (the digest).
+   allocation; check that every rank allocated the same way (the digest); for a schedule that reads telemetry,
+   start reducing the step's own figures, which are complete now (taken at the next begin).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 from . import collectives, kernels
 from .actions import Menu
 from .allocator import Allocation
-from .clock import StepClock
+from .clock import StepClock, timing_record
 from .collectives import AllgatherPath, CollectivePath, DensePath
 from .exchange import StatisticsExchange, allocation_digest, check_agreement, digest_words, waited_seconds
 from .memory import ErrorFeedback
@@ -169,6 +172,13 @@ class SafeBitsCore:
         # screen, no packing (and the next allocation, with no statistics from it, uses the start policy).
         self.pass_through = False
         self.clock = StepClock()                       # this rank's telemetry (clock.py), exchanged a step later
+        # A schedule that reads telemetry (budget_bits="auto") gets each step's figures before the next step's
+        # budget: reduced in a small exchange of their own, started when the step finishes and taken at the next
+        # begin, so that the budget follows the last step rather than the one before it (the records' copy
+        # travels a step later, in the statistics). In flight: (step, handle, vector).
+        self._observe_timing: Callable[[int, dict[str, float]], None] | None = getattr(schedule, "observe_timing",
+                                                                                       None)
+        self._telemetry: tuple[int, Any, np.ndarray] | None = None
 
         # -- records
         self.log = StepLog(names, self.menu.names, self.total_elements, max_history,
@@ -293,9 +303,15 @@ class SafeBitsCore:
         return self._pending is not None
 
     def finish(self, step: int | None = None) -> None:
-        """Finish the pending exchange (only if it is ``step``'s, when given)."""
+        """Finish the pending exchange (only if it is ``step``'s, when given); without ``step``, hand the schedule
+        the telemetry in flight too."""
         if self._pending is not None and (step is None or self._pending[0] == step):
             self._finish()
+        if step is None and self._telemetry is not None:
+            assert self.exchange is not None and self._observe_timing is not None
+            (timing_step, handle, vector), self._telemetry = self._telemetry, None
+            self.exchange.wait(handle)
+            self._observe_timing(timing_step, timing_record(vector))
 
     def taken(self, step: int) -> None:
         """The front end has taken one reduced tensor of ``step``; after the step's last one, finish its exchange
@@ -383,12 +399,15 @@ class SafeBitsCore:
             observe(self.log.last)
         if self.consistency_check_every and step % self.consistency_check_every == 0:
             check_agreement(reduced, step, self._digest)
+        if self._observe_timing is not None:
+            vector = self.clock.last.copy()      # this step's figures (UNKNOWN where none: the MAX keeps a known one)
+            self._telemetry = (step, self.exchange.start(vector), vector)
 
     # ------------------------------------------------------------------ elastic training
     def abort_step(self) -> None:
         """Drop the step in progress and the pending exchange (a collective failed: a worker left); the residuals
         may hold part of that step, so load the last state next (elastic ``restore`` does)."""
-        self.in_step, self._pending, self._unsent_count = False, None, len(self.names)
+        self.in_step, self._pending, self._telemetry, self._unsent_count = False, None, None, len(self.names)
         self.unsent[:] = True
         self.clock.abort()
         for path in self.paths.values():
@@ -405,4 +424,5 @@ class SafeBitsCore:
                              "world; pass factories (or nothing) for elastic training")
         self.exchange = None
         self.transport = None
+        self._telemetry = None           # the old world's: the schedule goes without one step's figures
         self.two_phase.leave_world()

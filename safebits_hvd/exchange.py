@@ -168,7 +168,9 @@ class HorovodExchange(_RankExchange):
 
     def _start(self, values: np.ndarray) -> Any:
         tensor = torch.from_numpy(values)          # shares the vector's memory: the in-place op writes into it
-        return self._hvd.allreduce_async_(tensor, op=self._hvd.Max, name=self.name,
+        # Horovod matches collectives by name: each vector the core exchanges (the statistics; the telemetry for
+        # budget_bits="auto") is named by its length, which differs.
+        return self._hvd.allreduce_async_(tensor, op=self._hvd.Max, name=f"{self.name}.{len(values)}",
                                           process_set=self.process_set), tensor
 
     def wait(self, handle: Any) -> None:

@@ -1,8 +1,9 @@
 """Budget schedules: any callable ``step -> budget in bits per parameter`` works; these are the built-ins.
 
 Each says what it reads. A schedule with an ``observe(record)`` method is shown every finished
-:class:`~safebits_hvd.telemetry.StepRecord` (the SNR-aware one uses that); ``state_dict``/``load_state_dict``
-methods, if present, are checkpointed with the compressor.
+:class:`~safebits_hvd.telemetry.StepRecord` (the SNR-aware one uses that); one with ``observe_timing(step,
+timing)`` each step's telemetry, reduced over ranks, before the next step's budget is read (``Auto``);
+``state_dict``/``load_state_dict`` methods, if present, are checkpointed with the compressor.
 """
 
 from __future__ import annotations
@@ -147,6 +148,12 @@ AUTO_WINDOW = 7
 """Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step
 noise of shared machines (a third of a step, between consecutive steps of one budget, on 2 busy cores)."""
 
+AUTO_MEDIAN_OF = 3
+"""Spans a compressed choice is measured over before :class:`Auto` probes another compressed budget from it (3):
+with 10% noise on steps 4% apart, one span often made the second-best look better, and it was kept for much of the
+run (``tests/test_auto.py``, 1 Gbit/s in ``tight_timing``: 388 steps of 2,240 off the best over 40 seeds with one
+span, 116 with three)."""
+
 AUTO_WARMUP = 2
 """The first steps of a run, whose spans :class:`Auto` does not keep (allocation, connection set-up)."""
 
@@ -183,9 +190,10 @@ standard error of its median (normal noise: MAD = 0.674 sigma; a median's error 
 
 class Auto:
     """``budget_bits="auto"``: each step's bits per parameter, no compression included, chosen from the telemetry
-    SafeBits measures itself (``StepRecord.timing``, docs/DESIGN.md, "budget_bits='auto'").
+    SafeBits measures itself (:mod:`.clock`, docs/DESIGN.md, "budget_bits='auto'").
 
-    Reads, through :meth:`observe`, each record's telemetry of the step before it: the span from its first gradient
+    Reads, through :meth:`observe_timing`, each step's telemetry, reduced over ranks, before the next step's budget
+    is chosen (the core exchanges it as the step finishes): the span from its first gradient
     to its end (``span_s``, the part of a step the choice can change), its backward span, SafeBits' own send and
     receive time, the bytes it moved, how long its collectives were in flight and how long the step waited for
     them. Then, per candidate budget (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
@@ -212,9 +220,10 @@ class Auto:
        below the fewest compressed bits measured on this link, where nothing bounds a budget from below, off
        its whole span, and there only the fewest bits are probed (they bound the rest: the least to send, the
        least own work) and nothing else until their telemetry is in. One whose telemetry is still on its way
-       (the last two steps) is held, not probed again. Before the first measurement the costliest is held (no
-       compression first, as PowerSGD's hook starts), and through the warm start (the first ``warm_start`` steps,
-       :data:`AUTO_WARM_START_S`) the pass-through while its step is short.
+       (a step not observed yet) is held, not probed again. From a compressed choice, no other compressed budget
+       is probed before the choice has :data:`AUTO_MEDIAN_OF` spans. Before the first measurement the costliest
+       is held (no compression first, as PowerSGD's hook starts), and through the warm start (the first
+       ``warm_start`` steps, :data:`AUTO_WARM_START_S`) the pass-through while its step is short.
 
        Measured again: (a) **after the warm-up**: the pass-through, held first, is measured in a run's first
        steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
@@ -248,7 +257,7 @@ class Auto:
        rate moves it by more than ``change``, except the pass-through's when the rate was seen through a
        compressed step (2). Dropped ones are probed again (3).
 
-    Every rank sees the same reduced records, so every rank chooses alike; the choice enters the allocation digest
+    Every rank sees the same reduced telemetry, so every rank chooses alike; the choice enters the allocation digest
     like any budget. Its state is checkpointed (:meth:`state_dict`)."""
 
     def __init__(self, min_bits: float = 2.0, max_bits: float = PASS_THROUGH_BITS, tolerance: float = 0.03,
@@ -270,8 +279,8 @@ class Auto:
         self.candidates = sorted({self.min_bits, self.max_bits, *candidates})
         self.tolerance, self.probe_every, self.change, self.prune = tolerance, probe_every, change, prune
         # Learned (checkpointed): per candidate, its last spans (oldest first), the step of the last, its last
-        # telemetry and the link rate then; the link rate now; the budget of each recent step (the telemetry of a
-        # step arrives a step later); the hold in progress (budget, steps left).
+        # telemetry and the link rate then; the link rate now; the budget of each recent step (its telemetry
+        # arrives after it) and the last step whose telemetry arrived; the hold in progress (budget, steps left).
         self.spans: dict[float, list[float]] = {b: [] for b in self.candidates}
         self.measured_at: dict[float, int] = {}
         self.figures: dict[float, dict[str, float]] = {}
@@ -279,11 +288,13 @@ class Auto:
         self.rate = 0.0
         self.rate_bits = PASS_THROUGH_BITS    # the budget of the step the rate was measured on
         self.chosen: dict[int, float] = {}
+        self.observed = -1
         self.probe: tuple[float, int] | None = None
 
     # ------------------------------------------------------------------ 1 and 5: measure, follow the link
-    def observe(self, record: StepRecord) -> None:
-        step, timing = record.timing_step, record.timing
+    def observe_timing(self, step: int, timing: dict[str, float]) -> None:
+        """Step ``step``'s telemetry (:data:`.clock.TIMING_FIELDS`, reduced over ranks; NaN where unknown)."""
+        self.observed = max(self.observed, step)
         bits, previous = self.chosen.get(step), self.chosen.get(step - 1)
         for old in [s for s in self.chosen if s < step - 1]:
             del self.chosen[old]
@@ -469,7 +480,7 @@ class Auto:
         spread = self.spread()
         known = {b: (e, AUTO_MAD_TO_SE * spread / math.sqrt(len(self.spans[b])))
                  for b in self.candidates if (e := self.estimate(b)) is not None}
-        pending = {self.chosen[s] for s in (step - 1, step - 2) if s in self.chosen}   # telemetry not in yet
+        pending = {b for s, b in self.chosen.items() if self.observed < s < step}      # telemetry not in yet
         unmeasured = [b for b in self.candidates if b not in known]
         predicted = {b: self.predict(b) for b in unmeasured}
         if any(p is None for p in predicted.values()):           # nothing to predict from yet
@@ -501,8 +512,11 @@ class Auto:
                 hoped[b] = (bound, 0.0)
         if hoped:
             bits = self._pick({**known, **hoped})
+            current = self.chosen.get(step - 1, PASS_THROUGH_BITS)
             if bits in hoped:
-                return bits
+                # A compressed choice measured over fewer spans is no estimate to leave for another compressed budget.
+                young = current in known and len(self.spans[current]) < AUTO_MEDIAN_OF
+                return current if young and max(bits, current) < PASS_THROUGH_BITS else bits
         choice = self._pick(known)
         if choice < PASS_THROUGH_BITS and len(self.spans[choice]) >= 3:
             # Measured only while the run was warming up (the pass-through, held first): measure it again.
@@ -530,7 +544,8 @@ class Auto:
                 "figures": {str(b): dict(f) for b, f in self.figures.items()},
                 "rate_at": {str(b): r for b, r in self.rate_at.items()}, "rate": self.rate,
                 "rate_bits": self.rate_bits,
-                "chosen": {str(s): b for s, b in self.chosen.items()}, "probe": list(self.probe or [])}
+                "chosen": {str(s): b for s, b in self.chosen.items()}, "observed": self.observed,
+                "probe": list(self.probe or [])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.spans = {b: [float(x) for x in state["spans"].get(str(b), [])] for b in self.candidates}
@@ -540,6 +555,7 @@ class Auto:
         self.rate = float(state["rate"])
         self.rate_bits = float(state.get("rate_bits", PASS_THROUGH_BITS))
         self.chosen = {int(s): float(b) for s, b in state["chosen"].items()}
+        self.observed = int(state.get("observed", max(self.chosen, default=0) - 2))
         self.probe = (float(state["probe"][0]), int(state["probe"][1])) if state["probe"] else None
 
     def __repr__(self) -> str:

@@ -1,6 +1,6 @@
 """``budget_bits="auto"`` on a link that changes, simulated (docs/RESULTS.md 4.1): the decision rule of
 :class:`safebits_hvd.schedules.Auto` driven by the modeled telemetry of ``tests/test_auto.py`` (``drive``, which
-hands the schedule each step's telemetry two steps later, as SafeBits does) in two scenarios:
+hands the schedule each step's telemetry before the next step's budget is chosen, as SafeBits does) in two scenarios:
 
 - ``modeled``: ``simulated_timing`` (10M parameters, backward 100 ms) through unlimited (10 GB/s, 100 steps),
   100 Mbit/s (100 steps) and 1 Gbit/s (100 steps);
@@ -13,7 +13,7 @@ hands the schedule each step's telemetry two steps later, as SafeBits does) in t
 
 Per phase: auto's total against the best fixed budget's (the per-phase oracle), and the steps until auto settles
 (its first of 3 steps in a row within 10% of the best fixed step time, the criterion of RESULTS 4.4). The floor is
-what the lag alone costs: a rule that knows every budget's step time but sees the link two steps late. With
+what the lag alone costs: a rule that knows every budget's step time but sees the link one step late. With
 ``--noise``, each step's telemetry is multiplied by ``exp(noise * z)`` and the totals (of the noise-free step times)
 are the mean over ``--seeds`` runs, settling the median.
 
@@ -85,11 +85,11 @@ SCENARIOS = [
 
 
 def lag_floor(scenario: Scenario) -> list[float]:
-    """The budgets of a rule that knows every budget's step time but sees the link of step t only at t + 2."""
+    """The budgets of a rule that knows every budget's step time but sees the link of step t only at t + 1."""
     def pick(step: int) -> float:
         spans = {b: scenario.span(b, max(0, step)) for b in AUTO_CANDIDATES}
         return min(spans, key=lambda b: (spans[b], -b))
-    return [pick(step - 2) for step in range(scenario.steps)]
+    return [pick(step - 1) for step in range(scenario.steps)]
 
 
 def phase_figures(scenario: Scenario, chosen: list[float]) -> list[tuple[float, float, int | None]]:
