@@ -171,8 +171,7 @@ class DensePath(CollectivePath):
     def add_unchanged(self, numels: np.ndarray) -> None:
         """Tensors of these sizes go on as they are (a pass-through step's bucket): count their bytes at once, as
         :meth:`add` would one by one."""
-        ranks = self.transport.size
-        self.wire_bytes += int(((2 * numels * self.bytes_per_element * (ranks - 1)) // ranks).sum())
+        self.wire_bytes += int(self._ring_bytes(numels).sum())
 
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
                own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
@@ -186,8 +185,12 @@ class DensePath(CollectivePath):
         return torch.zeros(n, dtype=torch.float32, device=device)
 
     def link_bytes(self, sent: Any) -> int:
+        return self._ring_bytes(sent.numel())
+
+    def _ring_bytes(self, numel: Any) -> Any:
+        """What a ring allreduce of ``numel`` values (an int, or an array of them) costs one rank on the link."""
         ranks = self.transport.size
-        return (2 * sent.numel() * self.bytes_per_element * (ranks - 1)) // ranks
+        return (2 * numel * self.bytes_per_element * (ranks - 1)) // ranks
 
 
 # ---------------------------------------------------------------------------------------------- fused allgather

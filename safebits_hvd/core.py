@@ -49,7 +49,7 @@ from .exchange import StatisticsExchange, allocation_digest, check_agreement, di
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .schedules import budget_at
-from .sending import Sender, checked_into, flat_gradient
+from .sending import Sender, check_numel, checked_into, flat_gradient
 from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepLog, logger
 from .transports import PayloadTransport, make_transport
@@ -215,9 +215,7 @@ class SafeBitsCore:
         (or with a residual of an earlier step added, flat): no flattening, no torch call, so that passing
         through costs about what ``Compression.none`` costs. Returns what travels."""
         start = time.perf_counter()
-        if grad.numel() != self._numels[index]:
-            raise ValueError(f"gradient of {self.names[index]!r} has {grad.numel()} elements, its parameter "
-                             f"{self._numels[index]}")
+        check_numel(self.names[index], grad, self._numels[index])
         wire = self.path.add(index, self.sender.pass_on(index, grad, None))
         self._sent(index, 1, Sent(wire, self.step, self.path.name), start)
         return wire

@@ -512,8 +512,8 @@ class Auto:
                 hoped[b] = (bound, 0.0)
         if hoped:
             bits = self._pick({**known, **hoped})
-            current = self.chosen.get(step - 1, PASS_THROUGH_BITS)
             if bits in hoped:
+                current = self.chosen.get(step - 1, PASS_THROUGH_BITS)
                 # A compressed choice measured over fewer spans is no estimate to leave for another compressed budget.
                 young = current in known and len(self.spans[current]) < AUTO_MEDIAN_OF
                 return current if young and max(bits, current) < PASS_THROUGH_BITS else bits

@@ -87,14 +87,19 @@ def flat_gradient(name: str, tensor: torch.Tensor, numel: int) -> torch.Tensor:
                         f"hvd.DistributedOptimizer(..., sparse_as_dense=True)")
     if not tensor.dtype.is_floating_point:
         raise TypeError(f"gradient of {name!r} has dtype {tensor.dtype}; SafeBits compresses floating point")
-    if tensor.numel() != numel:
-        raise ValueError(f"gradient of {name!r} has {tensor.numel()} elements, its parameter {numel}")
+    check_numel(name, tensor, numel)
     if tensor.dim() == 1 and tensor.dtype == torch.float32 and not tensor.requires_grad and tensor.is_contiguous():
         return tensor       # already flat (the Horovod front end's view): every torch call costs microseconds
     g = tensor.detach().reshape(-1)
     if g.dtype != torch.float32:
         g = g.to(torch.float32)
     return g.contiguous()
+
+
+def check_numel(name: str, tensor: torch.Tensor, numel: int) -> None:
+    """``ValueError`` unless the gradient has its parameter's ``numel`` elements."""
+    if tensor.numel() != numel:
+        raise ValueError(f"gradient of {name!r} has {tensor.numel()} elements, its parameter {numel}")
 
 
 def checked_into(name: str, g: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
