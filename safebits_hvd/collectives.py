@@ -463,8 +463,10 @@ def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarr
     ``expected[k]`` (what every rank allocated). Fast path: if every rank sent the expected actions, the buffer
     has exactly their length and their headers at the offsets they imply; one comparison of all those headers
     proves it (by induction over payloads: each header fixes where the next payload starts), one read back. Else
-    every payload is parsed in turn (a rank escalated, or the buffer is corrupt), each header being one of its
-    row's menu actions (:class:`~.wire.WireFormatError` names what is wrong)."""
+    the buffer is read back once and the same comparison finds, in buffer order, the first payload that is not at
+    its assumed action (a rank escalated it, or the buffer is corrupt); its header says its action (one of its
+    row's menu actions, else :class:`~.wire.WireFormatError` names what is wrong), which moves every later
+    payload, and the comparison goes on from there."""
     m, ranks = rows.shape
     sizes = tables.payload_bytes[rows, expected[:, None]]                       # [member, rank]
     starts = np.zeros_like(sizes)
@@ -480,31 +482,65 @@ def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarr
         if bool((heads == want).all()):
             return kernels.Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
     data = host.to_host(gathered)
-    offsets = np.empty((m, ranks), dtype=np.int64)
-    actions = np.empty((m, ranks), dtype=np.int64)
-    offset = 0
-    for r in range(ranks):
-        for k in range(m):
-            row = int(rows[k, r])
-            if data.size - offset < wire.HEADER_BYTES:
-                raise wire.WireFormatError(f"{names[k]} (rank {r}): truncated payload: {data.size - offset} bytes "
-                                           f"left, a header alone is {wire.HEADER_BYTES}")
-            action = tables.action_of_header(row, data[offset:offset + wire.HEADER_BYTES].tobytes())
-            if action < 0:
-                wire.parse_header(gathered[offset:offset + wire.HEADER_BYTES], f"{names[k]} (rank {r})",
-                                  check_length=False)     # names what is wrong, if the header itself is
-                raise wire.WireFormatError(f"{names[k]} (rank {r}): the payload is not one of this tensor's menu "
-                                           f"actions")
-            size = int(tables.payload_bytes[row, action])
-            if data.size - offset < size:
-                raise wire.WireFormatError(f"{names[k]} (rank {r}): truncated payload: {data.size - offset} bytes "
-                                           f"left, expected {size}")
-            offsets[k, r] = offset
-            actions[k, r] = action
-            offset += size
-    if offset != data.size:
-        raise wire.WireFormatError(f"{what}: {data.size - offset} bytes after {ranks * m} payloads")
-    return kernels.Gathered(gathered, offsets), actions
+    # In buffer order (rank after rank, member after member): the row, the action assumed, the payload's size.
+    order_rows = np.ascontiguousarray(rows.T).reshape(-1)
+    order_actions = np.repeat(expected[None, :], ranks, axis=0).reshape(-1)
+    order_sizes = np.ascontiguousarray(sizes.T).reshape(-1)
+    order_offsets = np.concatenate([[0], np.cumsum(order_sizes)[:-1]]).astype(np.int64)
+    proven, window = 0, 64      # the payloads before `proven` are where and what they are assumed to be
+    while proven < order_rows.size:
+        # Compare a window of payloads at a time, doubling it while all match: few passes when few payloads
+        # differ, short ones when many do.
+        stop = min(proven + window, order_rows.size)
+        slot = proven + _first_mismatch(data, order_rows[proven:stop], order_actions[proven:stop],
+                                        order_offsets[proven:stop], tables)
+        if slot == stop:
+            proven, window = stop, 2 * window
+            continue
+        k, r = slot % m, slot // m
+        offset, row = int(order_offsets[slot]), int(order_rows[slot])
+        if data.size - offset < wire.HEADER_BYTES:
+            if slot > 0 and offset > data.size:           # the payload before it runs past the end
+                _truncated(data, order_offsets, order_sizes, slot - 1, m, names)
+            raise wire.WireFormatError(f"{names[k]} (rank {r}): truncated payload: {data.size - offset} bytes "
+                                       f"left, a header alone is {wire.HEADER_BYTES}")
+        action = tables.action_of_header(row, data[offset:offset + wire.HEADER_BYTES].tobytes())
+        if action < 0:
+            wire.parse_header(gathered[offset:offset + wire.HEADER_BYTES], f"{names[k]} (rank {r})",
+                              check_length=False)     # names what is wrong, if the header itself is
+            raise wire.WireFormatError(f"{names[k]} (rank {r}): the payload is not one of this tensor's menu "
+                                       f"actions")
+        order_actions[slot] = action
+        order_sizes[slot] = tables.payload_bytes[row, action]
+        order_offsets[slot + 1:] = offset + np.cumsum(order_sizes[slot:-1])
+        proven, window = slot + 1, 64
+    end = int(order_offsets[-1] + order_sizes[-1]) if order_rows.size else 0
+    if end > data.size:                       # every header fits: only the last payload can run past the end
+        _truncated(data, order_offsets, order_sizes, order_rows.size - 1, m, names)
+    if end != data.size:
+        raise wire.WireFormatError(f"{what}: {data.size - end} bytes after {ranks * m} payloads")
+    return (kernels.Gathered(gathered, np.ascontiguousarray(order_offsets.reshape(ranks, m).T)),
+            np.ascontiguousarray(order_actions.reshape(ranks, m).T))
+
+
+def _truncated(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, slot: int, m: int, names: list[str]) -> None:
+    """Raise the error of a payload (``slot`` in buffer order) that runs past the end of the gathered buffer."""
+    raise wire.WireFormatError(f"{names[slot % m]} (rank {slot // m}): truncated payload: "
+                               f"{data.size - int(offsets[slot])} bytes left, expected {int(sizes[slot])}")
+
+
+def _first_mismatch(data: np.ndarray, rows: np.ndarray, actions: np.ndarray, offsets: np.ndarray,
+                    tables: kernels.GroupTables) -> int:
+    """How many of the payloads assumed at ``offsets`` (buffer order) have, one after the other, their assumed
+    action's header there: the index of the first that does not (or whose header would not fit), else their
+    count."""
+    fits = offsets + wire.HEADER_BYTES <= data.size
+    count = int(fits.size if fits.all() else np.argmin(fits))
+    if count == 0:
+        return 0
+    heads = data[offsets[:count, None] + np.arange(wire.HEADER_BYTES)[None, :]]
+    same = (heads == tables.headers[rows[:count], actions[:count]]).all(axis=1)
+    return int(count if same.all() else np.argmin(same))
 
 
 # ---------------------------------------------------------------------------------------------- encoding

@@ -26,7 +26,7 @@ and the cosine >= min_cosine + margin * (1 - min_cosine). The screen computes in
 invariant true for anyone who recomputes it in float32."""
 
 
-_SCALAR_ROWS = 64   # up to this many actions, distortion_cosine goes through distortion_cosine_of
+_SCALAR_ROWS = 16   # up to this many actions, distortion_cosine goes through distortion_cosine_of
 
 
 def distortion_cosine(stats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import collectives, kernels, wire
+from safebits_hvd import collectives, host, kernels, wire
 from safebits_hvd.compressor import op_factor
 
 from .helpers import many_tensor_params, random_grads
@@ -330,3 +330,51 @@ def test_gathered_payloads_that_do_not_add_up_are_a_clear_error() -> None:
         collectives.decode_sequence(payload, torch.zeros(999), "layer.weight")
     with pytest.raises(ValueError, match="collective"):
         sb.SafeBits(many_tensor_params(), collective="ring")
+
+
+def _gathered_group(sizes: list[int], sent: np.ndarray, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """A gathered buffer as a rank's allgather delivers it: rank after rank, member after member, member ``k`` of
+    rank ``r`` packed at menu action ``sent[k, r]``; and where each payload starts ``[member, rank]``."""
+    menu = sb.DEFAULT_MENU
+    parts, offsets, offset = [], np.zeros(sent.shape, dtype=np.int64), 0
+    for r in range(sent.shape[1]):
+        for k, n in enumerate(sizes):
+            gen = torch.Generator().manual_seed(seed + 31 * k + r)
+            payload, _ = kernels.quantize_pack_ef(None, torch.randn(n, generator=gen), menu[int(sent[k, r])], 3)
+            parts.append(payload)
+            offsets[k, r] = offset
+            offset += payload.numel()
+    return torch.cat(parts), offsets
+
+
+@pytest.mark.parametrize("escalated", [0, 1, 3, 40, 120])
+def test_payloads_are_located_whichever_members_escalated_on_whichever_rank(escalated: int) -> None:
+    """``locate_payloads`` against where the payloads really are, with any number of them sent at another action
+    than allocated (a rank escalated them): 60 members on 2 ranks, and one read back when none did."""
+    menu = sb.DEFAULT_MENU
+    rng = np.random.default_rng(escalated)
+    sizes = [int(n) for n in rng.integers(1, 3000, 60)]
+    tables = kernels.GroupTables(menu, np.array(sizes), sb.policy.BudgetPolicy(menu, np.array(sizes), 0.5,
+                                                                                 0.7).cost_order)
+    expected = rng.integers(0, len(menu), len(sizes))
+    sent = np.repeat(expected[:, None], 2, axis=1)
+    slots = rng.choice(sent.size, escalated, replace=False)
+    sent.reshape(-1)[slots] = (sent.reshape(-1)[slots] + rng.integers(1, len(menu), escalated)) % len(menu)
+    gathered, offsets = _gathered_group(sizes, sent, escalated)
+    rows = np.repeat(np.arange(len(sizes))[:, None], 2, axis=1)
+    names = [f"t{k}" for k in range(len(sizes))]
+    reads = host.reads()
+    located, actions = collectives.locate_payloads(gathered, rows, expected, tables, names, "group 0")
+    assert np.array_equal(located.offsets, offsets) and np.array_equal(actions, sent)
+    assert host.reads() - reads == 1 if escalated == 0 else host.reads() - reads <= 2
+    # A corrupt header after the escalated ones is named; so is a buffer cut short, or one with bytes left over.
+    corrupt = gathered.clone()
+    corrupt[int(offsets[37, 1]) + 3] ^= 0x40
+    with pytest.raises(wire.WireFormatError, match=r"t37 \(rank 1\)"):
+        collectives.locate_payloads(corrupt, rows, expected, tables, names, "group 0")
+    with pytest.raises(wire.WireFormatError, match=r"t59 \(rank 1\): truncated payload: \d+ bytes left, expected"):
+        collectives.locate_payloads(gathered[:-1], rows, expected, tables, names, "group 0")
+    with pytest.raises(wire.WireFormatError, match=r"t59 \(rank 1\): truncated payload: 4 bytes left, a header"):
+        collectives.locate_payloads(gathered[:int(offsets[59, 1]) + 4], rows, expected, tables, names, "group 0")
+    with pytest.raises(wire.WireFormatError, match="group 0: 5 bytes after 120 payloads"):
+        collectives.locate_payloads(torch.cat([gathered, gathered[:5]]), rows, expected, tables, names, "group 0")
