@@ -200,7 +200,8 @@ class Auto:
 
     1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, none from the first
        :data:`AUTO_WARMUP` steps of a run nor from a step that switched into or out of pass-through (it pays for the
-       switch: the start policy, the residual flush); a switch between two compressed budgets is measured, so a
+       switch: the start policy, the residual flush), unless a switch into pass-through took as long as a link that
+       fell (5): the link may fall on any step; a switch between two compressed budgets is measured, so a
        compressed probe costs one step.
     2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the
        same kind, compressed or not (its last step's figures scaled to its estimate):
@@ -301,7 +302,8 @@ class Auto:
         span = timing.get("span_s", math.nan)
         if bits is None or previous is None or not math.isfinite(span) or step < AUTO_WARMUP:
             return
-        if previous != bits and PASS_THROUGH_BITS in (bits, previous):
+        switched = previous != bits and PASS_THROUGH_BITS in (bits, previous)
+        if switched and not self._fell_during_switch(bits, span):
             return                                               # it paid for the switch (1)
         if timing["link_s"] > 0 and timing["wire_bytes"] > 0:
             measured = timing["wire_bytes"] / timing["link_s"]
@@ -313,7 +315,7 @@ class Auto:
                 and span - estimate < AUTO_HICCUP_S):
             return                                               # a hiccup of the machine: not the link (5)
         history = self.spans[bits] = (self.spans[bits] + [span])[-AUTO_WINDOW:]
-        kept = self._changed(bits, history, timing)
+        kept = [span] if switched else self._changed(bits, history, timing)
         if kept is not None:
             # The link (or the load) changed: what was measured before no longer holds. Slower: the figures go too,
             # else an uncompressed step measured on the faster link would invite a costly probe.
@@ -324,6 +326,13 @@ class Auto:
         self.measured_at[bits] = step
         self.figures[bits] = dict(timing)
         self.rate_at[bits] = self.rate
+
+    def _fell_during_switch(self, bits: float, span: float) -> bool:
+        """Whether a step that switched into pass-through took as long as a link that fell (5: its estimate's
+        :data:`AUTO_JUMP` squared, and :data:`AUTO_HICCUP_S` more), far beyond what the switch costs (a residual
+        added once): then it is measured, else the next step would pass through on the slow link too."""
+        estimate = self.estimate(bits) if bits == PASS_THROUGH_BITS else None
+        return estimate is not None and span > AUTO_JUMP ** 2 * estimate and span - estimate > AUTO_HICCUP_S
 
     def _drop(self, bits: float, forget: bool = False) -> None:
         """Forget a candidate's spans; its last figures, scaled to its estimate, still predict it (2), unless

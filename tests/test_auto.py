@@ -256,6 +256,19 @@ def test_a_slow_link_seen_in_pass_through_jumps_to_the_predicted_fastest_budget(
         assert chosen[31:] == [2.0] * 24                        # then straight to 2 bits, no probe from the top
 
 
+def test_a_link_that_falls_on_the_switch_back_into_pass_through_is_followed_at_once() -> None:
+    # tight_timing on the unlimited link probes 2 bits at steps 30-31 and switches back at step 32, the very step
+    # the link falls to 100 Mbit/s: that switch step, three times the pass-through's span, is measured (it would
+    # otherwise leave step 33 passing through on the slow link too)
+    rate = _phases((RESNET18_RATES["unlimited"], 32), (RESNET18_RATES["100 Mbit/s"], 28))
+    for noise, seed in ((0.0, 0), (0.1, 2), (0.1, 3)):
+        chosen = drive(Auto(), rate, 60, tight_timing, noise=noise, seed=seed)
+        switch = max(step for step in range(1, 34) if chosen[step] == PASS_THROUGH_BITS != chosen[step - 1])
+        assert switch in (32, 33) and chosen[switch + 1:] == [2.0] * (59 - switch), (seed, chosen)
+    # a switch step as long as the pass-through's steps is not a change: the same choices as before
+    assert drive(Auto(), lambda step: RESNET18_RATES["unlimited"], 60, tight_timing).count(2.0) == 2
+
+
 def test_a_faster_link_under_compression_is_seen_from_the_exposed_wait() -> None:
     # 100 Mbit/s -> 1 Gbit/s at 2 bits: the span drops 22%, all of it the exposed wait; the budgets it makes
     # competitive are probed one step each and 2 bits stays (4.4 and 8 bits are 9% slower)
