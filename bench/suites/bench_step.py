@@ -7,6 +7,8 @@ kernels' own work is small, so the figure is SafeBits' cost per tensor; with 272
 of ``bench.suites.horovod_overhead``) it includes the kernels. ``test_thousand_tensor_dense_step``: the same step on
 the dense path (each tensor a group of one, its values only), for comparison;
 ``test_thousand_tensor_pass_through_step``: a pass-through step (32 bits).
+``test_locating_a_gathered_group``: where each payload of a gathered group of 1,000 members from 2 ranks starts
+(``collectives.locate_payloads``), when every rank sent what was allocated and when some escalated.
 
 ``extra_info``: ``us_per_tensor`` (compress plus decompress, per tensor, median step), ``host_reads_per_step``
 (reads back to the host, :mod:`safebits_hvd.host`), ``step_vs_clone`` (the step over ``torch.clone`` of the same
@@ -19,11 +21,12 @@ import statistics
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import host
+from safebits_hvd import collectives, host, kernels
 
 TENSORS = 1000
 
@@ -74,6 +77,31 @@ def test_thousand_tensor_pass_through_step(benchmark: Any) -> None:
     pay): after the step's first tensor, ``compress`` hands on the gradient itself, with no read back."""
     compressor, reads = measure_step(benchmark, 272, "dense", budget_bits=32.0)
     assert compressor.last_step.pass_through and reads == 0, reads
+
+
+@pytest.mark.parametrize("escalated", [0, 14, 200])
+def test_locating_a_gathered_group(benchmark: Any, escalated: int) -> None:
+    """``locate_payloads`` of 1,000 members of 272 elements from 2 ranks, ``escalated`` of the 2,000 payloads at
+    another action than allocated (the 1,000-tensor step of ``bench.suites.ddp_overhead`` escalates about 14 a
+    step). ``us_per_payload``: the median call over the payloads."""
+    menu = sb.DEFAULT_MENU
+    rng = np.random.default_rng(0)
+    sizes = np.full(TENSORS, 272)
+    tables = kernels.GroupTables(menu, sizes, sb.policy.BudgetPolicy(menu, sizes, 0.5, 0.7).cost_order)
+    expected = rng.integers(0, len(menu), TENSORS)
+    sent = np.repeat(expected[:, None], 2, axis=1)
+    slots = rng.choice(sent.size, escalated, replace=False)
+    sent.reshape(-1)[slots] = (sent.reshape(-1)[slots] + rng.integers(1, len(menu), escalated)) % len(menu)
+    values = torch.randn(272, generator=torch.Generator().manual_seed(0))
+    payloads = {a: kernels.quantize_pack_ef(None, values.clone(), menu[a], 1)[0] for a in np.unique(sent).tolist()}
+    gathered = torch.cat([payloads[int(a)] for a in sent.T.reshape(-1)])
+    rows = np.repeat(np.arange(TENSORS)[:, None], 2, axis=1)
+    names = [f"p{k}" for k in range(TENSORS)]
+    located = benchmark.pedantic(collectives.locate_payloads, args=(gathered, rows, expected, tables, names, "group"),
+                                 rounds=20, iterations=1, warmup_rounds=1)
+    assert np.array_equal(located[1], sent)
+    benchmark.extra_info.update({"payloads": sent.size, "escalated": escalated,
+                                 "us_per_payload": round(1e6 * benchmark.stats.stats.median / sent.size, 3)})
 
 
 def measure_step(benchmark: Any, numel: int, collective: str, budget_bits: float = 4.4) -> tuple[Any, int]:
