@@ -142,38 +142,54 @@ static inline double sb_lane_sum(const float *restrict v, int len, int square) {
     return total;
 }
 
-/* The lane-ordered float32 sums of sb_lm_err2 over one bucket at every candidate scale rms * factor[f], in one pass
- * over v: each candidate's sum has lanes of its own and takes its elements in the same order as a pass of its own
- * would, so every sum has the same bits. */
-static inline __attribute__((always_inline)) void sb_lm_errors(const float *restrict v, int len, float rms, int levels,
-                                                               float *restrict err) {
-    float lane[SB_LM_NFACTORS][SB_SUM_LANES] = {{0}}, candidate[SB_LM_NFACTORS];
-    int i, l, f;
-    for (f = 0; f < SB_LM_NFACTORS; f++) candidate[f] = rms * sb_lm_factor[f];
-    for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
-        for (f = 0; f < SB_LM_NFACTORS; f++)
-            for (l = 0; l < SB_SUM_LANES; l++) lane[f][l] += sb_lm_err2(v[i + l], candidate[f], levels);
-    for (l = 0; i + l < len; l++)
-        for (f = 0; f < SB_LM_NFACTORS; f++) lane[f][l] += sb_lm_err2(v[i + l], candidate[f], levels);
-    for (f = 0; f < SB_LM_NFACTORS; f++) {
-        err[f] = lane[f][0];
-        for (l = 1; l < SB_SUM_LANES; l++) err[f] += lane[f][l];
+/* The lane-ordered float32 sum of sb_lm_err2 over one bucket at a candidate scale; with out != NULL also
+ * out[i] = Q(v[i]) at that scale (the same code and value functions, so the final pass can be skipped). */
+static inline __attribute__((always_inline)) float sb_lm_candidate(const float *restrict v, int len, float scale,
+                                                                   int levels, int trits, float *restrict out) {
+    float lane[SB_SUM_LANES] = {0};
+    int i, l;
+    if (out) {
+        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
+            for (l = 0; l < SB_SUM_LANES; l++) {
+                float x = v[i + l], c = sb_lm_code(x, scale, levels), mag = sb_lm_magnitude(x, scale, levels);
+                float d = mag * scale - sb_u2f(sb_f2u(x) & 0x7fffffffu);
+                lane[l] += d * d; /* sb_lm_err2(x, scale, levels) */
+                out[i + l] = sb_lm_signed(mag, sb_quant_sign(x, c, trits), scale); /* sb_lm(x, ...) */
+            }
+        for (l = 0; i + l < len; l++) {
+            lane[l] += sb_lm_err2(v[i + l], scale, levels);
+            out[i + l] = sb_lm(v[i + l], scale, levels, trits);
+        }
+    } else {
+        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
+            for (l = 0; l < SB_SUM_LANES; l++) lane[l] += sb_lm_err2(v[i + l], scale, levels);
+        for (l = 0; i + l < len; l++) lane[l] += sb_lm_err2(v[i + l], scale, levels);
     }
+    float err = lane[0];
+    for (l = 1; l < SB_SUM_LANES; l++) err += lane[l];
+    return err;
 }
 
 /* LLOYD_MAX for one bucket (safebits_math.h): the scale is the candidate rms * factor whose lane-ordered float32 sum
  * of sb_lm_err2 is least, the first on a tie (a later NaN sum never wins; the CUDA backend sums the same way); then
- * q, and with word != NULL the wire words. Always inlined into sb_lm_bucket's switch, so that `levels` is a
- * constant there: the threshold and select loops unroll and the element loops vectorize. */
+ * q, and with word != NULL the wire words. Without words, q is written while the candidates are measured (scratch:
+ * len floats). Always inlined into sb_lm_bucket's switch, so that `levels` is a constant there: the threshold and
+ * select loops unroll and the element loops vectorize. */
 static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *restrict v, float *restrict q,
-                                                                   sb_u32 *restrict word, int len, int levels,
-                                                                   int trits, float *scale_out) {
-    float rms = sb_lm_scale(sb_lane_sum(v, len, 1), len), err[SB_LM_NFACTORS];
-    int i, best = 0;
-    sb_lm_errors(v, len, rms, levels, err);
-    for (int f = 1; f < SB_LM_NFACTORS; f++)
-        if (err[f] < err[best]) best = f;
-    float scale = rms * sb_lm_factor[best];
+                                                                   sb_u32 *restrict word, float *restrict scratch,
+                                                                   int len, int levels, int trits,
+                                                                   float *scale_out) {
+    float rms = sb_lm_scale(sb_lane_sum(v, len, 1), len), scale = rms * sb_lm_factor[0], best_err = 0.0f;
+    int i;
+    for (int f = 0; f < SB_LM_NFACTORS; f++) {
+        float candidate = rms * sb_lm_factor[f];
+        float err = sb_lm_candidate(v, len, candidate, levels, trits, word ? NULL : f == 0 ? q : scratch);
+        if (f == 0 || err < best_err) {
+            scale = candidate;
+            best_err = err;
+            if (f > 0 && !word) memcpy(q, scratch, (size_t)len * sizeof(float));
+        }
+    }
     if (scale_out) *scale_out = scale;
     if (word) { /* packing pass: the same code and value functions, keeping the code */
         int cb = sb_lm_bits(levels);
@@ -183,39 +199,37 @@ static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *r
             q[i] = sb_lm_signed(sb_lm_magnitude(v[i], scale, levels), neg, scale); /* sb_lm_value(c, neg, ...) */
             word[i] = sb_quant_word(c, neg, cb, trits);
         }
-    } else {
-        for (i = 0; i < len; i++) q[i] = sb_lm(v[i], scale, levels, trits);
     }
 }
 
 /* The cases are the keys of safebits_hvd.actions.LLOYD_MAX_LEVELS (the wire decoder refuses any other count).
  * Cloned itself: a callee is compiled for the default target even when its caller is a clone. */
-SB_CLONES static void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word, int len,
-                                int levels, float *scale_out) {
+SB_CLONES static void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word,
+                                float *restrict scratch, int len, int levels, float *scale_out) {
     switch (levels) {
     case 3:
-        sb_lm_bucket_at(v, q, word, len, 3, 1, scale_out);
+        sb_lm_bucket_at(v, q, word, scratch, len, 3, 1, scale_out);
         break;
     case 4:
-        sb_lm_bucket_at(v, q, word, len, 4, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, scratch, len, 4, 0, scale_out);
         break;
     case 8:
-        sb_lm_bucket_at(v, q, word, len, 8, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, scratch, len, 8, 0, scale_out);
         break;
     case 16:
-        sb_lm_bucket_at(v, q, word, len, 16, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, scratch, len, 16, 0, scale_out);
         break;
     case 32:
-        sb_lm_bucket_at(v, q, word, len, 32, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, scratch, len, 32, 0, scale_out);
         break;
     default:
-        sb_lm_bucket_at(v, q, word, len, 64, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, scratch, len, 64, 0, scale_out);
         break;
     }
 }
 
-/* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words (TOPK
- * and QUANT's packing pass).
+/* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words (TOPK,
+ * LLOYD_MAX, and QUANT's packing pass).
  * With word != NULL (the packing pass) also the wire codes: QUANT: len sb_quant_word()s and *scale; SIGN: len
  * sign codes and *scale; TOPK: the kept local indices in ascending order. Returns the number of words written
  * (0 for the float kinds, whose wire values the packer takes from q). */
@@ -284,7 +298,7 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
         return 0;
     }
     case SB_LLOYD_MAX: /* levels is one of 3, 4, 8, 16 (checked in Python and by the wire decoder) */
-        sb_lm_bucket(v, q, word, len, act->levels, scale_out);
+        sb_lm_bucket(v, q, word, (float *)kb, len, act->levels, scale_out);
         return word ? len : 0;
     case SB_TOPK: {
         int kk = act->topk < len ? act->topk : len;
