@@ -482,51 +482,71 @@ def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarr
         if bool((heads == want).all()):
             return kernels.Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
     data = host.to_host(gathered)
-    # In buffer order (rank after rank, member after member): the row, the action assumed, the payload's size.
+    # In buffer order (rank after rank, member after member): the row, the action assumed, the payload's size, and
+    # where it starts if no payload before it differs (the bytes the payloads that did differ add: `shift`).
     order_rows = np.ascontiguousarray(rows.T).reshape(-1)
     order_actions = np.repeat(expected[None, :], ranks, axis=0).reshape(-1)
     order_sizes = np.ascontiguousarray(sizes.T).reshape(-1)
-    order_offsets = np.concatenate([[0], np.cumsum(order_sizes)[:-1]]).astype(np.int64)
-    proven, window = 0, 64      # the payloads before `proven` are where and what they are assumed to be
-    while proven < order_rows.size:
-        # Compare a window of payloads at a time, doubling it while all match: few passes when few payloads
-        # differ, short ones when many do.
-        stop = min(proven + window, order_rows.size)
-        slot = proven + _first_mismatch(data, order_rows[proven:stop], order_actions[proven:stop],
-                                        order_offsets[proven:stop], tables)
-        if slot == stop:
-            proven, window = stop, 2 * window
-            continue
+    assumed = np.concatenate([[0], np.cumsum(order_sizes)[:-1]]).astype(np.int64)
+    total, shift, proven, window, differed = order_rows.size, 0, 0, 64, 0
+
+    def read_header(slot: int, offset: int) -> int:
+        """The action of payload ``slot`` from its header at ``offset`` (every payload before it is proven)."""
         k, r = slot % m, slot // m
-        offset, row = int(order_offsets[slot]), int(order_rows[slot])
         if data.size - offset < wire.HEADER_BYTES:
             if slot > 0 and offset > data.size:           # the payload before it runs past the end
-                _truncated(data, order_offsets, order_sizes, slot - 1, m, names)
+                _truncated(data.size, offset - int(order_sizes[slot - 1]), slot - 1, order_sizes, m, names)
             raise wire.WireFormatError(f"{names[k]} (rank {r}): truncated payload: {data.size - offset} bytes "
                                        f"left, a header alone is {wire.HEADER_BYTES}")
-        action = tables.action_of_header(row, data[offset:offset + wire.HEADER_BYTES].tobytes())
+        action = tables.action_of_header(int(order_rows[slot]), data[offset:offset + wire.HEADER_BYTES].tobytes())
         if action < 0:
             wire.parse_header(gathered[offset:offset + wire.HEADER_BYTES], f"{names[k]} (rank {r})",
                               check_length=False)     # names what is wrong, if the header itself is
             raise wire.WireFormatError(f"{names[k]} (rank {r}): the payload is not one of this tensor's menu "
                                        f"actions")
-        order_actions[slot] = action
-        order_sizes[slot] = tables.payload_bytes[row, action]
-        order_offsets[slot + 1:] = offset + np.cumsum(order_sizes[slot:-1])
+        return action
+
+    while proven < total:      # the payloads before `proven` are where and what they are taken to be
+        if differed * 16 > proven + 64:
+            # One payload in 16 differs: reading each header in turn costs less than a window's comparison per
+            # payload that differs.
+            offset, lookup, payload_bytes = int(assumed[proven]) + shift, tables.action_of_header, tables.payload_bytes
+            for slot, row in enumerate(order_rows[proven:].tolist(), proven):
+                action = lookup(row, data[offset:offset + wire.HEADER_BYTES].tobytes())
+                if action < 0 or offset + wire.HEADER_BYTES > data.size:
+                    action = read_header(slot, offset)        # raises the error that says what is wrong
+                order_actions[slot] = action
+                order_sizes[slot] = size = int(payload_bytes[row, action])
+                offset += size
+            break
+        # A window of payloads at a time, doubling while all match.
+        stop = min(proven + window, total)
+        slot = proven + _first_mismatch(data, order_rows[proven:stop], order_actions[proven:stop],
+                                        assumed[proven:stop] + shift, tables)
+        if slot == stop:
+            proven, window = stop, 2 * window
+            continue
+        action = read_header(slot, int(assumed[slot]) + shift)
+        size = int(tables.payload_bytes[order_rows[slot], action])
+        shift += size - int(order_sizes[slot])
+        differed += 1
+        order_actions[slot], order_sizes[slot] = action, size
         proven, window = slot + 1, 64
-    end = int(order_offsets[-1] + order_sizes[-1]) if order_rows.size else 0
+    offsets = np.concatenate([[0], np.cumsum(order_sizes)[:-1]]).astype(np.int64)
+    end = int(offsets[-1] + order_sizes[-1]) if total else 0
     if end > data.size:                       # every header fits: only the last payload can run past the end
-        _truncated(data, order_offsets, order_sizes, order_rows.size - 1, m, names)
+        _truncated(data.size, int(offsets[-1]), total - 1, order_sizes, m, names)
     if end != data.size:
         raise wire.WireFormatError(f"{what}: {data.size - end} bytes after {ranks * m} payloads")
-    return (kernels.Gathered(gathered, np.ascontiguousarray(order_offsets.reshape(ranks, m).T)),
+    return (kernels.Gathered(gathered, np.ascontiguousarray(offsets.reshape(ranks, m).T)),
             np.ascontiguousarray(order_actions.reshape(ranks, m).T))
 
 
-def _truncated(data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, slot: int, m: int, names: list[str]) -> None:
-    """Raise the error of a payload (``slot`` in buffer order) that runs past the end of the gathered buffer."""
-    raise wire.WireFormatError(f"{names[slot % m]} (rank {slot // m}): truncated payload: "
-                               f"{data.size - int(offsets[slot])} bytes left, expected {int(sizes[slot])}")
+def _truncated(length: int, offset: int, slot: int, sizes: np.ndarray, m: int, names: list[str]) -> None:
+    """Raise the error of the payload ``slot`` (buffer order; at ``offset``) that runs past the end of a gathered
+    buffer of ``length`` bytes."""
+    raise wire.WireFormatError(f"{names[slot % m]} (rank {slot // m}): truncated payload: {length - offset} bytes "
+                               f"left, expected {int(sizes[slot])}")
 
 
 def _first_mismatch(data: np.ndarray, rows: np.ndarray, actions: np.ndarray, offsets: np.ndarray,
