@@ -33,7 +33,11 @@ class GradientIndex:
         previous = self._cursor
         index = self._by_id.get(id(tensor))
         if index is None or self.params[index].grad is not tensor:
-            index = self._search(tensor, previous)
+            # A new tensor (zero_grad(set_to_none=True) makes one every step): most often the one found after the
+            # last hit the step before.
+            index = self._successor.get(previous, previous)
+            if self.params[index].grad is not tensor:
+                index = self._search(tensor, previous)
         if index is not None:
             self._by_id[id(tensor)] = index
             self._successor[previous] = index
