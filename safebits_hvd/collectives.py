@@ -483,11 +483,12 @@ def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarr
             return kernels.Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
     data = host.to_host(gathered)
     # In buffer order (rank after rank, member after member): the row, the action assumed, the payload's size, and
-    # where it starts if no payload before it differs (the bytes the payloads that did differ add: `shift`).
+    # where it starts if no payload before it differs (the fast path's offsets; the bytes the payloads that did
+    # differ add: `shift`).
     order_rows = np.ascontiguousarray(rows.T).reshape(-1)
     order_actions = np.repeat(expected[None, :], ranks, axis=0).reshape(-1)
     order_sizes = np.ascontiguousarray(sizes.T).reshape(-1)
-    assumed = np.concatenate([[0], np.cumsum(order_sizes)[:-1]]).astype(np.int64)
+    assumed = np.ascontiguousarray(offsets.T).reshape(-1)
     total, shift, proven, window, differed = order_rows.size, 0, 0, 64, 0
 
     def read_header(slot: int, offset: int) -> int:
