@@ -18,10 +18,11 @@ Where each idea lives (docs/DESIGN.md has the module map and the life of one ste
 """
 
 from .actions import ACTIONS, BF16, DEFAULT_MENU, FP16, FP32, Action, ActionKind, Menu, make_menu
+from .auto import Auto
 from .compressor import SafeBits
 from .elastic import register as _register_elastic_handler
 from .errors import SafeBitsConsistencyError, SafeBitsError, SafeBitsNonFiniteError, SafeBitsTimeoutError
-from .schedules import Auto, BandwidthAware, Constant, ConvergenceRamp, SNRAware
+from .schedules import BandwidthAware, Constant, ConvergenceRamp, SNRAware
 from .telemetry import StepRecord
 
 __all__ = [

@@ -104,7 +104,8 @@ def save(core: SafeBitsCore) -> dict[str, Any]:
     return make_state(step=core.step, seed=core.seed, names=core.names, numels=core.numels,
                       menu_names=core.menu.names, residuals=core.memory.state_dict(),
                       second_hop_residuals=core.two_phase.memory.state_dict(),
-                      second_hop_ranges=core.two_phase.ranges, screened=core.previous_screened, v2=core.previous_v2,
+                      second_hop_ranges=core.two_phase.ranges, screened=core.closing.previous_screened,
+                      v2=core.closing.previous_v2,
                       overshoot_history=core.policy.overshoot_history,
                       schedule_state=schedule_state() if schedule_state is not None else None)
 
@@ -122,7 +123,7 @@ def load(core: SafeBitsCore, state: dict[str, Any]) -> None:
     core.step = int(state["step"])
     core.log.truncate(core.step)                 # records of later steps describe steps undone
     core.seed = int(state["seed"])
-    core.previous_screened, core.previous_v2 = previous_statistics(state)
+    core.closing.previous_screened, core.closing.previous_v2 = previous_statistics(state)
     core.policy.overshoot_history = overshoot_history(state)
     if state["schedule"] is not None and hasattr(core.schedule, "load_state_dict"):
         core.schedule.load_state_dict(state["schedule"])

@@ -7,9 +7,10 @@ each gradient to a parameter index and drives the core through three calls:
   begins the step; the last one (every registered tensor sent once) closes it and starts the statistics exchange.
 * :meth:`SafeBitsCore.finish` (step *t*): wait for that step's exchange, if it is still pending, and take in the
   reduced statistics: the step's record and the next allocation's input.
-* :meth:`SafeBitsCore.state_dict` / :meth:`~SafeBitsCore.load_state_dict`: checkpointing.
+* checkpointing: :func:`.checkpoint.save` / :func:`.checkpoint.load` (between steps).
 
-The life of one step (numbers reappear in the code; docs/DESIGN.md, "The life of one step"):
+The life of one step (numbers reappear in the code; steps 4 and 5 in :mod:`.closing`; docs/DESIGN.md, "The life of
+one step"):
 
 1. **Begin**: finish the previous step's exchange if still pending; a schedule that reads telemetry
    (``observe_timing``: ``budget_bits="auto"``) takes the previous step's, reduced; take the step's budget from the
@@ -35,7 +36,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,15 +44,16 @@ import torch
 from . import collectives, kernels
 from .actions import Menu
 from .allocator import Allocation
-from .clock import StepClock, timing_record
+from .clock import StepClock
+from .closing import ClosedStep, StepClosing, factory_made
 from .collectives import AllgatherPath, CollectivePath, DensePath
-from .exchange import StatisticsExchange, allocation_digest, check_agreement, digest_words, waited_seconds
+from .exchange import StatisticsExchange, allocation_digest, digest_words, waited_seconds
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .schedules import budget_at
 from .sending import Sender, check_numel, checked_into, flat_gradient
 from .statistics import StatisticsLayout, StepStatistics
-from .telemetry import StepLog, logger
+from .telemetry import StepLog, warn_never_sent
 from .transports import PayloadTransport, make_transport
 from .two_phase import TwoPhasePath
 
@@ -71,12 +73,6 @@ class Sent(NamedTuple):
         return self.collective != "dense"
 
 
-def made(factory: Any) -> Any:
-    """What a factory (a callable with no argument) makes."""
-    assert callable(factory)
-    return factory()
-
-
 class SafeBitsCore:
     """SCGB-EF for ``len(names)`` tensors: allocation, screen, escalation, error feedback, exchange, records.
 
@@ -86,15 +82,14 @@ class SafeBitsCore:
         policy: the per-step decisions (:class:`~.policy.BudgetPolicy`; the baselines pass a fixed one).
         schedule: ``step -> bits per parameter``.
         seed: seed of the counter-based stochastic-rounding RNG.
-        exchange: the statistics transport, or a callable that makes it when the first step closes (Horovod may be
-            initialized after the front end is built).
+        exchange, transport: the statistics and the payload transports, or callables that make them when first
+            needed (Horovod may be initialized after the front end is built).
         error_feedback: keep the residual ``e <- v - q`` per tensor (else ``e = 0`` every step).
         nonfinite: ``"propagate"``, ``"raise"`` or ``"skip"`` (see :class:`~.compressor.SafeBits`).
         sample_buckets: buckets per tensor the screen estimates on.
         consistency_check_every: compare allocation digests every this many steps (0: never).
         max_history, log_path: see :class:`~.telemetry.StepLog`.
         collective: ``"auto"``, ``"allgather"``, ``"two_phase"`` or ``"dense"`` (:mod:`.collectives`).
-        transport: the payload transport, or a callable that makes it when the first step begins.
         dense_wire_bytes: bytes per element the front end puts on the wire on the dense path (4: float32).
         name: prefix of the payload collectives' names (distinct per object).
         fusion_elements: elements per fusion group of the allgather path (:func:`.collectives.fusion_groups`); 0:
@@ -119,9 +114,6 @@ class SafeBitsCore:
         self.schedule = schedule
         self.seed = seed
         self.error_feedback = error_feedback
-        self.consistency_check_every = consistency_check_every
-        self._exchange_or_factory = exchange
-        self.exchange: StatisticsExchange | None = exchange if isinstance(exchange, StatisticsExchange) else None
         if collective not in collectives.COLLECTIVES:
             raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
         self.collective_setting = collective
@@ -145,9 +137,6 @@ class SafeBitsCore:
         self.paths: dict[str, CollectivePath] = {"dense": self.path, "allgather": self.allgather,
                                                  "two_phase": self.two_phase}
         self.step = 0                                  # index of the next step to begin
-        # The last finished step's reduced statistics: the next allocation's input (None before the first step).
-        self.previous_screened: np.ndarray | None = None
-        self.previous_v2: np.ndarray | None = None
 
         # -- the step in progress
         tensors, actions = len(names), len(self.menu)
@@ -156,35 +145,25 @@ class SafeBitsCore:
         self.in_step = False
         self._allocation: Allocation | None = None
         self._budget_bits_total = 0.0
-        self._digest = ""
-        # The statistics go straight into the vector the exchange reduces in place. Two vectors, by step parity:
-        # the allocation made at the start of step t reads step t-1's reduced vector, which must stay intact.
-        self.layout = StatisticsLayout(tensors, actions)
-        self._vectors = (np.empty(self.layout.length), np.empty(self.layout.length))
-        self._views = tuple(self.layout.views(v) for v in self._vectors)
-        self._fields: StepStatistics = self._views[0]
-        # The exchange in flight: (step, handle, budget of that step), finished by finish() or the next begin, or
-        # by taken() once the front end has taken every tensor that step sent (how many, and how many so far).
-        self._pending: tuple[int, Any, float, int, str] | None = None
-        self._pending_sent = self._taken = 0
+        self.allocation_digest = ""                    # of the step in progress (or the last begun)
         self.allocation_seconds = 0.0                  # wall time of the last allocation (overhead telemetry)
         # A step whose budget fits every tensor uncompressed on the dense path passes the gradients through: no
         # screen, no packing (and the next allocation, with no statistics from it, uses the start policy).
         self.pass_through = False
         self.clock = StepClock()                       # this rank's telemetry (clock.py), exchanged a step later
-        # A schedule that reads telemetry (budget_bits="auto") gets each step's figures before the next step's
-        # budget: reduced in a small exchange of their own, started when the step finishes and taken at the next
-        # begin, so that the budget follows the last step rather than the one before it (the records' copy
-        # travels a step later, in the statistics). In flight: (step, handle, vector).
-        self._observe_timing: Callable[[int, dict[str, float]], None] | None = getattr(schedule, "observe_timing",
-                                                                                       None)
-        self._telemetry: tuple[int, Any, np.ndarray] | None = None
 
-        # -- records
+        # -- steps 4 and 5 (closing.py): the statistics go straight into the vector the exchange reduces in place;
+        # finished by finish() or the next begin, or by taken() once the front end has taken every tensor that
+        # step sent. The reduced statistics become the records and the next allocation's input.
+        self.layout = StatisticsLayout(tensors, actions)
         self.log = StepLog(names, self.menu.names, self.total_elements, max_history,
                            os.fspath(log_path) if log_path is not None else None)
+        self.closing = StepClosing(self.layout, exchange, policy=policy, schedule=schedule, log=self.log,
+                                   clock=self.clock, consistency_check_every=consistency_check_every,
+                                   complete_second_hop=self.two_phase.complete)
+        self._fields: StepStatistics = self.closing.fields(0)
 
-    # ------------------------------------------------------------------ the three calls
+    # ------------------------------------------------------------------ 2 and 3: screen and send
     def send(self, index: int, grad: torch.Tensor, into: torch.Tensor | None = None) -> Sent:
         """Quantize tensor ``index``'s gradient for the wire (and start its payload collective, if any). ``into``:
         the flat float32 tensor the front end will pass :meth:`reduced_sums` as ``out`` (it may share ``grad``'s
@@ -266,10 +245,7 @@ class SafeBitsCore:
     def _begin_for(self, indices: int | list[int]) -> None:
         """Begin a step for these tensors; one of them sent already: the last step missed some, it closes first."""
         if self.in_step and not (self.unsent[indices] if isinstance(indices, int) else self.unsent[indices].all()):
-            missing = [self.names[i] for i in np.flatnonzero(self.unsent)]
-            logger.warning("SafeBits step %d closed with %d registered parameters never compressed (e.g. %s); "
-                           "pass SafeBits the same parameters as the optimizer", self.step, len(missing),
-                           missing[:3])
+            warn_never_sent(self.step, [self.names[i] for i in np.flatnonzero(self.unsent)])
             self._close()
         self.begin()
 
@@ -277,11 +253,6 @@ class SafeBitsCore:
         """4. Close the step if every tensor of it has been sent (else nothing)."""
         if self.in_step and not self._unsent_count:
             self._close()
-
-    @property
-    def allocation_digest(self) -> str:
-        """The digest of the step in progress's allocation (or the last one begun); "" before the first."""
-        return self._digest
 
     def reduced_sums(self, indices: list[int], step: int, collective: str, outs: list[torch.Tensor | None],
                      divisor: float = 1.0) -> list[torch.Tensor]:
@@ -296,31 +267,34 @@ class SafeBitsCore:
         return totals
 
     @property
+    def exchange(self) -> StatisticsExchange | None:
+        """The statistics transport (None until the first step closes, when it is made)."""
+        return self.closing.exchange
+
+    @property
     def exchange_pending(self) -> bool:
         """Whether a closed step's statistics exchange has not been finished yet."""
-        return self._pending is not None
+        return self.closing.pending is not None
 
     def finish(self, step: int | None = None) -> None:
-        """Finish the pending exchange (only if it is ``step``'s, when given); without ``step``, hand the schedule
-        the telemetry in flight too."""
-        if self._pending is not None and (step is None or self._pending[0] == step):
-            self._finish()
-        if step is None and self._telemetry is not None:
-            assert self.exchange is not None and self._observe_timing is not None
-            (timing_step, handle, vector), self._telemetry = self._telemetry, None
-            self.exchange.wait(handle)
-            self._observe_timing(timing_step, timing_record(vector))
+        """5. Finish the pending exchange (only if it is ``step``'s, when given); without ``step``, hand the
+        schedule the telemetry in flight too."""
+        pending = self.closing.pending
+        if pending is not None and (step is None or pending.step == step):
+            self.closing.finish()
+        if step is None:
+            self.closing.hand_telemetry()
 
     def taken(self, step: int) -> None:
         """The front end has taken one reduced tensor of ``step``; after the step's last one, finish its exchange
         (the step's last collective: waited for at the first, it would hold every decoding until all are done)."""
-        if self._pending is None or self._pending[0] != step:
+        pending = self.closing.pending
+        if pending is None or pending.step != step:
             return
         now = time.perf_counter()
         self.clock.received(now, now, 0.0)          # on the dense path, the first reduced tensor back
-        self._taken += 1
-        if self._taken >= self._pending_sent:
-            self._finish()
+        if self.closing.taken():
+            self.closing.finish()
 
     # ------------------------------------------------------------------ 1. begin
     def begin(self) -> None:
@@ -333,79 +307,51 @@ class SafeBitsCore:
         self._budget_bits_total = self.policy.budget_bits_total(bits_per_parameter, self.total_elements)
         start = time.perf_counter()
         self._allocation = self.policy.allocate(bits_per_parameter, self._budget_bits_total,
-                                                self.previous_screened, self.previous_v2)
+                                                self.closing.previous_screened, self.closing.previous_v2)
         if self.transport is None:
-            self.transport = made(self._transport_or_factory)
+            self.transport = factory_made(self._transport_or_factory)
         if self.two_phase.configured_for is None:
             self.two_phase.configure(self.transport, self.memory if self.error_feedback else None)
         self.path = self.paths[collectives.choose(self.collective_setting,
                                                   self._allocation.cost_bits / max(1, self.total_elements),
                                                   self.transport.size)]
-        self.pass_through = (self.policy.allocates_from_statistics and not self.path.packed
-                             and self._budget_bits_total >= self.policy.lossless_bits)
+        self.pass_through = self.policy.passes_through(self._budget_bits_total, self.path.packed)
         if self.pass_through:
             self._allocation = self.policy.lossless_allocation(self._budget_bits_total)
         self.allocation_seconds = time.perf_counter() - start
-        self._digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
+        self.allocation_digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
         for path in self.paths.values():      # each drops what is left of the last step
             path.begin(self.step, self.transport)
         self.unsent[:] = True
         self._unsent_count = len(self.names)
-        self._fields = self._views[self.step % 2]
-        self.layout.reset(self._fields, self.policy.lossless, digest_words(self._digest))
+        self._fields = self.closing.fields(self.step)
+        self.layout.reset(self._fields, self.policy.lossless, digest_words(self.allocation_digest))
         self.sender.begin(self.step, self.seed, self._allocation, self._fields, self.path, self.pass_through)
         self.in_step = True
 
     # ------------------------------------------------------------------ 4. close
     def _close(self) -> None:
         """Every tensor of the step is on its way: start the statistics exchange."""
-        if self.exchange is None:
-            self.exchange = made(self._exchange_or_factory)
         assert self._allocation is not None
         if self.path.batched:
             self.path.flush()
         self.path.close(self.step, self._allocation.choice, self.seed)
         self.clock.closed()
-        vector = self._vectors[self.step % 2]
         self._fields.timing[:] = self.clock.last         # the previous step's telemetry, complete by now
-        self._pending = (self.step, self.exchange.start(vector), self._budget_bits_total, self.path.wire_bytes,
-                         self.path.name, self.clock.last_step, self.pass_through)
-        self._pending_sent, self._taken = int((~self.unsent).sum()), 0
+        closed = ClosedStep(self.step, self._allocation, self.allocation_digest, self._budget_bits_total,
+                            self.path.wire_bytes, self.path.name, self.clock.last_step, self.pass_through)
+        exchange = self.closing.start(closed, sent=int((~self.unsent).sum()))
         self.in_step = False
         self.step += 1
-        if self.exchange.is_local:
-            self._finish()
-
-    # ------------------------------------------------------------------ 5. finish
-    def _finish(self) -> None:
-        assert self._pending is not None and self.exchange is not None and self._allocation is not None
-        step, handle, budget_total, wire_bytes, collective, timing_step, pass_through = self._pending
-        wire_bytes += self.two_phase.complete(step)    # before the record: it counts the second hop's bytes
-        self._pending = None
-        self.exchange.wait(handle)                     # the step's own vector now holds the MAX over ranks
-        reduced = self._views[step % 2]
-        self.clock.finished(step, wire_bytes)
-        arrays, self.previous_screened, self.previous_v2 = self.policy.take_reduced(
-            reduced, self._allocation, step=step, budget_bits_total=budget_total, allocation_digest=self._digest,
-            wire_bytes=wire_bytes, collective=collective, timing=reduced.timing.copy(),
-            timing_step=timing_step if reduced.timing.max() >= 0 else -1, pass_through=pass_through)
-        if pass_through:             # it measured nothing: the next allocation starts afresh (the start policy)
-            self.previous_screened = self.previous_v2 = None
-        self.log.add(arrays, self.exchange.rank)
-        observe = getattr(self.schedule, "observe", None)
-        if observe is not None:
-            observe(self.log.last)
-        if self.consistency_check_every and step % self.consistency_check_every == 0:
-            check_agreement(reduced, step, self._digest)
-        if self._observe_timing is not None:
-            vector = self.clock.last.copy()      # this step's figures (UNKNOWN where none: the MAX keeps a known one)
-            self._telemetry = (step, self.exchange.start(vector), vector)
+        if exchange.is_local:
+            self.closing.finish()
 
     # ------------------------------------------------------------------ elastic training
     def abort_step(self) -> None:
         """Drop the step in progress and the pending exchange (a collective failed: a worker left); the residuals
         may hold part of that step, so load the last state next (elastic ``restore`` does)."""
-        self.in_step, self._pending, self._telemetry, self._unsent_count = False, None, None, len(self.names)
+        self.in_step, self._unsent_count = False, len(self.names)
+        self.closing.drop()
         self.unsent[:] = True
         self.clock.abort()
         for path in self.paths.values():
@@ -415,12 +361,11 @@ class SafeBitsCore:
         """The world changed (elastic training): the statistics exchange and the payload transport are rebuilt for
         the new one at the next step, and the two-phase segments with them. Exchanges and transports given as
         objects rather than factories cannot be rebuilt: ``ValueError``. Call between steps."""
-        if self.in_step or self._pending is not None:
+        if self.in_step or self.exchange_pending:
             raise RuntimeError("leave_world() must be called between steps (abort_step() first after a failure)")
-        if not (callable(self._exchange_or_factory) and callable(self._transport_or_factory)):
+        if not (self.closing.follows_worlds and callable(self._transport_or_factory)):
             raise ValueError("SafeBits was given its exchange or transport as an object, which cannot follow a new "
                              "world; pass factories (or nothing) for elastic training")
-        self.exchange = None
+        self.closing.leave_world()       # the telemetry in flight is the old world's: the schedule goes without it
         self.transport = None
-        self._telemetry = None           # the old world's: the schedule goes without one step's figures
         self.two_phase.leave_world()

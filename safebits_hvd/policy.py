@@ -118,6 +118,12 @@ class BudgetPolicy:
         """Modeled bits of every tensor sent lossless: a budget this large needs no compression."""
         return self._lossless_bits
 
+    def passes_through(self, budget_bits_total: float, packed: bool) -> bool:
+        """Whether a step passes its gradients through (no screen, no packing): its budget fits every tensor
+        uncompressed, on the dense path (``packed``: a path of SafeBits' own collectives), under a policy that
+        allocates from statistics (not a fixed baseline's)."""
+        return self.allocates_from_statistics and not packed and budget_bits_total >= self._lossless_bits
+
     def lossless_allocation(self, budget_bits_total: float) -> Allocation:
         """Every tensor at the lossless action (a pass-through step)."""
         choice = np.full(len(self.numels), self.lossless_index, dtype=np.int64)

@@ -25,6 +25,12 @@ from .clock import timing_record
 logger = logging.getLogger("safebits_hvd")
 
 
+def warn_never_sent(step: int, missing: list[str]) -> None:
+    """A step closed before these registered tensors were handed to SafeBits (the next step began)."""
+    logger.warning("SafeBits step %d closed with %d registered parameters never compressed (e.g. %s); pass SafeBits "
+                   "the same parameters as the optimizer", step, len(missing), missing[:3])
+
+
 @dataclass
 class StepRecord:
     """What SafeBits did in one optimizer step. Identical on every rank (reduced across ranks).

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import safebits_hvd as sb
+from safebits_hvd.auto import PASS_THROUGH_BITS, Auto
 from safebits_hvd.clock import TIMING_FIELDS
-from safebits_hvd.schedules import PASS_THROUGH_BITS, Auto, as_schedule
+from safebits_hvd.schedules import as_schedule
 
 from .helpers import many_tensor_params, random_grads
 from .test_compressor import PairExchange

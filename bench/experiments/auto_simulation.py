@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from safebits_hvd.schedules import AUTO_CANDIDATES, Auto
+from safebits_hvd.auto import AUTO_CANDIDATES, Auto
 from tests.test_auto import (
     LM_WARMUP,
     RESNET18_RATES,

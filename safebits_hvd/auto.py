@@ -1,0 +1,487 @@
+"""``budget_bits="auto"``: :class:`Auto` chooses each step's bits per parameter, no compression included, from the
+telemetry SafeBits measures itself (docs/DESIGN.md, "budget_bits='auto'").
+
+Two parts, in the order of the class docstring's steps: :class:`SpanModel` holds what was measured of each candidate
+budget and predicts the others (steps 1, 2 and 5: measure, predict, follow the link); :class:`Auto` is the schedule,
+which probes and chooses from it (steps 3 and 4).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from .schedules import positive_bits
+
+PASS_THROUGH_BITS = 32.0
+"""Bits per parameter at which a step needs no compression: every tensor fits uncompressed, and on the dense path
+the core passes the gradients through (no screen, no packing: ``StepRecord.pass_through``)."""
+
+AUTO_CANDIDATES = (2.0, 3.0, 4.4, 6.0, 8.0, 16.0, PASS_THROUGH_BITS)
+"""The budgets :class:`Auto` chooses among (those within its bounds), bits per parameter; 32 is no compression."""
+
+AUTO_JUMP = 2.0
+"""A span this many times smaller than its candidate's estimate, two in a row this many times larger, or one this
+squared times larger, mean the link changed: beyond the step-to-step noise measured here (the byte LM of
+``make demo`` on localhost, ``bench.experiments.demo_lm_spans``: single steps down to 0.6x their median and up to
+2.5-4x, a hiccup of the machine, never two in a row)."""
+
+AUTO_HICCUP_S = 0.25
+"""How long a hiccup of the machine may hold one step (the digits CNN of ``make demo`` on localhost,
+``bench.experiments.demo_lm_spans --task digits_cnn``: 4 ms steps, single ones up to 87 ms): a single span longer by
+less waits for the next to confirm a change (5); confirming costs one step, short when the steps are."""
+
+AUTO_WINDOW = 7
+"""Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step
+noise of shared machines (a third of a step, between consecutive steps of one budget, on 2 busy cores)."""
+
+AUTO_MEDIAN_OF = 3
+"""Spans a compressed choice is measured over before :class:`Auto` probes another compressed budget from it (3):
+with 10% noise on steps 4% apart, one span often made the second-best look better, and it was kept for much of the
+run (``tests/test_auto.py``, 1 Gbit/s in ``tight_timing``: 388 steps of 2,240 off the best over 40 seeds with one
+span, 116 with three)."""
+
+AUTO_WARMUP = 2
+"""The first steps of a run, whose spans :class:`Auto` does not keep (allocation, connection set-up)."""
+
+AUTO_WARM_AFTER = 6
+"""Steps after which a run is warm: the spans of the steps before, kept, still run slow (the byte LM of
+``make demo`` on localhost: 2.7x and 1.5x its steady step at steps 2 and 3), so a candidate measured only before
+this step is measured again once the run is warm (:class:`Auto`, 3)."""
+
+AUTO_WARM_SLOWDOWN = 2.0
+"""How much slower than warm steps a run's first steps may be (the byte LM of ``make demo`` on localhost: 1.8x over
+steps 2 and 3): a candidate measured only then and estimated slower than the choice by more (and by
+:data:`AUTO_HICCUP_S` at least) is not measured again (3). Measuring it again costs four steps, once."""
+
+AUTO_WARM_START = 30
+AUTO_WARM_START_S = 0.25
+"""The warm start: for its first ``warm_start`` steps (default :data:`AUTO_WARM_START`) :class:`Auto` passes through
+while that costs less than :data:`AUTO_WARM_START_S` a step (at most 7.5 s in all). A run's first steps decide much
+of its quality: three 2-bit steps at steps 4-6 cost ``make demo``'s byte LM +0.014 bits per byte, the same at steps
+40-42 +0.002 (``bench.experiments.early_probe_quality``); PyTorch's PowerSGD hook starts uncompressed for the same
+reason. Where an uncompressed step is long (a slow link), compressing at once is worth more than that."""
+
+AUTO_NOISE_BAND = 3.0
+"""A span must be off its estimate by this many times the spans' relative spread (:meth:`SpanModel.spread`, a median
+absolute deviation), and by ``change`` at least, to say the link changed (5): noise as wide as the byte LM's
+steps on localhost (a fifth of a step, most of it the wait for the other rank) otherwise reads as changes."""
+
+AUTO_EXPOSED_SHARE = 0.25
+"""The share of a step its exposed wait must reach (now or before) for a single span to say the link changed (5)."""
+
+AUTO_MAD_TO_SE = 1.4826 * 1.2533
+"""A window's relative median absolute deviation, times this over the square root of its length, is the relative
+standard error of its median (normal noise: MAD = 0.674 sigma; a median's error is 1.2533 times a mean's)."""
+
+
+class SpanModel:
+    """What :class:`Auto` has measured of each candidate budget, and the span it predicts for the others: steps 1,
+    2 and 5 of :class:`Auto`'s docstring (measure, predict, follow the link). Decided from reduced telemetry only,
+    so every rank's model is the same."""
+
+    def __init__(self, candidates: list[float], change: float) -> None:
+        self.candidates, self.change = candidates, change
+        # Learned (checkpointed): per candidate, its last spans (oldest first), the step of the last, its last
+        # telemetry and the link rate then; the link rate now, and the budget of the step it was measured on.
+        self.spans: dict[float, list[float]] = {b: [] for b in candidates}
+        self.measured_at: dict[float, int] = {}
+        self.figures: dict[float, dict[str, float]] = {}
+        self.rate_at: dict[float, float] = {}
+        self.rate = 0.0
+        self.rate_bits = PASS_THROUGH_BITS
+
+    # ------------------------------------------------------------------ 1 and 5: measure, follow the link
+    def observe(self, step: int, bits: float, previous: float, timing: dict[str, float]) -> None:
+        """Step ``step``'s telemetry, a step at ``bits`` after one at ``previous`` (:data:`.clock.TIMING_FIELDS`,
+        reduced over ranks; NaN where unknown)."""
+        span = timing.get("span_s", math.nan)
+        if not math.isfinite(span) or step < AUTO_WARMUP:
+            return
+        switched = previous != bits and PASS_THROUGH_BITS in (bits, previous)
+        if switched and not self._fell_during_switch(bits, span):
+            return                                               # it paid for the switch (1)
+        if timing["link_s"] > 0 and timing["wire_bytes"] > 0:
+            measured = timing["wire_bytes"] / timing["link_s"]
+            # Exposed communication measures the link; hidden, it only says the link is at least this fast.
+            if timing["exposed_s"] > 0.1 * span or measured > self.rate:
+                self.rate, self.rate_bits = measured, bits
+        estimate = self.estimate(bits)
+        if (len(self.spans[bits]) >= 3 and estimate is not None and span > AUTO_JUMP ** 2 * estimate
+                and span - estimate < AUTO_HICCUP_S):
+            return                                               # a hiccup of the machine: not the link (5)
+        history = self.spans[bits] = (self.spans[bits] + [span])[-AUTO_WINDOW:]
+        kept = [span] if switched else self._changed(bits, history, timing)
+        if kept is not None:
+            # The link (or the load) changed: what was measured before no longer holds. Slower: the figures go too,
+            # else an uncompressed step measured on the faster link would invite a costly probe.
+            slower = statistics.median(kept) > statistics.median(history[:-len(kept)])
+            for b in self.candidates:
+                self.drop(b, forget=slower)
+            self.spans[bits] = kept
+        self.measured_at[bits] = step
+        self.figures[bits] = dict(timing)
+        self.rate_at[bits] = self.rate
+
+    def _fell_during_switch(self, bits: float, span: float) -> bool:
+        """Whether a step that switched into pass-through took as long as a link that fell (5: its estimate's
+        :data:`AUTO_JUMP` squared, and :data:`AUTO_HICCUP_S` more), far beyond what the switch costs (a residual
+        added once): then it is measured, else the next step would pass through on the slow link too."""
+        estimate = self.estimate(bits) if bits == PASS_THROUGH_BITS else None
+        return estimate is not None and span > AUTO_JUMP ** 2 * estimate and span - estimate > AUTO_HICCUP_S
+
+    def drop(self, bits: float, forget: bool = False) -> None:
+        """Forget a candidate's spans; its last figures, scaled to its estimate, still predict it (2), unless
+        ``forget``."""
+        if forget:
+            self.figures.pop(bits, None)
+        elif bits in self.figures:
+            self.figures[bits] = self.scaled(bits)
+        self.spans[bits] = []
+
+    def _changed(self, bits: float, history: list[float], timing: dict[str, float]) -> list[float] | None:
+        """The spans to keep when the last span(s) say the link changed (5), else None."""
+        if len(history) < 3:                                     # two before it at least: one may be noise
+            return None
+        span = history[-1]
+        estimate = statistics.median(history[:-1])
+        if span < estimate / AUTO_JUMP or (span > estimate * AUTO_JUMP ** 2 and span - estimate > AUTO_HICCUP_S):
+            return [span]
+        earlier = statistics.median(history[:-2])
+        if min(history[-2:]) > max(AUTO_JUMP * earlier, earlier + AUTO_HICCUP_S):
+            return history[-2:]                                  # two in a row: a single one may be a hiccup
+        exposed_before = self.figures[bits]["exposed_s"] if bits in self.figures else math.nan
+        moved = span - estimate
+        band = max(self.change, AUTO_NOISE_BAND * self.spread())     # beyond the step-to-step noise too
+        # The wait for the link shortened the span (off a median of three at least; a longer one may be a hiccup),
+        # and the link was a real part of the step: on a fast link the exposed wait is the ranks' skew.
+        if (len(history) > 3 and -moved > band * estimate
+                and (timing["exposed_s"] - exposed_before) * moved > 0.5 * moved ** 2
+                and max(timing["exposed_s"], exposed_before) > AUTO_EXPOSED_SHARE * span):
+            return [span]                                        # the wait for the link moved the span
+        before = history[:-3]
+        if len(before) >= 2:
+            estimate = statistics.median(before)
+            if (all(x > (1 + band) * estimate for x in history[-3:])
+                    or all(x < (1 - band) * estimate for x in history[-3:])):
+                return history[-3:]
+        return None
+
+    def estimate(self, bits: float) -> float | None:
+        """The candidate's measured span (the median of its last spans), None if it has none."""
+        history = self.spans[bits]
+        return statistics.median(history) if history else None
+
+    def spread(self) -> float:
+        """The relative step-to-step spread of the spans: the median over candidates with three spans or more of
+        their median absolute deviation over their median (0 while none has three)."""
+        deviations = []
+        for history in self.spans.values():
+            if len(history) >= 3:
+                middle = statistics.median(history)
+                deviations.append(statistics.median(abs(x - middle) for x in history) / middle)
+        return statistics.median(deviations) if deviations else 0.0
+
+    # ------------------------------------------------------------------ 2. predict
+    def predict(self, bits: float, rate: float | None = None, allowance: float = 0.0) -> float | None:
+        """The span predicted for ``bits`` (see :class:`Auto`'s docstring, 2); None when nothing fits: nothing measured
+        or no link rate measured yet. ``rate``: the link's bytes per second (default: the current estimate).
+        ``allowance``: the model's relative error on what it did not measure at ``bits`` (the transfer, and
+        SafeBits' own time unless bracketed), taken off them: a lower bound."""
+        rate = self.rate if rate is None else rate
+        compressed = bits < PASS_THROUGH_BITS
+        measured = [b for b in self.candidates if b in self.figures and (b < PASS_THROUGH_BITS) == compressed]
+        if not measured:
+            measured = [b for b in self.candidates if b in self.figures]
+        if not measured or rate <= 0:
+            return None
+
+        def nearest(options: list[float]) -> float:
+            return min(options, key=lambda b: (abs(math.log(b / bits)), -b))
+
+        near = nearest(measured)
+        f = self.scaled(near)
+        send, receive = self.own_time(bits, allowance) if compressed else (0.0, 0.0)
+        backward = f["backward_s"] - f["send_s"]                   # backward's own compute, without SafeBits
+        current = [b for b in measured if self.spans[b] and (b < PASS_THROUGH_BITS) == compressed]
+        if current:
+            # One of the same kind measured on this link: the collectives start as its did (compressed ones late,
+            # once their group is packed) and end later (sooner) by the bytes added (taken away) at the link rate.
+            same = nearest(current)
+            g = self.scaled(same)
+            moved = g["wire_bytes"] * (bits / same - 1) / rate
+            link = g["link_s"] + (moved / (1 + allowance) if moved > 0 else moved * (1 + allowance))
+        elif near == bits and not compressed and self.rate_bits < PASS_THROUGH_BITS:
+            # A rate read through compressed payloads (their start latency, the ranks' skew) does not say how fast
+            # a pass-through's allreduce is (see _choose): it keeps its own last link time.
+            link = f["link_s"] / (1 + allowance)
+        else:
+            link = f["wire_bytes"] * bits / near / rate / (1 + allowance)    # from the first gradient on
+        return max(backward + send, link) + receive
+
+    def scaled(self, bits: float) -> dict[str, float]:
+        """A measured candidate's last step's figures, scaled to its estimate: one step's noise would otherwise move
+        every prediction made from it."""
+        f, estimate = self.figures[bits], self.estimate(bits)
+        if estimate is None or f["span_s"] <= 0:
+            return f
+        return {k: v if k == "wire_bytes" else v * estimate / f["span_s"] for k, v in f.items()}
+
+    def own_time(self, bits: float, allowance: float) -> tuple[float, float]:
+        """SafeBits' own (send, receive) seconds at a compressed ``bits``: interpolated in log bits between the
+        nearest measured budgets on either side; else the nearest one's, less ``allowance`` (it grows with the bits,
+        but not strictly); none while no compressed step is measured (a lower bound)."""
+        measured = [b for b in self.candidates if b in self.figures and b < PASS_THROUGH_BITS]
+        below = max((b for b in measured if b <= bits), default=None)
+        above = min((b for b in measured if b >= bits), default=None)
+        if below is not None and above is not None:
+            low, high = self.scaled(below), self.scaled(above)
+            weight = math.log(bits / below) / math.log(above / below) if above > below else 0.0
+            send, receive = (low[k] + weight * (high[k] - low[k]) for k in ("send_s", "receive_s"))
+            return send, receive
+        near = below if below is not None else above
+        if near is None:
+            return 0.0, 0.0
+        f = self.scaled(near)
+        return f["send_s"] / (1 + allowance), f["receive_s"] / (1 + allowance)
+
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"spans": {str(b): list(v) for b, v in self.spans.items()},
+                "measured_at": {str(b): s for b, s in self.measured_at.items()},
+                "figures": {str(b): dict(f) for b, f in self.figures.items()},
+                "rate_at": {str(b): r for b, r in self.rate_at.items()}, "rate": self.rate,
+                "rate_bits": self.rate_bits}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.spans = {b: [float(x) for x in state["spans"].get(str(b), [])] for b in self.candidates}
+        self.measured_at = {float(b): int(s) for b, s in state["measured_at"].items()}
+        self.figures = {float(b): {k: float(v) for k, v in f.items()} for b, f in state["figures"].items()}
+        self.rate_at = {float(b): float(r) for b, r in state["rate_at"].items()}
+        self.rate = float(state["rate"])
+        self.rate_bits = float(state.get("rate_bits", PASS_THROUGH_BITS))
+
+
+class Auto:
+    """``budget_bits="auto"``: each step's bits per parameter, no compression included, chosen from the telemetry
+    SafeBits measures itself (:mod:`.clock`, docs/DESIGN.md, "budget_bits='auto'").
+
+    Reads, through :meth:`observe_timing`, each step's telemetry, reduced over ranks, before the next step's budget
+    is chosen (the core exchanges it as the step finishes): the span from its first gradient
+    to its end (``span_s``, the part of a step the choice can change), its backward span, SafeBits' own send and
+    receive time, the bytes it moved, how long its collectives were in flight and how long the step waited for
+    them. Then, per candidate budget (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
+
+    1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, none from the first
+       :data:`AUTO_WARMUP` steps of a run nor from a step that switched into or out of pass-through (it pays for the
+       switch: the start policy, the residual flush), unless a switch into pass-through took as long as a link that
+       fell (5): the link may fall on any step; a switch between two compressed budgets is measured, so a
+       compressed probe costs one step.
+    2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the
+       same kind, compressed or not (its last step's figures scaled to its estimate):
+       ``max(backward + send, link) + receive``. SafeBits' own time (send, receive) is none without compression,
+       interpolated in log bits between the nearest compressed budgets measured on either side, else the nearest
+       one's, and none while no compressed step is measured (a lower bound). ``link``, when the collectives end:
+       from one of the same kind measured on this link, its end moved by the bytes added (or taken away) at the
+       link rate (compressed collectives start late, once their group is packed, so only the same kind tells
+       when); else the bytes at the link rate from the first gradient on. The link rate comes from the steps whose
+       communication was exposed. A rate read through compressed payloads (small, so mostly their start latency
+       and the ranks' skew) does not say how fast an allreduce of every gradient is: a pass-through measured
+       before keeps its own link time.
+    3. **Probe** the candidate the rule of 4 would choose if every unmeasured candidate took a lower bound,
+       when that is an unmeasured one: so only candidates that could win are probed, the predicted fastest
+       first, and a link seen slower jumps straight to it. The lower bound takes the model's error allowance
+       ``prune`` off what was not measured at that budget (the transfer; SafeBits' own time unless bracketed);
+       below the fewest compressed bits measured on this link, where nothing bounds a budget from below, off
+       its whole span, and there only the fewest bits are probed (they bound the rest: the least to send, the
+       least own work) and nothing else until their telemetry is in. One whose telemetry is still on its way
+       (a step not observed yet) is held, not probed again. From a compressed choice, no other compressed budget
+       is probed before the choice has :data:`AUTO_MEDIAN_OF` spans. Before the first measurement the costliest
+       is held (no compression first, as PowerSGD's hook starts), and through the warm start (the first
+       ``warm_start`` steps, :data:`AUTO_WARM_START_S`) the pass-through while its step is short.
+
+       Measured again: (a) **after the warm-up**: the pass-through, held first, is measured in a run's first
+       steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
+       before step :data:`AUTO_WARM_AFTER` is measured again for three steps after the switch (its early spans
+       dropped; one span cannot tell a warm run's 15% from its noise), unless estimated
+       :data:`AUTO_WARM_SLOWDOWN` times slower than the choice and :data:`AUTO_HICCUP_S` or more (the first
+       steps' excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN). (b) **Now
+       and then**: every ``probe_every``
+       steps the one measured longest ago (two steps into or out of pass-through), unless predicted above
+       ``1 + prune`` times the fastest estimate.
+    4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
+       for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
+       the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
+       ``tolerance`` is no tie. The pass-through is tied within ``tolerance`` plus that error: compressing must
+       show it is faster (it loses bits, and the target is never to be slower than no compression).
+    5. **Follow the link**. The link (or the load) changed when the last spans of the candidate just measured
+       are, against its estimate before them:
+
+       - one :data:`AUTO_JUMP` times shorter; one its square longer, or two in a row :data:`AUTO_JUMP` times
+         longer, and by :data:`AUTO_HICCUP_S` or more (a single one, or a shorter excess, may be a hiccup of the
+         machine; short steps wait for the third test). A single span its square longer by less is a hiccup,
+         not kept;
+       - one shorter by more than the band, off a median of three spans or more, with the exposed wait falling
+         by at least half the difference and a quarter of the step (:data:`AUTO_EXPOSED_SHARE`);
+       - three in a row off by more than the band, on the same side.
+
+       The band is ``change``, or :data:`AUTO_NOISE_BAND` times the spans' spread where that is wider. That
+       candidate keeps only the spans since; every other estimate is dropped, its figures scaled to it still
+       predicting it, unless the link got slower (then an uncompressed step measured on the faster link would
+       invite a costly probe). An estimate measured at another link rate is dropped when the model says the new
+       rate moves it by more than ``change``, except the pass-through's when the rate was seen through a
+       compressed step (2). Dropped ones are probed again (3).
+
+    Every rank sees the same reduced telemetry, so every rank chooses alike; the choice enters the allocation digest
+    like any budget. Its state is checkpointed (:meth:`state_dict`)."""
+
+    def __init__(self, min_bits: float = 2.0, max_bits: float = PASS_THROUGH_BITS, tolerance: float = 0.03,
+                 probe_every: int = 50, change: float = 0.15, prune: float = 0.1,
+                 warm_start: int = AUTO_WARM_START) -> None:
+        self.min_bits, self.max_bits = positive_bits("min_bits", min_bits), positive_bits("max_bits", max_bits)
+        if self.min_bits > self.max_bits:
+            raise ValueError(f"min_bits ({min_bits}) must be <= max_bits ({max_bits})")
+        if self.max_bits > PASS_THROUGH_BITS:
+            raise ValueError(f"max_bits must be <= {PASS_THROUGH_BITS:g} (no compression), got {max_bits}")
+        if not 0 <= tolerance < 1 or not change > 0 or not prune >= 0:
+            raise ValueError("tolerance must be in [0, 1), change > 0 and prune >= 0")
+        if not isinstance(probe_every, int) or probe_every < 1:
+            raise ValueError(f"probe_every must be an int >= 1, got {probe_every!r}")
+        if not isinstance(warm_start, int) or warm_start < 0:
+            raise ValueError(f"warm_start must be an int >= 0, got {warm_start!r}")
+        self.warm_start = warm_start
+        candidates = [b for b in AUTO_CANDIDATES if self.min_bits <= b <= self.max_bits]
+        self.candidates = sorted({self.min_bits, self.max_bits, *candidates})
+        self.tolerance, self.probe_every, self.change, self.prune = tolerance, probe_every, change, prune
+        self.model = SpanModel(self.candidates, change)      # steps 1, 2 and 5 (checkpointed)
+        # Also checkpointed: the budget of each recent step (its telemetry arrives after it) and the last step whose
+        # telemetry arrived; the hold in progress (budget, steps left).
+        self.chosen: dict[int, float] = {}
+        self.observed = -1
+        self.probe: tuple[float, int] | None = None
+
+    def observe_timing(self, step: int, timing: dict[str, float]) -> None:
+        """Step ``step``'s telemetry (:data:`.clock.TIMING_FIELDS`, reduced over ranks; NaN where unknown)."""
+        self.observed = max(self.observed, step)
+        bits, previous = self.chosen.get(step), self.chosen.get(step - 1)
+        for old in [s for s in self.chosen if s < step - 1]:
+            del self.chosen[old]
+        if bits is not None and previous is not None:
+            self.model.observe(step, bits, previous, timing)
+
+    def estimate(self, bits: float) -> float | None:
+        """The candidate's measured span (the median of its last spans), None if it has none."""
+        return self.model.estimate(bits)
+
+    # ------------------------------------------------------------------ 3 and 4: probe, choose
+    def __call__(self, step: int) -> float:
+        if self.probe is not None:
+            bits, left = self.probe
+            self.probe = (bits, left - 1) if left > 1 else None
+        else:
+            bits = self._choose(step)
+            previous = self.chosen.get(step - 1)
+            unmeasurable = step < AUTO_WARMUP or (previous != bits and PASS_THROUGH_BITS in (bits, previous))
+            if self.estimate(bits) is None and unmeasurable and self.probe is None:
+                self.probe = (bits, 1)                           # its first step measures nothing (1): hold it
+        self.chosen[step] = bits
+        return bits
+
+    def _pick(self, values: dict[float, tuple[float, float]]) -> float:
+        """Step 4 on ``{bits: (span, relative standard error)}``: the most bits among those tied with the fastest."""
+        best_bits = min(values, key=lambda b: (values[b][0], -b))
+        best, best_error = values[best_bits]
+        # Compressing must show it is faster: the pass-through is tied unless the noise cannot explain the
+        # difference; between compressed budgets, unless the noise can.
+        tied = [b for b, (span, error) in values.items()
+                if span <= best * (1 + self.tolerance + (1 if b == PASS_THROUGH_BITS else -1)
+                                   * math.hypot(error, best_error))]
+        return max([best_bits, *tied])
+
+    def _choose(self, step: int) -> float:
+        model = self.model
+        for bits in self.candidates:
+            # Measured at another link rate: if the model says the rate moves its span by more than ``change``,
+            # the measurement no longer holds; but not an uncompressed step's on a rate seen through compressed
+            # payloads (a few MB, their start latency and the ranks' skew included), which the change detector
+            # (5) still drops when the link changes.
+            if bits == PASS_THROUGH_BITS and model.rate_bits < PASS_THROUGH_BITS:
+                continue
+            then = model.predict(bits, model.rate_at.get(bits, 0.0)) if model.spans[bits] else None
+            now = model.predict(bits)
+            if then is not None and now is not None and abs(now - then) > self.change * then:
+                model.drop(bits)
+        spread = model.spread()
+        known = {b: (e, AUTO_MAD_TO_SE * spread / math.sqrt(len(model.spans[b])))
+                 for b in self.candidates if (e := model.estimate(b)) is not None}
+        pending = {b for s, b in self.chosen.items() if self.observed < s < step}      # telemetry not in yet
+        unmeasured = [b for b in self.candidates if b not in known]
+        predicted = {b: model.predict(b) for b in unmeasured}
+        if any(p is None for p in predicted.values()):           # nothing to predict from yet
+            waiting = [b for b in unmeasured if b in pending]
+            return max(waiting) if waiting else max(unmeasured)
+        if step < self.warm_start and known.get(PASS_THROUGH_BITS, (math.inf, 0.0))[0] < AUTO_WARM_START_S:
+            return PASS_THROUGH_BITS                             # the warm start (3): early steps decide quality
+        # Probe what could win if the model erred by ``prune``: on what it did not measure at that budget (the
+        # transfer; SafeBits' own time unless bracketed), and on the whole span below every measured compressed
+        # budget, where nothing bounds it from below (while none is measured, the prediction leaves SafeBits' own
+        # time out: a lower bound as it is). Hold one whose telemetry is on its way only if it wins even then.
+        floor = min((b for b in known if b < PASS_THROUGH_BITS), default=PASS_THROUGH_BITS)
+        own_time_known = any(b < PASS_THROUGH_BITS for b in model.figures)
+        # Below that floor the fewest bits bound the rest (the least to send, the least own work): probe them
+        # first, and no other one there while their telemetry is on its way.
+        unbounded = sorted(b for b in predicted if b < floor)
+        probeable_below = unbounded[:1] if not any(b in pending for b in unbounded[1:]) else []
+        hoped: dict[float, tuple[float, float]] = {}
+        for b, p in predicted.items():
+            if (b < floor and b not in probeable_below) or p is None:
+                continue
+            if b in pending:
+                hoped[b] = (p * (1 + self.prune), 0.0)
+            elif b < floor:
+                hoped[b] = (p / (1 + self.prune) if own_time_known else p, 0.0)
+            else:
+                bound = model.predict(b, allowance=self.prune)
+                assert bound is not None                # the same figures and rate predicted it above
+                hoped[b] = (bound, 0.0)
+        if hoped:
+            bits = self._pick({**known, **hoped})
+            if bits in hoped:
+                current = self.chosen.get(step - 1, PASS_THROUGH_BITS)
+                # A compressed choice measured over fewer spans is no estimate to leave for another compressed budget.
+                young = current in known and len(model.spans[current]) < AUTO_MEDIAN_OF
+                return current if young and max(bits, current) < PASS_THROUGH_BITS else bits
+        choice = self._pick(known)
+        if choice < PASS_THROUGH_BITS and len(model.spans[choice]) >= 3:
+            # Measured only while the run was warming up (the pass-through, held first): measure it again.
+            now = known[choice][0]
+            for b in sorted(model.figures, reverse=True):
+                early = model.scaled(b)["span_s"]
+                if (model.measured_at[b] < AUTO_WARM_AFTER and b not in pending
+                        and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
+                    model.drop(b)
+                    self.probe = (b, 3)                          # the switch, then three spans: a median
+                    return b
+        if step % self.probe_every == 0 and len(known) > 1:      # now and then, the one measured longest ago
+            stalest = min(known, key=lambda b: model.measured_at.get(b, -1))
+            guess = model.predict(stalest)
+            fastest = min(e for e, _ in known.values())
+            if stalest not in pending and guess is not None and guess <= (1 + self.prune) * fastest:
+                if PASS_THROUGH_BITS in (stalest, self.chosen.get(step - 1)):
+                    self.probe = (stalest, 1)                    # the switch measures nothing (1): one more step
+                return stalest
+        return choice
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.model.state_dict(), "chosen": {str(s): b for s, b in self.chosen.items()},
+                "observed": self.observed, "probe": list(self.probe or [])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)
+        self.chosen = {int(s): float(b) for s, b in state["chosen"].items()}
+        self.observed = int(state.get("observed", max(self.chosen, default=0) - 2))
+        self.probe = (float(state["probe"][0]), int(state["probe"][1])) if state["probe"] else None
+
+    def __repr__(self) -> str:
+        return f"Auto(min_bits={self.min_bits:g}, max_bits={self.max_bits:g})"

@@ -1,0 +1,59 @@
+"""The package's shape, as docs/DESIGN.md ("Module map") states it: no class over 300 lines, and imports that run in
+one direction (the wire format does not import the kernels; the DDP front end does not import the Horovod one)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "safebits_hvd"
+MAX_CLASS_LINES = 300
+FORBIDDEN_IMPORTS = {
+    "wire.py": {"kernels"},                     # the kernels import the wire format, not the reverse
+    "ddp.py": {"compressor"},                   # both front ends import frontend.py, not each other
+    "compressor.py": {"ddp"},
+    "closing.py": {"core", "compressor", "ddp"},
+    "auto.py": {"core", "compressor", "ddp"},
+}
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    """The package-relative modules a file imports (``from .x import`` and ``from . import x``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            if node.module:
+                names.add(node.module.split(".")[0])
+            else:
+                names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_the_package_has_modules() -> None:
+    assert len(modules()) > 20
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_class_is_over_300_lines(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not long, f"{path.name}: classes over {MAX_CLASS_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("name", sorted(FORBIDDEN_IMPORTS))
+def test_imports_run_one_way(name: str) -> None:
+    imported = imported_modules(ast.parse((PACKAGE / name).read_text()))
+    assert not imported & FORBIDDEN_IMPORTS[name], f"{name} imports {sorted(imported & FORBIDDEN_IMPORTS[name])}"
+
+
+def test_the_import_checker_sees_relative_imports() -> None:
+    """The checker itself: it must see both forms, or the tests above pass vacuously."""
+    tree = ast.parse("from .kernels import cpu\nfrom . import wire\nfrom ..actions import Menu\nimport numpy\n")
+    assert imported_modules(tree) == {"kernels", "wire", "actions"}
