@@ -30,6 +30,45 @@ typedef struct {
     int kind, levels, stochastic, topk, trits; /* trits: QUANT levels == 1 packed 5 trits per byte (no -0.0) */
 } sb_action;
 
+/* Per-thread scratch that outlives a call: slot `slot` of the calling thread, 64-byte aligned, at least `bytes` long
+ * (NULL when out of memory). A malloc per call costs more than a small tensor's work (the 1,000-tensor step,
+ * docs/RESULTS.md 5.1). SB_SCRATCH_PART: a call's per-bucket statistics, held by the calling thread until it
+ * returns; SB_SCRATCH_V, _Q, _K, _W: one bucket's buffers, per loop iteration, on the thread that runs it;
+ * SB_SCRATCH_BODY (group.c): an aligned copy of a payload body, held across a packing call on the same thread. No
+ * function that holds a slot calls another that takes the same slot. */
+enum { SB_SCRATCH_PART, SB_SCRATCH_V, SB_SCRATCH_Q, SB_SCRATCH_K, SB_SCRATCH_W, SB_SCRATCH_BODY, SB_SCRATCH_SLOTS };
+static __thread void *sb_scratch_at[SB_SCRATCH_SLOTS];
+static __thread size_t sb_scratch_bytes[SB_SCRATCH_SLOTS];
+
+static void *sb_scratch(int slot, size_t bytes) {
+    if (sb_scratch_bytes[slot] < bytes || !sb_scratch_at[slot]) {
+        size_t size = (bytes + 63) / 64 * 64 + 64; /* aligned_alloc wants a multiple of the alignment */
+        free(sb_scratch_at[slot]);
+        sb_scratch_at[slot] = aligned_alloc(64, size);
+        sb_scratch_bytes[slot] = sb_scratch_at[slot] ? size : 0;
+    }
+    return sb_scratch_at[slot];
+}
+
+/* for (sb_i64 VAR = 0; VAR < COUNT; VAR++) BODY, across `nthreads` OpenMP threads when `parallel` (static: equal
+ * parts; dynamic: one iteration at a time), else on this thread outside any OpenMP construct: an inactive parallel
+ * region still starts a team of one (about 0.2 us), more than a small tensor's work. */
+#define SB_LOOP(PRAGMA, parallel, VAR, COUNT, ...)                                                                    \
+    do {                                                                                                              \
+        if (parallel) {                                                                                               \
+            _Pragma(PRAGMA) for (sb_i64 VAR = 0; VAR < (COUNT); VAR++) __VA_ARGS__                                    \
+        } else {                                                                                                      \
+            for (sb_i64 VAR = 0; VAR < (COUNT); VAR++) __VA_ARGS__                                                    \
+        }                                                                                                             \
+    } while (0)
+#define SB_LOOP_STATIC(parallel, VAR, COUNT, ...)                                                                     \
+    SB_LOOP("omp parallel for schedule(static) num_threads(nthreads)", parallel, VAR, COUNT, __VA_ARGS__)
+#define SB_LOOP_DYNAMIC(parallel, VAR, COUNT, ...)                                                                    \
+    SB_LOOP("omp parallel for schedule(dynamic, 1) num_threads(nthreads)", parallel, VAR, COUNT, __VA_ARGS__)
+
+/* Marks a failure (out of memory) from inside an SB_LOOP body, on any thread. */
+#define SB_FAIL(flag) do { _Pragma("omp atomic write") flag = 1; } while (0)
+
 /* The TOPK threshold: the k-th largest (k in 1..n) magnitude key sb_abs_key(v[i]) of v[0..n).
  *
  * A branch-light, vectorizable search on the key VALUE instead of a quickselect on the keys (whose unpredictable
@@ -424,32 +463,23 @@ int sb_quantize_ef(const float *g, float *e, float *out, sb_i64 n, sb_i64 bucket
     int fail = 0;
     memset(stats, 0, 4 * sizeof(double));
     if (n <= 0) return 0;
-    double *part = (double *)malloc((size_t)nb * 4 * sizeof(double));
+    double *part = (double *)sb_scratch(SB_SCRATCH_PART, (size_t)nb * 4 * sizeof(double));
     if (!part) return -1;
     if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads) if (n > SB_PAR_MIN)
-    {
-        float *vb = (float *)malloc((size_t)bucket * sizeof(float));
-        sb_u32 *kb = (sb_u32 *)malloc((size_t)bucket * sizeof(sb_u32));
-        int ok = vb && kb;
-        if (!ok) {
-#pragma omp atomic write
-            fail = 1;
+    SB_LOOP_STATIC(n > SB_PAR_MIN && nthreads > 1, b, nb, {
+        float *vb = (float *)sb_scratch(SB_SCRATCH_V, (size_t)bucket * sizeof(float));
+        sb_u32 *kb = (sb_u32 *)sb_scratch(SB_SCRATCH_K, (size_t)bucket * sizeof(sb_u32));
+        if (!vb || !kb) {
+            SB_FAIL(fail);
+            continue;
         }
-#pragma omp for schedule(static)
-        for (sb_i64 b = 0; b < nb; b++) {
-            if (!ok) continue;
-            sb_i64 j0 = b * bucket;
-            int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
-            sb_load_v(g ? g + j0 : NULL, e + j0, vb, len);
-            sb_quant_bucket(&act, vb, out + j0, len, j0, key, kb, NULL, NULL);
-            sb_bucket_stats(out + j0, vb, e + j0, len, part + 4 * b);
-        }
-        free(vb);
-        free(kb);
-    }
+        sb_i64 j0 = b * bucket;
+        int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
+        sb_load_v(g ? g + j0 : NULL, e + j0, vb, len);
+        sb_quant_bucket(&act, vb, out + j0, len, j0, key, kb, NULL, NULL);
+        sb_bucket_stats(out + j0, vb, e + j0, len, part + 4 * b);
+    });
     if (!fail) sb_sum_partials(part, nb, 4, 0, stats);
-    free(part);
     return fail ? -1 : 0;
 }
 
@@ -463,43 +493,33 @@ int sb_screen(const float *g, const float *e, sb_i64 n, sb_i64 bucket, const sb_
     if (n <= 0) return 0;
     if (!buckets) nsel = nb;
     if (nsel <= 0) return 0;
-    double *part = (double *)malloc((size_t)nsel * nact * 4 * sizeof(double));
+    double *part = (double *)sb_scratch(SB_SCRATCH_PART, (size_t)nsel * nact * 4 * sizeof(double));
     if (!part) return -1;
     if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads) if (nsel * bucket * nact > SB_PAR_MIN)
-    {
-        float *vb = (float *)malloc((size_t)bucket * sizeof(float));
-        float *qb = (float *)malloc((size_t)bucket * sizeof(float));
-        sb_u32 *kb = (sb_u32 *)malloc((size_t)bucket * sizeof(sb_u32));
-        int ok = vb && qb && kb;
-        if (!ok) {
-#pragma omp atomic write
-            fail = 1;
+    SB_LOOP_DYNAMIC(nsel * bucket * nact > SB_PAR_MIN && nthreads > 1, ib, nsel, {
+        float *vb = (float *)sb_scratch(SB_SCRATCH_V, (size_t)bucket * sizeof(float));
+        float *qb = (float *)sb_scratch(SB_SCRATCH_Q, (size_t)bucket * sizeof(float));
+        sb_u32 *kb = (sb_u32 *)sb_scratch(SB_SCRATCH_K, (size_t)bucket * sizeof(sb_u32));
+        if (!vb || !qb || !kb) {
+            SB_FAIL(fail);
+            continue;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (sb_i64 ib = 0; ib < nsel; ib++) {
-            if (!ok) continue;
-            sb_i64 b = buckets ? buckets[ib] : ib;
-            double *p = part + (size_t)ib * nact * 4;
-            if (b < 0 || b >= nb) { /* out of range: contributes nothing (the Python side validates) */
-                memset(p, 0, (size_t)nact * 4 * sizeof(double));
-                continue;
-            }
-            sb_i64 j0 = b * bucket;
-            int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
-            sb_load_v(g ? g + j0 : NULL, e + j0, vb, len);
-            for (int ia = 0; ia < nact; ia++) {
-                sb_action act = {kinds[ia], levels[ia], stochastic[ia], topks[ia], trits[ia]};
-                sb_quant_bucket(&act, vb, qb, len, j0, key, kb, NULL, NULL);
-                sb_bucket_stats(qb, vb, NULL, len, p + 4 * ia);
-            }
+        sb_i64 b = buckets ? buckets[ib] : ib;
+        double *p = part + (size_t)ib * nact * 4;
+        if (b < 0 || b >= nb) { /* out of range: contributes nothing (the Python side validates) */
+            memset(p, 0, (size_t)nact * 4 * sizeof(double));
+            continue;
         }
-        free(vb);
-        free(qb);
-        free(kb);
-    }
+        sb_i64 j0 = b * bucket;
+        int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
+        sb_load_v(g ? g + j0 : NULL, e + j0, vb, len);
+        for (int ia = 0; ia < nact; ia++) {
+            sb_action act = {kinds[ia], levels[ia], stochastic[ia], topks[ia], trits[ia]};
+            sb_quant_bucket(&act, vb, qb, len, j0, key, kb, NULL, NULL);
+            sb_bucket_stats(qb, vb, NULL, len, p + 4 * ia);
+        }
+    });
     if (!fail)
         for (a = 0; a < nact; a++) sb_sum_partials(part, nsel, nact * 4, a, stats + 4 * a);
-    free(part);
     return fail ? -1 : 0;
 }

@@ -100,17 +100,14 @@ static int sb_pack_member(const sb_send_args *s, int k, int threads) {
     memcpy(payload, s->headers + ((size_t)s->member[k] * s->nact + a) * SB_HEADER_BYTES, SB_HEADER_BYTES);
     unsigned char *body = payload + SB_HEADER_BYTES, *scratch = NULL;
     if ((uintptr_t)body % 16) {
-        scratch = (unsigned char *)aligned_alloc(16, (size_t)((body_bytes + 16) / 16 * 16));
+        scratch = (unsigned char *)sb_scratch(SB_SCRATCH_BODY, (size_t)body_bytes);
         if (!scratch) return -1;
     }
     int rc = sb_quantize_pack_ef((const float *)(intptr_t)s->g[k], (float *)(intptr_t)s->e[k], scratch ? scratch : body,
                                  s->sent[k] ? (float *)(intptr_t)s->sent[k] : NULL, s->n[k], s->bucket, s->kinds[a],
                                  s->levels[a], s->stochastic[a], s->topks[a], s->trits[a], s->keys[k], s->stats + 4 * k,
                                  threads);
-    if (scratch) {
-        memcpy(body, scratch, (size_t)body_bytes);
-        free(scratch);
-    }
+    if (scratch) memcpy(body, scratch, (size_t)body_bytes);
     return rc;
 }
 
@@ -189,7 +186,7 @@ static int sb_decode_member(const sb_decode_args *d, int k, int threads) {
         const unsigned char *body = (const unsigned char *)(intptr_t)d->bodies[slot];
         unsigned char *scratch = NULL;
         if ((uintptr_t)body % 16) {
-            scratch = (unsigned char *)aligned_alloc(16, (size_t)((d->body_bytes[slot] + 16) / 16 * 16));
+            scratch = (unsigned char *)sb_scratch(SB_SCRATCH_BODY, (size_t)d->body_bytes[slot]);
             if (!scratch) return -1;
             memcpy(scratch, body, (size_t)d->body_bytes[slot]);
             body = scratch;
@@ -197,7 +194,6 @@ static int sb_decode_member(const sb_decode_args *d, int k, int threads) {
         int accumulate = own >= 0 || r > 0;
         int rc = sb_decode(body, out, d->n[k], d->bucket, d->kinds[a], d->levels[a], d->topks[a], d->trits[a],
                            accumulate, accumulate && r == last ? d->divisor : 1.0f, threads);
-        free(scratch);
         if (rc == -1) return -1;
         if (rc <= -2) {
 #pragma omp critical(sb_decode_group_bad)

@@ -159,26 +159,21 @@ int sb_quantize_pack_ef(const float *g, float *e, unsigned char *body, float *se
     int fail = 0;
     memset(stats, 0, 4 * sizeof(double));
     if (n <= 0) return 0;
-    double *part = (double *)malloc((size_t)L.nb * 4 * sizeof(double));
+    double *part = (double *)sb_scratch(SB_SCRATCH_PART, (size_t)L.nb * 4 * sizeof(double));
     if (!part) return -1;
     if (nthreads < 1) nthreads = 1;
     float *scales = (float *)body;                 /* QUANT / SIGN: 4-byte aligned (body starts at byte 16) */
     unsigned short *half = (unsigned short *)body; /* FLOAT16 / BFLOAT16 values, TOPK bf16 values */
     unsigned char *codes = body + L.codes_off;
-#pragma omp parallel num_threads(nthreads) if (n > SB_PAR_MIN)
-    {
-        float *vb = (float *)malloc((size_t)bucket * sizeof(float));
-        float *qb = (float *)malloc((size_t)bucket * sizeof(float));
-        sb_u32 *kb = (sb_u32 *)malloc((size_t)bucket * sizeof(sb_u32));
-        sb_u32 *wb = (sb_u32 *)malloc((size_t)bucket * sizeof(sb_u32));
-        int ok = vb && qb && kb && wb;
-        if (!ok) {
-#pragma omp atomic write
-            fail = 1;
-        }
-#pragma omp for schedule(static)
-        for (sb_i64 grp = 0; grp < ngroups; grp++) {
-            if (!ok) continue;
+    SB_LOOP_STATIC(n > SB_PAR_MIN && nthreads > 1, grp, ngroups, {
+            float *vb = (float *)sb_scratch(SB_SCRATCH_V, (size_t)bucket * sizeof(float));
+            float *qb = (float *)sb_scratch(SB_SCRATCH_Q, (size_t)bucket * sizeof(float));
+            sb_u32 *kb = (sb_u32 *)sb_scratch(SB_SCRATCH_K, (size_t)bucket * sizeof(sb_u32));
+            sb_u32 *wb = (sb_u32 *)sb_scratch(SB_SCRATCH_W, (size_t)bucket * sizeof(sb_u32));
+            if (!vb || !qb || !kb || !wb) {
+                SB_FAIL(fail);
+                continue;
+            }
             sb_i64 b0 = grp * L.group, b1 = b0 + L.group < L.nb ? b0 + L.group : L.nb;
             /* group starts: bit b0 * bits_per_bucket, trit b0 * bucket; both whole bytes by construction */
             sb_bitw bw = {codes + (kind == SB_TOPK ? b0 * L.kept_full : b0 * bucket) * L.code_bits / 8, 0, 0};
@@ -218,14 +213,8 @@ int sb_quantize_pack_ef(const float *g, float *e, unsigned char *body, float *se
             }
             sb_bitw_flush(&bw);
             sb_tritw_flush(&tw);
-        }
-        free(vb);
-        free(qb);
-        free(kb);
-        free(wb);
-    }
+    });
     if (!fail) sb_sum_partials(part, L.nb, 4, 0, stats);
-    free(part);
     return fail ? -1 : 0;
 }
 
@@ -349,18 +338,13 @@ int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, in
     const unsigned short *half = (const unsigned short *)body;
     float s = (float)levels;
     int cb = L.code_bits;
-#pragma omp parallel num_threads(nthreads) if (n > SB_PAR_MIN)
-    {
-        float *xb = (float *)malloc((size_t)bucket * sizeof(float));
-        sb_u32 *wb = (sb_u32 *)malloc((size_t)bucket * sizeof(sb_u32));
-        int ok = xb && wb;
-        if (!ok) {
-#pragma omp atomic write
-            fail = 1;
-        }
-#pragma omp for schedule(static)
-        for (sb_i64 b = 0; b < L.nb; b++) {
-            if (!ok) continue;
+    SB_LOOP_STATIC(n > SB_PAR_MIN && nthreads > 1, b, L.nb, {
+            float *xb = (float *)sb_scratch(SB_SCRATCH_V, (size_t)bucket * sizeof(float));
+            sb_u32 *wb = (sb_u32 *)sb_scratch(SB_SCRATCH_W, (size_t)bucket * sizeof(sb_u32));
+            if (!xb || !wb) {
+                SB_FAIL(fail);
+                continue;
+            }
             sb_i64 j0 = b * bucket;
             int len = (int)((n - j0) < bucket ? (n - j0) : bucket), i;
             float *x = xb;
@@ -435,9 +419,6 @@ int sb_decode(const unsigned char *body, float *out, sb_i64 n, sb_i64 bucket, in
                 for (i = 0; i < len; i++) o[i] += x[i];
             else
                 memcpy(o, x, (size_t)len * sizeof(float));
-        }
-        free(xb);
-        free(wb);
-    }
+    });
     return fail ? -1 : 0;
 }
