@@ -55,7 +55,7 @@ class CollectivePath:
     Every path says what the send pass makes of one tensor (:meth:`encode`: ``v = g + e``, ``q = Q(v)``,
     ``e <- v - q``), how an escalation undoes it (:meth:`restore`: ``e <- e + q``), what a tensor never sent this
     step sends instead (:meth:`zeros`), what a sent tensor costs the link (:meth:`link_bytes`) and, on the packed
-    paths, the reduced sum (:meth:`reduced_sum`). The core never asks which path it holds, only what it can do:
+    paths, the reduced sums (:meth:`reduced_sums`). The core never asks which path it holds, only what it can do:
     ``packed`` (uint8 payloads through SafeBits' collectives, else float32 values through the front end's own
     allreduce), ``batched`` (tensors :meth:`register`-ed, then sent by the path in batches: a fusion group at a
     time, or the whole step when it closes), ``sends_together`` (a front end may hand it several tensors at once,
@@ -133,9 +133,10 @@ class CollectivePath:
     def close(self, step: int, allocation: np.ndarray, seed: int) -> None:
         """Every tensor of the step has been sent (the two-phase path starts its one alltoall here)."""
 
-    def reduced_sum(self, index: int, step: int, out: torch.Tensor | None, divisor: float) -> torch.Tensor:
-        """The sum over ranks of what every rank sent of tensor ``index`` at ``step``, decoded in rank order
-        (bitwise the same on every rank), divided by ``divisor``, into ``out`` if given (written over)."""
+    def reduced_sums(self, indices: list[int], step: int, outs: list[torch.Tensor | None],
+                     divisor: float) -> list[torch.Tensor]:
+        """The sum over ranks of what every rank sent of each tensor ``indices[k]`` at ``step``, decoded in rank order
+        (bitwise the same on every rank), divided by ``divisor``, into ``outs[k]`` if given (written over)."""
         raise RuntimeError(f"the {self.name} path has no reduced sum of its own: the front end's allreduce makes it")
 
 
@@ -295,7 +296,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self._sent: dict[int, tuple[torch.Tensor, np.ndarray]] = {} # group -> this rank's buffer and offsets
         self._expected: dict[int, np.ndarray] = {}                  # group -> the members' allocated actions
         # Member index -> the tensor the send pass wrote this rank's own q into: the sum starts from it instead of
-        # decoding this rank's payload again (see reduced_sum).
+        # decoding this rank's payload again (see reduced_sums).
         self._own: dict[int, torch.Tensor] = {}
         # group -> (divisor, member index -> reduced sum, the gathered payloads, their actions [member, rank])
         self._decoded: dict[int, tuple[float, dict[int, torch.Tensor], kernels.Gathered, np.ndarray]] = {}
@@ -413,48 +414,56 @@ class AllgatherPath(PackedCodec, CollectivePath):
                                [self.names[i] for i in members.tolist()],
                                f"{self.collective_name} group {group} step {self.step}")
 
-    def reduced_sum(self, index: int, step: int, out: torch.Tensor | None, divisor: float) -> torch.Tensor:
+    def reduced_sums(self, indices: list[int], step: int, outs: list[torch.Tensor | None],
+                     divisor: float) -> list[torch.Tensor]:
         """The first member of a group asked for decodes the whole group, into each member's ``own`` tensor when it
-        has one.
+        has one; the others take their sum from it.
 
         When a member's ``own`` tensor holds this rank's values, this rank's payload is not decoded again on ranks
         0 and 1: each adds the other ranks' values to its own in rank order (float addition is commutative, so
         rank 1's ``(q1 + q0) + q2 ...`` is bitwise ``(q0 + q1) + q2 ...``); the other ranks decode every payload."""
         if step != self.step:
             raise RuntimeError(f"the allgather of step {step} is no longer held (a later step began)")
-        if self.has_unsent(index):
+        if self._registered and any(self.has_unsent(index) for index in indices):
             self.flush()     # a step in which some registered tensors were never sent (on every rank)
-        group = int(self.group_of[index])
-        if group not in self._decoded:
-            if group not in self._handles:
-                raise RuntimeError(f"the group of {self.names[index]!r} was not sent at step {step}")
-            tables = self.tables
-            gathered = self.transport.wait(self._handles.pop(group))
-            ranks, me = self.transport.size, self.transport.rank
-            payloads, actions = self._split(gathered, group, ranks)
-            members = self._members[group]
-            outs, own = [], np.full(len(members), -1, dtype=np.int64)
-            for k, member in enumerate(members.tolist()):
-                target = self._own.get(member)
-                if target is not None and me <= 1:
-                    own[k] = me
-                outs.append(target if target is not None else
-                            torch.empty(int(tables.numels[member]), dtype=torch.float32, device=gathered.device))
-            names = [self.names[i] for i in members.tolist()]
-            kernels.decode_group(payloads, actions, outs, own, tables, members, names, divisor)
-            self._decoded[group] = (divisor, dict(zip(members.tolist(), outs, strict=True)), payloads, actions)
-        decoded_divisor, sums, payloads, actions = self._decoded[group]
-        total = sums[index]
-        if divisor != decoded_divisor:       # another op than the group's first member's: decode this one again
-            member = int(self.member_of[index])
-            total = torch.empty_like(total)
-            one = kernels.Gathered(payloads.buffer, payloads.offsets[member:member + 1])
-            kernels.decode_group(one, actions[member:member + 1], [total], np.array([-1]), self.tables,
-                                 self._members[group][member:member + 1], [self.names[index]], divisor)
-        if out is None:
-            return total
-        return total if out is total else out.copy_(total)
+        totals = []
+        for index, out in zip(indices, outs, strict=True):
+            group = int(self.group_of[index])
+            decoded = self._decoded.get(group)
+            if decoded is None:
+                decoded = self._decode(group, divisor)
+            decoded_divisor, sums, payloads, actions = decoded
+            total = sums[index]
+            if divisor != decoded_divisor:       # another op than the group's first member's: decode this one again
+                member = int(self.member_of[index])
+                total = torch.empty_like(total)
+                one = kernels.Gathered(payloads.buffer, payloads.offsets[member:member + 1])
+                kernels.decode_group(one, actions[member:member + 1], [total], np.array([-1]), self.tables,
+                                     self._members[group][member:member + 1], [self.names[index]], divisor)
+            totals.append(total if out is None or out is total else out.copy_(total))
+        return totals
 
+    def _decode(self, group: int, divisor: float) -> tuple[float, dict[int, torch.Tensor], kernels.Gathered,
+                                                          np.ndarray]:
+        """Wait for the group's allgather and decode every member's sum over ranks (see :meth:`reduced_sums`)."""
+        if group not in self._handles:
+            raise RuntimeError(f"the group of {self.names[self.groups[group][0]]!r} was not sent at step {self.step}")
+        tables = self.tables
+        gathered = self.transport.wait(self._handles.pop(group))
+        ranks, me = self.transport.size, self.transport.rank
+        payloads, actions = self._split(gathered, group, ranks)
+        members = self._members[group]
+        outs, own = [], np.full(len(members), -1, dtype=np.int64)
+        for k, member in enumerate(members.tolist()):
+            target = self._own.get(member)
+            if target is not None and me <= 1:
+                own[k] = me
+            outs.append(target if target is not None else
+                        torch.empty(int(tables.numels[member]), dtype=torch.float32, device=gathered.device))
+        names = [self.names[i] for i in members.tolist()]
+        kernels.decode_group(payloads, actions, outs, own, tables, members, names, divisor)
+        decoded = self._decoded[group] = (divisor, dict(zip(members.tolist(), outs, strict=True)), payloads, actions)
+        return decoded
 
 def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray, tables: kernels.GroupTables,
                     names: list[str], what: str) -> tuple[kernels.Gathered, np.ndarray]:

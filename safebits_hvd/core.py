@@ -262,7 +262,7 @@ class SafeBitsCore:
         each group is decoded once, into the ``into`` tensors its members were sent with."""
         start, waited = time.perf_counter(), waited_seconds()
         path = self.paths[collective]
-        totals = [path.reduced_sum(i, step, out, divisor) for i, out in zip(indices, outs, strict=True)]
+        totals = path.reduced_sums(indices, step, outs, divisor)
         self.clock.received(start, time.perf_counter(), waited_seconds() - waited)
         return totals
 

@@ -240,7 +240,8 @@ class TwoPhasePath(CollectivePath):
                              [name for name in names for _ in range(ranks)])
         self._done = (step, results)
 
-    def reduced_sum(self, index: int, step: int, out: torch.Tensor | None, divisor: float) -> torch.Tensor:
+    def reduced_sums(self, indices: list[int], step: int, outs: list[torch.Tensor | None],
+                     divisor: float) -> list[torch.Tensor]:
         """Runs the second phase first if it is pending."""
         if self.pending_step == step:
             self.finish()
@@ -249,9 +250,12 @@ class TwoPhasePath(CollectivePath):
                 raise RuntimeError(f"the two-phase reduction of step {step} exists once every tensor of the step "
                                    f"has been compressed (its one alltoall starts then)")
             raise RuntimeError(f"the two-phase reduction of step {step} is no longer held (a later step began)")
-        total = self._done[1][index]
-        total = total if out is None else out.copy_(total)
-        return total.div_(divisor) if divisor != 1.0 else total
+        totals = []
+        for index, out in zip(indices, outs, strict=True):
+            total = self._done[1][index]
+            total = total if out is None else out.copy_(total)
+            totals.append(total.div_(divisor) if divisor != 1.0 else total)
+        return totals
 
     def _second_hop(self, step: int, seed: int, allocation: np.ndarray,
                     totals: list[torch.Tensor]) -> list[torch.Tensor]:
