@@ -19,6 +19,10 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
+        # Counts every change of which tensor holds a residual (made, moved, removed, loaded); residuals are
+        # otherwise updated in place, so a list of them (with their addresses) made at one version holds until
+        # the next.
+        self.version = 0
 
     def residual(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """The residual of ``name`` (flat float32, ``numel`` elements, on ``device``), created as zeros.
@@ -28,16 +32,19 @@ class ErrorFeedback:
         if e is None:
             e = torch.zeros(numel, dtype=torch.float32, device=device)
             self.residuals[name] = e
+            self.version += 1
         elif e.numel() != numel:
             raise ValueError(f"the error-feedback residual of {name!r} holds {e.numel()} elements, not {numel}: it "
                              f"was restored from a state of another model or world size")
         elif e.device != device:
             e = e.to(device)
             self.residuals[name] = e
+            self.version += 1
         return e
 
     def pop(self, name: str) -> torch.Tensor | None:
         """Remove ``name``'s residual and return it (None if it has none)."""
+        self.version += 1
         return self.residuals.pop(name, None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -50,3 +57,4 @@ class ErrorFeedback:
             if not torch.isfinite(e).all():
                 raise ValueError(f"residual {name!r} holds non-finite values")
         self.residuals = {name: e.detach().clone() for name, e in state.items()}
+        self.version += 1

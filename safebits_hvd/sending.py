@@ -113,6 +113,40 @@ def checked_into(name: str, g: torch.Tensor, into: torch.Tensor | None) -> torch
     return into
 
 
+class MemberTensors:
+    """The residuals of a group's members and the screen's samples of their buckets (None: all buckets, or no
+    screen), as :class:`~.kernels.TensorList` (addresses taken once), kept per group while the residuals stay where
+    they are (:attr:`.memory.ErrorFeedback.version`): the same groups come every step, and a lookup per member per
+    step costs more than packing a small one (docs/RESULTS.md 5.1)."""
+
+    LIMIT = 4096
+    """Groups kept: a front end whose groups change every step starts the cache again."""
+
+    def __init__(self, sender: Sender) -> None:
+        self.sender = sender
+        self._made: dict[tuple[bytes, torch.device], tuple[int, kernels.TensorList, kernels.TensorList]] = {}
+
+    def of(self, members: np.ndarray, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """(residuals, samples) of ``members`` on ``device``."""
+        sender, memory = self.sender, self.sender.memory
+        screening = sender.policy.allocates_from_statistics
+        if not sender.error_feedback:        # a new zero residual each call: nothing to keep
+            return ([sender.residual(i, int(sender.numels[i]), device) for i in members.tolist()],
+                    [sender.sample_of(i, int(sender.numels[i]), device) if screening else None
+                     for i in members.tolist()])
+        key = (members.tobytes(), device)
+        made = self._made.get(key)
+        if made is None or made[0] != memory.version:
+            rows = members.tolist()
+            residuals = kernels.TensorList(sender.residual(i, int(sender.numels[i]), device) for i in rows)
+            samples = kernels.TensorList(sender.sample_of(i, int(sender.numels[i]), device) if screening else None
+                                         for i in rows)
+            if len(self._made) >= self.LIMIT:
+                self._made.clear()
+            made = self._made[key] = (memory.version, residuals, samples)    # the version once they all exist
+        return made[1], made[2]
+
+
 class Sender:
     """The screen and the send of one core's tensors (steps 2 and 3), given each step's allocation and statistics
     vector by :meth:`begin`. It owns nothing checkpointed but reads and updates the core's residuals."""
@@ -134,6 +168,7 @@ class Sender:
         # through Horovod's own compressors (the baselines), and the check's extra pass is saved.
         self.checks_finite = error_feedback or nonfinite != "propagate"
         self._samples: dict[int, torch.Tensor | None] = {}       # per tensor: the screen's buckets (None: all)
+        self.member_tensors = MemberTensors(self)
         # The step in progress (begin).
         self.step, self.seed = 0, 0
         self.allocation: Allocation | None = None
@@ -288,9 +323,10 @@ class Sender:
         together, one batched pass (one read back) per round (:meth:`escalate_group`). Returns the pass's result
         and, by tensor, what replaced a member's payload (or values) in it (escalated or non-finite)."""
         policy = self.policy
-        residuals = [self.residual(int(i), int(self.numels[i]), grads[0].device) for i in members]
+        residuals, samples = self.member_tensors.of(members, grads[0].device)
         keys = stream_keys(self.seed, self.step, members)
-        result = kernels.send_group(self.group_request(members, grads, residuals, owns, keys, output), self.tables)
+        result = kernels.send_group(self.group_request(members, grads, residuals, samples, owns, keys, output),
+                                    self.tables)
         self.take_screen(members, result)
         payloads: dict[int, Any] = {}
         values = output == kernels.GroupOutput.VALUES
@@ -314,18 +350,16 @@ class Sender:
         return result, payloads
 
     def group_request(self, members: np.ndarray, grads: list[torch.Tensor], residuals: list[torch.Tensor],
-                      owns: list[torch.Tensor | None], keys: np.ndarray,
+                      samples: list[torch.Tensor | None], owns: list[torch.Tensor | None], keys: np.ndarray,
                       output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.GroupSend:
-        """The batched pass's request for ``members``: the NaN/Inf check, the screen on each member's sampled
-        buckets, the choice from the allocation, and what ``output`` says to write."""
+        """The batched pass's request for ``members`` (their residuals and samples: :attr:`member_tensors`): the
+        NaN/Inf check, the screen on each member's sampled buckets, the choice from the allocation, and what
+        ``output`` says to write."""
         policy = self.policy
         assert self.allocation is not None
-        screening = policy.allocates_from_statistics
-        device = grads[0].device
-        samples = [self.sample_of(int(i), int(self.numels[i]), device) if screening else None for i in members]
         return kernels.GroupSend(members, grads, residuals, owns, samples, keys, self.allocation.choice[members],
-                                 self.checks_finite, screening, policy.screen_enabled, policy.max_distortion,
-                                 policy.min_cosine, output)
+                                 self.checks_finite, policy.allocates_from_statistics, policy.screen_enabled,
+                                 policy.max_distortion, policy.min_cosine, output)
 
     def take_screen(self, members: np.ndarray, result: kernels.GroupSent) -> None:
         """Record what the screen of a batched pass estimated, for the next allocation."""

@@ -316,9 +316,9 @@ def send_first_hop(sender: Sender, members: np.ndarray, grads: list[torch.Tensor
     policy = sender.policy
     m, device = len(members), grads[0].device
     ranks = len(segments[int(members[0])])
-    residuals = [sender.residual(int(i), int(sender.numels[i]), device) for i in members]
+    residuals, samples = sender.member_tensors.of(members, device)
     keys = stream_keys(sender.seed, sender.step, members)
-    request = sender.group_request(members, grads, residuals, [None] * m, keys, kernels.GroupOutput.SCREEN)
+    request = sender.group_request(members, grads, residuals, samples, [None] * m, keys, kernels.GroupOutput.SCREEN)
     result = kernels.send_group(request, sender.tables)
     sender.take_screen(members, result)
     payloads: dict[int, Any] = {}

@@ -27,8 +27,10 @@ import torch
 from .. import host, wire
 from ..actions import Action, Menu
 from . import reference
+from .tensors import TensorList
 
-__all__ = ["STAT_COLUMNS", "backend_name", "decode", "decode_add", "quantize_ef", "quantize_pack_ef", "screen"]
+__all__ = ["STAT_COLUMNS", "TensorList", "backend_name", "decode", "decode_add", "quantize_ef", "quantize_pack_ef",
+           "screen"]
 
 PAYLOAD_ALIGN = 16
 """Byte alignment the kernels need of a payload (its float32 and 16-bit sections are then naturally aligned)."""

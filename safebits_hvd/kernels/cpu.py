@@ -28,6 +28,7 @@ import torch
 from ..actions import Action, ActionKind, Menu
 from ..wire import HEADER_BYTES, Header, WireFormatError
 from .source import translation_unit
+from .tensors import addresses, element_counts
 
 HERE = Path(__file__).resolve().parent
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
@@ -232,10 +233,6 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     return stats
 
 
-def _pointers(tensors: list[torch.Tensor | None]) -> np.ndarray:
-    return np.fromiter((0 if t is None else t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
-
-
 def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
@@ -249,7 +246,7 @@ def send_group(request: Any, tables: Any) -> Any:
     members = np.ascontiguousarray(request.members, dtype=np.int64)
     m, nact = len(members), tables.actions
     samples = request.samples
-    nsel = np.fromiter((0 if s is None else s.numel() for s in samples), dtype=np.int64, count=m)
+    nsel = element_counts(samples)
     numels = np.ascontiguousarray(tables.numels[members])
     keys = np.ascontiguousarray(request.keys, dtype=np.uint32)
     allocated = np.ascontiguousarray(request.allocated, dtype=np.int32)
@@ -262,8 +259,8 @@ def send_group(request: Any, tables: Any) -> Any:
     stats = np.empty((m, 4))
     tables_arguments = _tables_arguments(tables)
     # Every array must outlive the call: an address alone does not keep its array alive.
-    grads, residuals, sents = _pointers(request.grads), _pointers(request.residuals), _pointers(request.sents)
-    sample_pointers = _pointers(samples)
+    grads, residuals, sents = addresses(request.grads), addresses(request.residuals), addresses(request.sents)
+    sample_pointers = addresses(samples)
     rc = lib.sb_send_group(
         m, _address(members), _address(grads), _address(residuals), _address(sents), _address(numels),
         _address(sample_pointers), _address(nsel), _address(keys), tables.menu.bucket_size, nact,
@@ -299,12 +296,12 @@ def decode_group(bodies: list[torch.Tensor] | np.ndarray, body_bytes: np.ndarray
     first slot (member * ranks + rank) whose top-k indices are invalid."""
     lib = load()
     arrays = _menu_args(menu)
-    body_pointers = (bodies if isinstance(bodies, np.ndarray) else _pointers(bodies)) + HEADER_BYTES
+    body_pointers = (bodies if isinstance(bodies, np.ndarray) else addresses(bodies)) + HEADER_BYTES
     body_bytes = np.ascontiguousarray(body_bytes, dtype=np.int64)
     actions = np.ascontiguousarray(actions, dtype=np.int32)
     numels = np.ascontiguousarray(numels, dtype=np.int64)
     own = np.ascontiguousarray(own, dtype=np.int32)
-    outs_pointers = _pointers(outs)
+    outs_pointers = addresses(outs)
     rc = lib.sb_decode_group(len(outs), ranks, _address(body_pointers), _address(body_bytes), _address(actions),
                              _address(outs_pointers), _address(numels), _address(own), menu.bucket_size,
                              arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[3].data_ptr(), arrays[4].data_ptr(),

@@ -17,6 +17,7 @@ import torch
 from ..actions import Action, ActionKind, Menu
 from ..wire import HEADER_BYTES, Header, WireFormatError
 from .source import translation_unit
+from .tensors import addresses
 
 THREADS = 256
 NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true",
@@ -194,10 +195,6 @@ def _prefix(sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pointers(tensors: list[torch.Tensor | None]) -> np.ndarray:
-    return np.fromiter((0 if t is None else t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
-
-
 def _upload(device: torch.device, **columns: np.ndarray) -> dict[str, torch.Tensor]:
     """The per-group int64 tables as views of ONE device tensor, copied from pinned memory without blocking (a
     pageable copy would synchronize the stream)."""
@@ -249,8 +246,8 @@ def send_group(request: Any, tables: Any) -> Any:
     stage_off = _prefix(-(-largest // 16) * 16)
     stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
     buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
-    t = _upload(device, g=_pointers(request.grads), e=_pointers(request.residuals), sent=_pointers(request.sents),
-                sample=_pointers(samples), n=numels, key=np.asarray(request.keys, dtype=np.uint32),
+    t = _upload(device, g=addresses(request.grads), e=addresses(request.residuals), sent=addresses(request.sents),
+                sample=addresses(samples), n=numels, key=np.asarray(request.keys, dtype=np.uint32),
                 allocated=np.asarray(request.allocated), tensor=members, bucket_off=bucket_off, pair_off=pair_off,
                 stage_off=stage_off, stage_addr=stage.data_ptr() + stage_off[:-1])
     # Everything read back, in one int64 tensor: bad (NaN/Inf) flags, chosen, offsets, then the float64 sums.
@@ -325,7 +322,7 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
     numels = np.ascontiguousarray(numels, dtype=np.int64)
     decoded = (np.arange(ranks)[None, :] != own[:, None]).reshape(-1)       # own[k]'s payload is not decoded
     sizes = np.asarray(body_bytes, dtype=np.int64) + HEADER_BYTES
-    addr = _pointers(bodies)
+    addr = addresses(bodies)
     # Misaligned payloads (slices of the gathered buffer) are copied into an aligned stage first (the per-tensor
     # path clones each one); the stage's addresses are known before any copy runs, so one upload serves all.
     moved = decoded & (addr % 16 != 0)
@@ -342,7 +339,7 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
     bucket_off = _prefix(-(-numels // bucket))
     t = _upload(device, stage_off=stage_off, sizes=sizes[moved], source=source, check_off=check_off, checked=checked,
                 checked_addr=addr[checked], checked_n=slot_numels[checked], checked_topk=topk_of[actions[checked]],
-                bucket_off=bucket_off, outs=_pointers(outs), n=numels, own=own, addr=addr, actions=actions)
+                bucket_off=bucket_off, outs=addresses(outs), n=numels, own=own, addr=addr, actions=actions)
     if moved.any():
         _launch("sb_gather_kernel", _grid(int(stage_off[-1])),
                 (np.int32(int(moved.sum())), _cp(t["stage_off"]), _cp(t["sizes"]), np.int32(1), _cp(t["source"]),
