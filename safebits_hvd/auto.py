@@ -306,10 +306,10 @@ class Auto:
        before step :data:`AUTO_WARM_AFTER` is measured again for three steps after the switch (its early spans
        dropped; one span cannot tell a warm run's 15% from its noise), unless estimated
        :data:`AUTO_WARM_SLOWDOWN` times slower than the choice and :data:`AUTO_HICCUP_S` or more (the first
-       steps' excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN). (b) **Now
-       and then**: every ``probe_every``
-       steps the one measured longest ago (two steps into or out of pass-through), unless predicted above
-       ``1 + prune`` times the fastest estimate.
+       steps' excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN); before any
+       other budget is probed, since a span from the slow first steps makes every other budget look closer than
+       it is. (b) **Now and then**: every ``probe_every`` steps the one measured longest ago (two steps into or
+       out of pass-through), unless predicted above ``1 + prune`` times the fastest estimate.
     4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
        for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
        the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
@@ -445,6 +445,11 @@ class Auto:
                 bound = model.predict(b, allowance=self.prune)
                 assert bound is not None                # the same figures and rate predicted it above
                 hoped[b] = (bound, 0.0)
+        # A pass-through measured only while the run warmed up is measured again before any other budget is probed:
+        # a span from those slow steps makes every compressed budget look closer than it is.
+        again = self._measure_again(known, pending)
+        if again is not None:
+            return again
         if hoped:
             bits = self._pick({**known, **hoped})
             if bits in hoped:
@@ -453,16 +458,6 @@ class Auto:
                 young = current in known and len(model.spans[current]) < AUTO_MEDIAN_OF
                 return current if young and max(bits, current) < PASS_THROUGH_BITS else bits
         choice = self._pick(known)
-        if choice < PASS_THROUGH_BITS and len(model.spans[choice]) >= 3:
-            # Measured only while the run was warming up (the pass-through, held first): measure it again.
-            now = known[choice][0]
-            for b in sorted(model.figures, reverse=True):
-                early = model.scaled(b)["span_s"]
-                if (model.measured_at[b] < AUTO_WARM_AFTER and b not in pending
-                        and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
-                    model.drop(b)
-                    self.probe = (b, 3)                          # the switch, then three spans: a median
-                    return b
         if step % self.probe_every == 0 and len(known) > 1:      # now and then, the one measured longest ago
             stalest = min(known, key=lambda b: model.measured_at.get(b, -1))
             guess = model.predict(stalest)
@@ -472,6 +467,23 @@ class Auto:
                     self.probe = (stalest, 1)                    # the switch measures nothing (1): one more step
                 return stalest
         return choice
+
+    def _measure_again(self, known: dict[float, tuple[float, float]], pending: set[float]) -> float | None:
+        """3 (a): once a compressed budget is the choice with three spans, a candidate measured only while the run
+        warmed up, unless estimated far slower than the choice; None if there is none."""
+        model = self.model
+        choice = self._pick(known) if known else PASS_THROUGH_BITS
+        if choice >= PASS_THROUGH_BITS or len(model.spans[choice]) < 3:
+            return None
+        now = known[choice][0]
+        for b in sorted(model.figures, reverse=True):
+            early = model.scaled(b)["span_s"]
+            if (model.measured_at[b] < AUTO_WARM_AFTER and b not in pending
+                    and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
+                model.drop(b)
+                self.probe = (b, 3)                              # the switch, then three spans: a median
+                return b
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.model.state_dict(), "chosen": {str(s): b for s, b in self.chosen.items()},
