@@ -201,7 +201,7 @@ class SafeBits(CoreCompressor):
             ``model.parameters()``): parameters are then named as Horovod names them.
         budget_bits: average bits per parameter per step (32 = no compression; 4.4 is about 7.2x), or a schedule,
             any callable ``step -> bits`` (see :mod:`safebits_hvd.schedules`), or ``"auto"``
-            (:class:`~safebits_hvd.schedules.Auto`: the budget, or no compression, that makes the step fastest,
+            (:class:`~safebits_hvd.auto.Auto`: the budget, or no compression, that makes the step fastest,
             from the telemetry SafeBits measures). Default 4.0.
         max_distortion: ``d_bar`` in (0, 1]. Default 0.5.
         min_cosine: ``c_min`` in [-1, 1]. Default 0.7. Why these defaults (docs/RESULTS.md sections 9.1 and
