@@ -465,6 +465,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         decoded = self._decoded[group] = (divisor, dict(zip(members.tolist(), outs, strict=True)), payloads, actions)
         return decoded
 
+
 def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray, tables: kernels.GroupTables,
                     names: list[str], what: str) -> tuple[kernels.Gathered, np.ndarray]:
     """Where each payload of a gathered buffer starts ``[member, rank]``, and its menu action: rank ``r``'s part

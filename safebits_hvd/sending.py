@@ -129,22 +129,24 @@ class MemberTensors:
     def of(self, members: np.ndarray, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """(residuals, samples) of ``members`` on ``device``."""
         sender, memory = self.sender, self.sender.memory
-        screening = sender.policy.allocates_from_statistics
         if not sender.error_feedback:        # a new zero residual each call: nothing to keep
-            return ([sender.residual(i, int(sender.numels[i]), device) for i in members.tolist()],
-                    [sender.sample_of(i, int(sender.numels[i]), device) if screening else None
-                     for i in members.tolist()])
+            rows = members.tolist()
+            return [sender.residual(i, int(sender.numels[i]), device) for i in rows], self._samples(rows, device)
         key = (members.tobytes(), device)
         made = self._made.get(key)
         if made is None or made[0] != memory.version:
             rows = members.tolist()
             residuals = kernels.TensorList(sender.residual(i, int(sender.numels[i]), device) for i in rows)
-            samples = kernels.TensorList(sender.sample_of(i, int(sender.numels[i]), device) if screening else None
-                                         for i in rows)
+            samples = kernels.TensorList(self._samples(rows, device))
             if len(self._made) >= self.LIMIT:
                 self._made.clear()
             made = self._made[key] = (memory.version, residuals, samples)    # the version once they all exist
         return made[1], made[2]
+
+    def _samples(self, rows: list[int], device: torch.device) -> list[torch.Tensor | None]:
+        sender = self.sender
+        screening = sender.policy.allocates_from_statistics
+        return [sender.sample_of(i, int(sender.numels[i]), device) if screening else None for i in rows]
 
 
 class Sender:
