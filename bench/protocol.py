@@ -12,6 +12,7 @@ a record, their fixed width times the parameters).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -45,7 +46,8 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
 
     Returns ``step_times_s``, ``elapsed_s``, ``link_bytes``, ``wire_bytes`` (this rank's, summed over steps; None
     without records), ``modeled_bits_per_rank`` and ``budget_bits_per_rank`` (per step; the budget is what
-    ``budget_bits="auto"`` chose), ``pass_through`` (per step), ``collective`` and ``violations``.
+    ``budget_bits="auto"`` chose), ``pass_through`` (per step), ``timing`` (per step, the telemetry SafeBits measured
+    of it, ``StepRecord.timing``, reduced over ranks; None where none arrived), ``collective`` and ``violations``.
     """
     tell = on_step or (lambda i: None)
     tell(-1)
@@ -59,6 +61,8 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
     modeled_bits: list[float] = []
     budget_bits: list[float | None] = []
     pass_through: list[bool] = []
+    timing: dict[int, dict[str, float | None]] = {}  # by the step it describes (it comes with a later step's record)
+    steps_run: list[int] = []
     collective: str | None = None
     violations = 0
     recorded = True
@@ -78,6 +82,9 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
         modeled_bits.append(float(last.modeled_bits_total))
         budget_bits.append(float(last.budget_bits_total))
         pass_through.append(bool(last.pass_through))
+        steps_run.append(last.step)
+        if last.timing:
+            timing[last.timing_step] = {k: v if math.isfinite(v) else None for k, v in last.timing.items()}
         collective = last.collective or collective
         violations += int(bool(last.violation))
     barrier()
@@ -85,7 +92,8 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
     tx1 = read_tx_bytes()
     return {"step_times_s": step_times, "elapsed_s": elapsed, "link_bytes": tx1 - tx0,
             "wire_bytes": sum(wire) if recorded and steps else None, "modeled_bits_per_rank": modeled_bits,
-            "budget_bits_per_rank": budget_bits, "pass_through": pass_through, "collective": collective,
+            "budget_bits_per_rank": budget_bits, "pass_through": pass_through,
+            "timing": [timing.get(s) for s in steps_run] if recorded else None, "collective": collective,
             "violations": violations}
 
 
@@ -102,6 +110,7 @@ def case_result(model: str, compressor: str, facts: dict[str, Any], workload_fac
         "modeled_bytes_per_step": ranks * statistics.fmean(measured["modeled_bits_per_rank"]) / 8,
         "modeled_bits_per_rank": measured["modeled_bits_per_rank"],
         "budget_bits_per_rank": measured["budget_bits_per_rank"], "pass_through": measured["pass_through"],
+        "timing": measured["timing"],
         "collective": measured["collective"], "violations": measured["violations"],
     }
 

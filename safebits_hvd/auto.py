@@ -45,6 +45,14 @@ span, 116 with three)."""
 AUTO_WARMUP = 2
 """The first steps of a run, whose spans :class:`Auto` does not keep (allocation, connection set-up)."""
 
+AUTO_COLD = 2
+"""The first steps a run compresses, whose spans :class:`Auto` does not keep either: the compressed path starts cold.
+The second compressed step of a run took 1.5-2x a warm one under Horovod, the step before it being the switch
+(the transformer of ``bench.link`` at 1 Gbit/s and on localhost: a span of 0.92-0.98 s against 0.5 s, its exposed
+wait 0.53 s against 0.1 s; the same switch later in the run costs nothing extra, docs/RESULTS.md 4.3). Measured,
+that one span made passing through look faster than 2 bits, and :class:`Auto` passed through for the rest of the
+window. A run's first compressed probe therefore holds one step longer: the switch, the cold step, one measured."""
+
 AUTO_WARM_AFTER = 6
 """Steps after which a run is warm: the spans of the steps before, kept, still run slow (the byte LM of
 ``make demo`` on localhost: 2.7x and 1.5x its steady step at steps 2 and 3), so a candidate measured only before
@@ -54,6 +62,13 @@ AUTO_WARM_SLOWDOWN = 2.0
 """How much slower than warm steps a run's first steps may be (the byte LM of ``make demo`` on localhost: 1.8x over
 steps 2 and 3): a candidate measured only then and estimated slower than the choice by more (and by
 :data:`AUTO_HICCUP_S` at least) is not measured again (3). Measuring it again costs four steps, once."""
+
+AUTO_WARM_COMPUTE = 1.0
+"""A step whose own compute (its backward span less SafeBits' sends) took at most this times the choice's was warm
+already, and its span is not measured again (3): a run's first steps are slow in their compute (the warm-up
+multiplies it with the rest), while a warm pass-through computes faster than a compressed step (the transformer of
+``bench.link`` at 1 Gbit/s: 0.27-0.31 s at step 2 against 0.31-0.38 s at 2 bits). Without it the pass-through of
+step 2, warm and 1.7-1.9x slower than 2 bits, was measured again for four steps: a third of a 14-step window."""
 
 AUTO_WARM_START = 30
 AUTO_WARM_START_S = 0.25
@@ -274,7 +289,8 @@ class Auto:
     them. Then, per candidate budget (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
 
     1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, none from the first
-       :data:`AUTO_WARMUP` steps of a run nor from a step that switched into or out of pass-through (it pays for the
+       :data:`AUTO_WARMUP` steps of a run, nor from its first :data:`AUTO_COLD` compressed steps (the compressed
+       path starts cold), nor from a step that switched into or out of pass-through (it pays for the
        switch: the start policy, the residual flush), unless a switch into pass-through took as long as a link that
        fell (5): the link may fall on any step; a switch between two compressed budgets is measured, so a
        compressed probe costs one step.
@@ -304,7 +320,8 @@ class Auto:
        Measured again: (a) **after the warm-up**: the pass-through, held first, is measured in a run's first
        steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
        before step :data:`AUTO_WARM_AFTER` is measured again for three steps after the switch (its early spans
-       dropped; one span cannot tell a warm run's 15% from its noise), unless estimated
+       dropped; one span cannot tell a warm run's 15% from its noise), unless its step computed no slower than
+       the choice's do (:data:`AUTO_WARM_COMPUTE`: it was warm already) or it is estimated
        :data:`AUTO_WARM_SLOWDOWN` times slower than the choice and :data:`AUTO_HICCUP_S` or more (the first
        steps' excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN); before any
        other budget is probed, since a span from the slow first steps makes every other budget look closer than
@@ -360,6 +377,7 @@ class Auto:
         self.chosen: dict[int, float] = {}
         self.observed = -1
         self.probe: tuple[float, int] | None = None
+        self.compressing_since: int | None = None            # the run's first compressed step (AUTO_COLD)
 
     def observe_timing(self, step: int, timing: dict[str, float]) -> None:
         """Step ``step``'s telemetry (:data:`.clock.TIMING_FIELDS`, reduced over ranks; NaN where unknown)."""
@@ -367,7 +385,7 @@ class Auto:
         bits, previous = self.chosen.get(step), self.chosen.get(step - 1)
         for old in [s for s in self.chosen if s < step - 1]:
             del self.chosen[old]
-        if bits is not None and previous is not None:
+        if bits is not None and previous is not None and not self._cold(step, bits):
             self.model.observe(step, bits, previous, timing)
 
     def estimate(self, bits: float) -> float | None:
@@ -381,12 +399,23 @@ class Auto:
             self.probe = (bits, left - 1) if left > 1 else None
         else:
             bits = self._choose(step)
+            if bits < PASS_THROUGH_BITS and self.compressing_since is None:
+                self.compressing_since = step
             previous = self.chosen.get(step - 1)
-            unmeasurable = step < AUTO_WARMUP or (previous != bits and PASS_THROUGH_BITS in (bits, previous))
-            if self.estimate(bits) is None and unmeasurable and self.probe is None:
-                self.probe = (bits, 1)                           # its first step measures nothing (1): hold it
+            switched = previous != bits and PASS_THROUGH_BITS in (bits, previous)
+            if self.estimate(bits) is None and self.probe is None:
+                if self._cold(step, bits):                       # the cold steps measure nothing: hold past them
+                    assert self.compressing_since is not None
+                    self.probe = (bits, self.compressing_since + AUTO_COLD - step)
+                elif step < AUTO_WARMUP or switched:
+                    self.probe = (bits, 1)                       # its first step measures nothing (1): hold it
         self.chosen[step] = bits
         return bits
+
+    def _cold(self, step: int, bits: float) -> bool:
+        """Whether step ``step`` at ``bits`` is one of the run's first :data:`AUTO_COLD` compressed steps (1)."""
+        return (bits < PASS_THROUGH_BITS and self.compressing_since is not None
+                and step < self.compressing_since + AUTO_COLD)
 
     def _pick(self, values: dict[float, tuple[float, float]]) -> float:
         """Step 4 on ``{bits: (span, relative standard error)}``: the most bits among those tied with the fastest."""
@@ -470,15 +499,20 @@ class Auto:
 
     def _measure_again(self, known: dict[float, tuple[float, float]], pending: set[float]) -> float | None:
         """3 (a): once a compressed budget is the choice with three spans, a candidate measured only while the run
-        warmed up, unless estimated far slower than the choice; None if there is none."""
+        warmed up, unless its step was warm already or it is estimated far slower than the choice; None if there is
+        none."""
         model = self.model
         choice = self._pick(known) if known else PASS_THROUGH_BITS
         if choice >= PASS_THROUGH_BITS or len(model.spans[choice]) < 3:
             return None
         now = known[choice][0]
+        current = model.scaled(choice)
         for b in sorted(model.figures, reverse=True):
-            early = model.scaled(b)["span_s"]
-            if (model.measured_at[b] < AUTO_WARM_AFTER and b not in pending
+            figures = model.scaled(b)
+            early = figures["span_s"]
+            warm = (figures["backward_s"] - figures["send_s"]
+                    <= AUTO_WARM_COMPUTE * (current["backward_s"] - current["send_s"]))
+            if (model.measured_at[b] < AUTO_WARM_AFTER and b not in pending and not warm
                     and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
                 model.drop(b)
                 self.probe = (b, 3)                              # the switch, then three spans: a median
@@ -487,13 +521,16 @@ class Auto:
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.model.state_dict(), "chosen": {str(s): b for s, b in self.chosen.items()},
-                "observed": self.observed, "probe": list(self.probe or [])}
+                "observed": self.observed, "probe": list(self.probe or []),
+                "compressing_since": self.compressing_since}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state)
         self.chosen = {int(s): float(b) for s, b in state["chosen"].items()}
         self.observed = int(state.get("observed", max(self.chosen, default=0) - 2))
         self.probe = (float(state["probe"][0]), int(state["probe"][1])) if state["probe"] else None
+        since = state.get("compressing_since")            # absent from checkpoints before AUTO_COLD: warm by then
+        self.compressing_since = None if since is None else int(since)
 
     def __repr__(self) -> str:
         return f"Auto(min_bits={self.min_bits:g}, max_bits={self.max_bits:g})"

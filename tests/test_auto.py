@@ -176,11 +176,11 @@ def test_probing_costs_at_most_three_steps_on_a_fast_link() -> None:
 def test_where_compressing_costs_little_the_fewest_bits_are_probed_first_and_no_ladder_follows() -> None:
     # results/issue30/link_b4.md: on the unlimited link every compressed budget is 11-15% slower than passing
     # through, and the pass-through's exposed tail makes each lower bound look faster. The fewest bits bound the
-    # rest: one probe of 2 bits (into it, and the step that measures it), then none. At 1 Gbit/s 2 bits are the
-    # fastest (3 bits 4% slower): after the pass-through, straight there.
+    # rest: one probe of 2 bits (into it, the run's cold second compressed step, and the step that measures it),
+    # then none. At 1 Gbit/s 2 bits are the fastest (3 bits 4% slower): after the pass-through, straight there.
     unlimited, gigabit = RESNET18_RATES["unlimited"], RESNET18_RATES["1 Gbit/s"]
     chosen = drive(Auto(warm_start=0), lambda step: unlimited, 60, tight_timing)
-    assert chosen[3:] == [2.0] * 2 + [PASS_THROUGH_BITS] * 55
+    assert chosen[3:] == [2.0] * 3 + [PASS_THROUGH_BITS] * 54
     assert drive(Auto(warm_start=0), lambda step: gigabit, 60, tight_timing)[4:] == [2.0] * 56
     # 10% noise on 4% differences: a few probes, and now and then a stretch at 3 bits that the noise made look
     # faster (over 40 seeds 116 steps off 2 bits of 2,240; 217 when the telemetry arrived a step later, 388 with
@@ -195,7 +195,7 @@ def test_a_pass_through_measured_while_the_run_warms_up_is_measured_again() -> N
     # held first, is measured in the first steps, which run 1.5-2.7x slow; on those spans alone auto kept 2 bits
     # for the whole run (+0.024 bits per byte against SafeBits at 4.4 bits, docs/RESULTS.md 2.1b)
     chosen = drive(Auto(warm_start=0), lambda step: 2e9, 160, latency_bound_timing, warmup=LM_WARMUP)
-    assert chosen[:7] == [PASS_THROUGH_BITS] * 3 + [2.0] * 4 and chosen[7:] == [PASS_THROUGH_BITS] * 153
+    assert chosen[:8] == [PASS_THROUGH_BITS] * 3 + [2.0] * 5 and chosen[8:] == [PASS_THROUGH_BITS] * 152
     runs = [drive(Auto(warm_start=0), lambda step: 2e9, 160, latency_bound_timing, noise=0.1, seed=seed,
                   warmup=LM_WARMUP) for seed in range(10)]
     compressed = [sum(b < PASS_THROUGH_BITS for b in chosen[20:]) for chosen in runs]
@@ -220,7 +220,32 @@ def test_the_warm_up_pass_through_is_measured_again_before_other_budgets_are_pro
     # 8-12% slower, each other one then looked worth a probe, and auto went through 16, 8 and 6 bits, three steps
     # each, before the warm-up rule measured the pass-through again. Measuring it again first ends the tour.
     chosen = drive(Auto(), lambda step: 2e9, 16, close_timing, warmup=(1.5, 1.3, 1.15, 1.08))
-    assert chosen == [PASS_THROUGH_BITS] * 3 + [2.0] * 4 + [PASS_THROUGH_BITS] * 9, chosen
+    assert chosen == [PASS_THROUGH_BITS] * 3 + [2.0] * 5 + [PASS_THROUGH_BITS] * 8, chosen
+
+
+def test_the_runs_cold_second_compressed_step_is_not_measured() -> None:
+    # The transformer at 1 Gbit/s under Horovod (docs/RESULTS.md 4.3): the second compressed step of a run spans
+    # 1.9x a warm one, slower than passing through (1.7x 2 bits there; 1.9x in close_timing, so 2.2x here).
+    # Measured, that span made auto pass through for the rest of the window, at 0.6x the speed of 2 bits.
+    gigabit = RESNET18_RATES["1 Gbit/s"]
+    compressed_calls = iter(range(10**6))
+
+    def cold(bits: float, bytes_per_s: float) -> dict[str, float]:
+        figures = close_timing(bits, bytes_per_s)
+        if bits < PASS_THROUGH_BITS and next(compressed_calls) == 1:
+            figures = {k: v if k == "wire_bytes" else 2.2 * v for k, v in figures.items()}
+        return figures
+
+    chosen = drive(Auto(), lambda step: gigabit, 30, cold)
+    assert chosen[:6] == [PASS_THROUGH_BITS] * 3 + [2.0] * 3 and PASS_THROUGH_BITS not in chosen[6:], chosen
+
+
+def test_a_pass_through_measured_warm_is_not_measured_again() -> None:
+    # The same transformer: its pass-through at step 2 is already warm (it computes no slower than a compressed
+    # step) and 1.9x slower than 2 bits. Measuring it again cost four steps of a 14-step window (docs/RESULTS.md
+    # 4.3, `32 x1, 2 x4, 32 x4, 2 x5`); a slow step 2, as the LM's, is still measured again (the tests above).
+    chosen = drive(Auto(), lambda step: RESNET18_RATES["1 Gbit/s"], 30, close_timing)
+    assert chosen[:3] == [PASS_THROUGH_BITS] * 3 and PASS_THROUGH_BITS not in chosen[3:], chosen
 
 
 def test_the_warm_start_passes_short_steps_through_and_compresses_long_ones_at_once() -> None:
@@ -250,7 +275,7 @@ def test_a_single_slow_step_is_a_hiccup_not_a_link_change() -> None:
         return figures
 
     chosen = drive(Auto(warm_start=0), lambda step: 2e9, 120, hiccups)
-    assert chosen[3:5] == [2.0] * 2 and chosen[5:] == [PASS_THROUGH_BITS] * 115, chosen
+    assert chosen[3:6] == [2.0] * 3 and chosen[6:] == [PASS_THROUGH_BITS] * 114, chosen
 
 
 def test_on_short_steps_a_hiccup_is_a_time_not_a_ratio() -> None:
@@ -279,16 +304,16 @@ def test_a_slow_link_seen_in_pass_through_jumps_to_the_predicted_fastest_budget(
 
 
 def test_a_link_that_falls_on_the_switch_back_into_pass_through_is_followed_at_once() -> None:
-    # tight_timing on the unlimited link probes 2 bits at steps 30-31 and switches back at step 32, the very step
+    # tight_timing on the unlimited link probes 2 bits at steps 30-32 and switches back at step 33, the very step
     # the link falls to 100 Mbit/s: that switch step, three times the pass-through's span, is measured (it would
-    # otherwise leave step 33 passing through on the slow link too)
-    rate = _phases((RESNET18_RATES["unlimited"], 32), (RESNET18_RATES["100 Mbit/s"], 28))
+    # otherwise leave step 34 passing through on the slow link too)
+    rate = _phases((RESNET18_RATES["unlimited"], 33), (RESNET18_RATES["100 Mbit/s"], 27))
     for noise, seed in ((0.0, 0), (0.1, 2), (0.1, 3)):
         chosen = drive(Auto(), rate, 60, tight_timing, noise=noise, seed=seed)
-        switch = max(step for step in range(1, 34) if chosen[step] == PASS_THROUGH_BITS != chosen[step - 1])
-        assert switch in (32, 33) and chosen[switch + 1:] == [2.0] * (59 - switch), (seed, chosen)
+        switch = max(step for step in range(1, 35) if chosen[step] == PASS_THROUGH_BITS != chosen[step - 1])
+        assert switch in (33, 34) and chosen[switch + 1:] == [2.0] * (59 - switch), (seed, chosen)
     # a switch step as long as the pass-through's steps is not a change: the same choices as before
-    assert drive(Auto(), lambda step: RESNET18_RATES["unlimited"], 60, tight_timing).count(2.0) == 2
+    assert drive(Auto(), lambda step: RESNET18_RATES["unlimited"], 60, tight_timing).count(2.0) == 3
 
 
 def test_a_faster_link_under_compression_is_seen_from_the_exposed_wait() -> None:
