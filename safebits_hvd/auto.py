@@ -47,11 +47,12 @@ AUTO_WARMUP = 2
 
 AUTO_COLD = 2
 """The first steps a run compresses, whose spans :class:`Auto` does not keep either: the compressed path starts cold.
-The second compressed step of a run took 1.5-2x a warm one under Horovod, the step before it being the switch
-(the transformer of ``bench.link`` at 1 Gbit/s and on localhost: a span of 0.92-0.98 s against 0.5 s, its exposed
-wait 0.53 s against 0.1 s; the same switch later in the run costs nothing extra, docs/RESULTS.md 4.3). Measured,
-that one span made passing through look faster than 2 bits, and :class:`Auto` passed through for the rest of the
-window. A run's first compressed probe therefore holds one step longer: the switch, the cold step, one measured."""
+They touch memory the process has not used before (residuals, payload and decoding buffers), and a first touch costs
+the kernel a page fault: ResNet-18 at batch 16 spent 0.76 s and 1.17 s of system time in its first two compressed
+steps and 0.22 s in the third (``bench.experiments.cold_compressed_steps``). The second compressed step of the
+transformer of ``bench.link`` at 1 Gbit/s spanned 1.9x a warm one; measured, that span made passing through look
+faster than 2 bits, and :class:`Auto` passed through for the rest of the window (docs/RESULTS.md 4.3). So a run's
+first compressed probe holds one step longer: the switch, the cold step, one measured."""
 
 AUTO_WARM_AFTER = 6
 """Steps after which a run is warm: the spans of the steps before, kept, still run slow (the byte LM of

@@ -5,7 +5,10 @@ Run as ``horovodrun -np 2 --gloo python -m bench.suites.horovod_overhead --parts
 * ``step``: two identical models of several million parameters in tens of tensors, one trained through
   ``hvd.DistributedOptimizer(compression=SafeBits(...))``, the other through ``compression=hvd.Compression.none``;
   their training steps (forward, backward, allreduce, update) alternate, and the figure is the ratio of the median
-  step times.
+  step times. With ``--against fixed`` the first is ``budget_bits="auto"`` held at ``--budget-bits``
+  (``sb.Auto(min_bits=B, max_bits=B)``: its telemetry exchange and rule run every step, its choice cannot move)
+  and the second SafeBits at that budget fixed: the ratio is what ``auto``'s telemetry costs (issue 30's target:
+  at most 1% of the step).
 * ``exchange``: SafeBits over 1,000 tensors; per step, the time of starting the statistics exchange, finishing it
   (the MAX allreduce and the step record) and computing the next allocation. Per step the smallest figure over
   ranks is kept: the rank that arrives last at the exchange waits for nobody, so its time is the exchange's own
@@ -33,18 +36,23 @@ from safebits_hvd.exchange import TimedExchange, make_exchange
 
 
 def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, budget_bits: float,
-               collective: str = "auto") -> dict[str, Any]:
-    """Median step time with SafeBits and with ``hvd.Compression.none``, interleaved in one run."""
+               collective: str = "auto", against: str = "none") -> dict[str, Any]:
+    """Median step time with SafeBits and with ``hvd.Compression.none`` (``against="none"``), or with ``auto`` held
+    at ``budget_bits`` and SafeBits at ``budget_bits`` fixed (``against="fixed"``), interleaved in one run."""
     models = {"safebits": make_model(width, layers), "none": make_model(width, layers)}
-    compression = sb.SafeBits(models["safebits"].named_parameters(), budget_bits=budget_bits,
+    measured = sb.Auto(min_bits=budget_bits, max_bits=budget_bits) if against == "fixed" else budget_bits
+    compression = sb.SafeBits(models["safebits"].named_parameters(), budget_bits=measured,
                               name="safebits.bench", collective=collective)
+    baseline: Any = hvd.Compression.none
+    if against == "fixed":
+        baseline = sb.SafeBits(models["none"].named_parameters(), budget_bits=budget_bits, name="safebits.fixed",
+                               collective=collective)
     optimizers = {}
     for label, model in models.items():
         named = [(f"{label}.{n}", p) for n, p in model.named_parameters()]
         base = torch.optim.SGD(model.parameters(), lr=1e-3)
         optimizers[label] = hvd.DistributedOptimizer(
-            base, named_parameters=named,
-            compression=compression if label == "safebits" else hvd.Compression.none)
+            base, named_parameters=named, compression=compression if label == "safebits" else baseline)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(hvd.rank())
     x = torch.randn(batch, width, generator=gen)
@@ -57,7 +65,8 @@ def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, bud
     return {
         "parameters": sum(p.numel() for p in models["safebits"].parameters()),
         "tensors": len(list(models["safebits"].parameters())),
-        "batch_per_rank": batch, "steps": steps,
+        "batch_per_rank": batch, "steps": steps, "against": against,
+        # against="fixed": "safebits" is auto held at the budget, "none" SafeBits at the budget fixed.
         "median_step_s_safebits": medians["safebits"], "median_step_s_none": medians["none"],
         "step_ratio": medians["safebits"] / medians["none"],
         "compression_ratio": record.modeled_compression_ratio if record else None,
@@ -122,6 +131,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--budget-bits", type=float, default=4.0)
     parser.add_argument("--collective", default="auto", help="SafeBits(collective=...) of the step part")
+    parser.add_argument("--against", choices=("none", "fixed"), default="none",
+                        help="the step part's baseline: Compression.none, or SafeBits at --budget-bits fixed "
+                             "(then the measured model runs budget_bits='auto' held at that budget)")
     parser.add_argument("--exchange-tensors", type=int, default=1000)
     parser.add_argument("--exchange-numel", type=int, default=256)
     parser.add_argument("--exchange-steps", type=int, default=30)
@@ -135,7 +147,7 @@ def main() -> None:
                                             warmup=3)
     if "step" in parts:
         result["step"] = bench_step(args.width, args.layers, args.batch, args.steps, warmup=3,
-                                    budget_bits=args.budget_bits, collective=args.collective)
+                                    budget_bits=args.budget_bits, collective=args.collective, against=args.against)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
