@@ -92,6 +92,11 @@ AUTO_MAD_TO_SE = 1.4826 * 1.2533
 standard error of its median (normal noise: MAD = 0.674 sigma; a median's error is 1.2533 times a mean's)."""
 
 
+def own_compute(figures: dict[str, float]) -> float:
+    """A step's backward less SafeBits' sends in it: the compute SafeBits' choice does not change."""
+    return figures["backward_s"] - figures["send_s"]
+
+
 class SpanModel:
     """What :class:`Auto` has measured of each candidate budget, and the span it predicts for the others: steps 1,
     2 and 5 of :class:`Auto`'s docstring (measure, predict, follow the link). Decided from reduced telemetry only,
@@ -219,7 +224,7 @@ class SpanModel:
         near = nearest(measured)
         f = self.scaled(near)
         send, receive = self.own_time(bits, allowance) if compressed else (0.0, 0.0)
-        backward = f["backward_s"] - f["send_s"]                   # backward's own compute, without SafeBits
+        backward = own_compute(f)
         current = [b for b in measured if self.spans[b] and (b < PASS_THROUGH_BITS) == compressed]
         if current:
             # One of the same kind measured on this link: the collectives start as its did (compressed ones late,
@@ -507,14 +512,14 @@ class Auto:
         if choice >= PASS_THROUGH_BITS or len(model.spans[choice]) < 3:
             return None
         now = known[choice][0]
-        current = model.scaled(choice)
+        compute_now = own_compute(model.scaled(choice))
         for b in sorted(model.figures, reverse=True):
+            if model.measured_at[b] >= AUTO_WARM_AFTER or b in pending:
+                continue
             figures = model.scaled(b)
             early = figures["span_s"]
-            warm = (figures["backward_s"] - figures["send_s"]
-                    <= AUTO_WARM_COMPUTE * (current["backward_s"] - current["send_s"]))
-            if (model.measured_at[b] < AUTO_WARM_AFTER and b not in pending and not warm
-                    and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
+            warm = own_compute(figures) <= AUTO_WARM_COMPUTE * compute_now
+            if not warm and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S):
                 model.drop(b)
                 self.probe = (b, 3)                              # the switch, then three spans: a median
                 return b
