@@ -113,7 +113,7 @@ def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps:
         opt.step()
 
     warmup_steps = max(warmup, PSGD_START if spec.name.startswith("powersgd") else 0)
-    measured = measure(step, barrier, lambda: None if state is None else state.last_step, fixed_bits,
+    measured = measure(step, barrier, lambda: None if state is None else state.history, fixed_bits,
                        warmup_steps, steps, step_reporter(step_file, case_id, dist.get_rank()))
     wire_total = None
     if measured["wire_bytes"] is not None:

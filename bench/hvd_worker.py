@@ -314,7 +314,7 @@ def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps:
         work.loss(model, gen).backward()
         opt.step()
 
-    measured = measure(step, lambda: barrier(f"{case_id}"), lambda: getattr(compression, "last_step", None),
+    measured = measure(step, lambda: barrier(f"{case_id}"), lambda: getattr(compression, "history", None),
                        (16 if spec.name == "fp16" else 32) * facts["parameters"], warmup, steps,
                        step_reporter(step_file, case_id, hvd.rank()))
     wire_total: float | None = None

@@ -29,7 +29,7 @@ def read_tx_bytes() -> int:
         return int(f.read())
 
 
-def measure(step: Callable[[], None], barrier: Callable[[], None], record: Callable[[], Any],
+def measure(step: Callable[[], None], barrier: Callable[[], None], history: Callable[[], list[Any] | None],
             fixed_bits: float | None, warmup: int, steps: int,
             on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Run one case's steps under the protocol; the raw figures (meaningful on rank 0, the loopback's reader).
@@ -37,9 +37,12 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
     Args:
         step: one training step (zero_grad, forward, backward, optimizer step).
         barrier: a collective every rank joins.
-        record: the compressor's ``last_step`` after a step (a ``StepRecord``), or None when it keeps none.
+        history: the compressor's ``history`` (``StepRecord`` objects), or None when it keeps none; read once,
+            after the timed steps: reading a record waits for its step's statistics exchange, which otherwise runs
+            during the next step's optimizer step and forward pass, so reading it after every step would take
+            that wait out of the timed steps.
         fixed_bits: bits per rank and step of a compressor without records (32 or 16 per parameter, PowerSGD's
-            factors); ignored when ``record`` returns records.
+            factors); ignored when ``history`` returns records.
         warmup, steps: untimed and timed steps.
         on_step: called with -1 before the warm-up and with ``i`` before timed step ``i`` (the changing-link run
             tells the driver outside the ranks where the case is, through a file).
@@ -57,44 +60,30 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], record: Calla
     tx0 = read_tx_bytes()
     start = time.perf_counter()
     step_times: list[float] = []
-    wire: list[float] = []
-    modeled_bits: list[float] = []
-    budget_bits: list[float | None] = []
-    pass_through: list[bool] = []
-    timing: dict[int, dict[str, float | None]] = {}  # by the step it describes (it comes with a later step's record)
-    steps_run: list[int] = []
-    collective: str | None = None
-    violations = 0
-    recorded = True
     for i in range(steps):
         tell(i)
         t0 = time.perf_counter()
         step()
         step_times.append(time.perf_counter() - t0)
-        last = record()
-        if last is None:
-            recorded = False
-            modeled_bits.append(float(fixed_bits or 0.0))
-            budget_bits.append(None)
-            pass_through.append(False)
-            continue
-        wire.append(float(last.wire_bytes))
-        modeled_bits.append(float(last.modeled_bits_total))
-        budget_bits.append(float(last.budget_bits_total))
-        pass_through.append(bool(last.pass_through))
-        steps_run.append(last.step)
-        if last.timing:
-            timing[last.timing_step] = {k: v if math.isfinite(v) else None for k, v in last.timing.items()}
-        collective = last.collective or collective
-        violations += int(bool(last.violation))
     barrier()
     elapsed = time.perf_counter() - start
     tx1 = read_tx_bytes()
+    records = history()
+    recorded = records is not None
+    timed = records[-steps:] if records is not None and steps else []
+    if recorded and len(timed) != steps:
+        raise RuntimeError(f"{len(timed)} step records for {steps} timed steps: raise the compressor's max_history")
+    timing = {r.timing_step: {k: v if math.isfinite(v) else None for k, v in r.timing.items()}
+              for r in timed if r.timing}            # by the step it describes (its own)
     return {"step_times_s": step_times, "elapsed_s": elapsed, "link_bytes": tx1 - tx0,
-            "wire_bytes": sum(wire) if recorded and steps else None, "modeled_bits_per_rank": modeled_bits,
-            "budget_bits_per_rank": budget_bits, "pass_through": pass_through,
-            "timing": [timing.get(s) for s in steps_run] if recorded else None, "collective": collective,
-            "violations": violations}
+            "wire_bytes": sum(float(r.wire_bytes) for r in timed) if recorded and steps else None,
+            "modeled_bits_per_rank": ([float(r.modeled_bits_total) for r in timed] if recorded
+                                      else [float(fixed_bits or 0.0)] * steps),
+            "budget_bits_per_rank": [float(r.budget_bits_total) for r in timed] if recorded else [None] * steps,
+            "pass_through": [bool(r.pass_through) for r in timed] if recorded else [False] * steps,
+            "timing": [timing.get(r.step) for r in timed] if recorded else None,
+            "collective": next((r.collective for r in reversed(timed) if r.collective), None),
+            "violations": sum(int(bool(r.violation)) for r in timed)}
 
 
 def case_result(model: str, compressor: str, facts: dict[str, Any], workload_facts: dict[str, Any], batch: int,

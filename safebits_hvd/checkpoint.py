@@ -114,8 +114,9 @@ def load(core: SafeBitsCore, state: dict[str, Any]) -> None:
     """Restore :func:`save`'s ``state`` into ``core`` (between steps); ``ValueError`` if it was saved for another
     model or menu."""
     check_state(state, core.names, core.numels, core.menu.names)
-    if core.in_step or core.exchange_pending:
+    if core.in_step or (core.exchange_pending and not core.step_ended):
         raise RuntimeError("load_state_dict() must be called between steps")
+    core.finish()              # the last step's exchange, in flight until the next begin: its results are replaced
     core.memory.load_state_dict(state["residuals"])
     core.two_phase.load_state_dict(state.get("second_hop_residuals", {}), second_hop_ranges(state))
     if core.two_phase.configured_for is not None:     # check the residuals against this world's segments now

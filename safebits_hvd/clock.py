@@ -21,10 +21,10 @@ collective (payloads, the exchange, DDP's bucket all_reduce) adds to. From those
 ``span_s``          first gradient to the end of the step (the part of the step SafeBits' choice can change)
 ==================  ==============================================================================================
 
-A step's figures are complete only once its last reduced tensor is taken, after its own statistics exchange has
-started, so they travel in the next step's exchange (MAX over ranks: the slowest rank's) and appear in the next
-step's record (``StepRecord.timing``, for ``StepRecord.timing_step``). Unknown figures are -1 in the vector (so that a
-MAX over ranks keeps a known one) and NaN in the record.
+A step's figures are complete once its last reduced tensor is taken (the step ends); they travel in that step's
+statistics exchange, which starts then (MAX over ranks: the slowest rank's), and appear in its record
+(``StepRecord.timing``, ``StepRecord.timing_step``). Unknown figures are -1 in the vector (so that a MAX over ranks
+keeps a known one) and NaN in the record.
 """
 
 from __future__ import annotations

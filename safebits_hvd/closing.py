@@ -1,13 +1,17 @@
-"""Steps 4 and 5 of the core's step (docs/DESIGN.md, "The life of one step"): :class:`StepClosing`.
+"""Steps 4 to 6 of the core's step (docs/DESIGN.md, "The life of one step"): :class:`StepClosing`.
 
-4. **Close**: the closed step's statistics vector is reduced by MAX over ranks, in place (:mod:`.exchange`).
-5. **Finish**: its reduced statistics become the step's record (:mod:`.telemetry`), the next allocation's input
-   and the check that every rank allocated alike (the digest); for a schedule that reads telemetry
-   (``budget_bits="auto"``), the step's own figures start their own small exchange, taken at the next begin, so
-   that the budget follows the last step rather than the one before it.
+4. **Close** (the step's last gradient sent): its statistics are complete; the step waits for its end.
+5. **End** (the front end has taken the step's last reduced tensor): the step's own telemetry is complete too
+   (:mod:`.clock`); it joins the statistics in one vector, and the vector's MAX over ranks starts, in place
+   (:mod:`.exchange`). The reduction runs while the optimizer steps and the next forward pass runs.
+6. **Finish** (at the next begin, or when a checkpoint or the front end asks): wait for it; the reduced statistics
+   become the step's record (:mod:`.telemetry`), the next allocation's input and the check that every rank
+   allocated alike (the digest); a schedule that reads telemetry (``budget_bits="auto"``) gets the step's figures,
+   reduced, before it chooses the next step's budget.
 
-The core (:class:`~.core.SafeBitsCore`) decides when: it closes a step after its last tensor is sent, and finishes
-it at the front end's last reduced tensor of that step, or at the next begin.
+One collective a step carries both, so that the telemetry costs no exchange of its own (docs/RESULTS.md, section
+4.5). The core (:class:`~.core.SafeBitsCore`) decides when: it closes a step after its last tensor is sent, ends it
+at the front end's last reduced tensor of that step, and finishes it at the next begin.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ class ClosedStep(NamedTuple):
     budget_bits_total: float
     wire_bytes: int             # this rank's payload bytes on the link (the two-phase second hop's added at 5)
     collective: str
-    timing_step: int            # the step whose telemetry the vector carries (the one before)
     pass_through: bool
 
 
@@ -45,7 +48,7 @@ def factory_made(factory: Any) -> Any:
 
 
 class StepClosing:
-    """Steps 4 and 5 for one core: each closed step's statistics exchange and what its reduced statistics become.
+    """Steps 4 to 6 for one core: each closed step's statistics exchange and what its reduced statistics become.
 
     Two statistics vectors, by step parity: the allocation made at the start of step t reads step t-1's reduced
     vector, which must stay intact while step t's is filled. The transport is made when the first step closes
@@ -67,25 +70,27 @@ class StepClosing:
         # and after a pass-through step, which measured nothing). Checkpointed.
         self.previous_screened: np.ndarray | None = None
         self.previous_v2: np.ndarray | None = None
-        # In flight: the closed step and its exchange's handle, and how many of the tensors it sent the front end
-        # has taken (the exchange is finished after the last one); the telemetry's exchange (step, handle, vector).
+        # The closed step not finished yet; how many tensors it sent and how many of them the front end has taken
+        # (it ends after the last one); its exchange's handle and wire bytes once it has ended (None before).
         self.pending: ClosedStep | None = None
-        self._handle: Any = None
         self._sent = self._taken = 0
-        self._telemetry: tuple[int, Any, np.ndarray] | None = None
+        self._handle: Any = None
+        self._ended: int | None = None
 
     def fields(self, step: int) -> StepStatistics:
         """Step ``step``'s statistics vector, as the layout's views."""
         return self._views[step % 2]
 
     # ------------------------------------------------------------------ 4. close
-    def start(self, closed: ClosedStep, sent: int) -> StatisticsExchange:
-        """Start reducing step ``closed.step``'s vector; ``sent``: how many tensors the step sent. Returns the
-        transport (made now if it was not yet)."""
+    def close(self, closed: ClosedStep, sent: int) -> StatisticsExchange:
+        """Step ``closed.step`` sent its last gradient (``sent`` tensors in all). Returns the transport (made now
+        if it was not yet)."""
         if self.exchange is None:
             self.exchange = factory_made(self._exchange_or_factory)
-        self._handle = self.exchange.start(self._vectors[closed.step % 2])
-        self.pending, self._sent, self._taken = closed, sent, 0
+        check_length = getattr(self.exchange, "check_length", None)
+        if check_length is not None:   # ranks built differently fail here, clearly, before a payload is decoded
+            check_length(len(self._vectors[0]))
+        self.pending, self._sent, self._taken, self._ended = closed, sent, 0, None
         return self.exchange
 
     def taken(self) -> bool:
@@ -93,22 +98,44 @@ class StepClosing:
         self._taken += 1
         return self._taken >= self._sent
 
-    # ------------------------------------------------------------------ 5. finish
-    def finish(self) -> None:
-        """Wait for the pending exchange and take in the reduced statistics."""
+    # ------------------------------------------------------------------ 5. end
+    @property
+    def ended(self) -> bool:
+        """Whether a pending step has ended: its exchange has started."""
+        return self.pending is not None and self._ended is not None
+
+    def ending(self, step: int) -> bool:
+        """Whether ``step`` is the pending step and has not ended yet."""
+        return self.pending is not None and self.pending.step == step and self._ended is None
+
+    def end(self) -> None:
+        """The pending step's receive side is done: its figures join its statistics, whose reduction starts."""
         closed, exchange = self.pending, self.exchange
-        assert closed is not None and exchange is not None
+        assert closed is not None and exchange is not None and self._ended is None
+        wire_bytes = closed.wire_bytes + self.complete_second_hop(closed.step)
+        self.clock.finished(closed.step, wire_bytes)
+        vector = self._views[closed.step % 2]
+        vector.timing[:] = self.clock.last             # UNKNOWN where none: the MAX keeps a known one
+        self._handle, self._ended = exchange.start(self._vectors[closed.step % 2]), wire_bytes
+
+    # ------------------------------------------------------------------ 6. finish
+    def finish(self) -> None:
+        """Wait for the pending step's exchange (started now if the step has not ended) and take in the reduced
+        statistics and telemetry."""
+        if self._ended is None:
+            self.end()
+        closed, exchange, wire_bytes = self.pending, self.exchange, self._ended
+        assert closed is not None and exchange is not None and wire_bytes is not None
         step = closed.step
-        wire_bytes = closed.wire_bytes + self.complete_second_hop(step)     # before the record: it counts them
-        self.pending, handle, self._handle = None, self._handle, None
+        self.pending, handle, self._handle, self._ended = None, self._handle, None, None
         exchange.wait(handle)                          # the step's own vector now holds the MAX over ranks
         reduced = self._views[step % 2]
-        self.clock.finished(step, wire_bytes)
+        timing = reduced.timing.copy()
+        known = bool(timing.max() >= 0)
         arrays, self.previous_screened, self.previous_v2 = self.policy.take_reduced(
             reduced, closed.allocation, step=step, budget_bits_total=closed.budget_bits_total,
             allocation_digest=closed.allocation_digest, wire_bytes=wire_bytes, collective=closed.collective,
-            timing=reduced.timing.copy(), timing_step=closed.timing_step if reduced.timing.max() >= 0 else -1,
-            pass_through=closed.pass_through)
+            timing=timing, timing_step=step if known else -1, pass_through=closed.pass_through)
         if closed.pass_through:      # it measured nothing: the next allocation starts afresh (the start policy)
             self.previous_screened = self.previous_v2 = None
         self.log.add(arrays, exchange.rank)
@@ -118,23 +145,12 @@ class StepClosing:
         if self.consistency_check_every and step % self.consistency_check_every == 0:
             check_agreement(reduced, step, closed.allocation_digest)
         if self.observe_timing is not None:
-            # This step's figures (UNKNOWN where none: the MAX keeps a known one).
-            figures = self.clock.last.copy()
-            self._telemetry = (step, exchange.start(figures), figures)
-
-    def hand_telemetry(self) -> None:
-        """Hand the schedule the telemetry in flight, reduced over ranks (at the next begin)."""
-        if self._telemetry is None:
-            return
-        assert self.exchange is not None and self.observe_timing is not None
-        (step, handle, figures), self._telemetry = self._telemetry, None
-        self.exchange.wait(handle)
-        self.observe_timing(step, timing_record(figures))
+            self.observe_timing(step, timing_record(timing))
 
     # ------------------------------------------------------------------ elastic training
     def drop(self) -> None:
         """Forget what is in flight (a collective failed)."""
-        self.pending = self._handle = self._telemetry = None
+        self.pending = self._handle = self._ended = None
 
     @property
     def follows_worlds(self) -> bool:
@@ -142,5 +158,7 @@ class StepClosing:
         return callable(self._exchange_or_factory)
 
     def leave_world(self) -> None:
-        """Make the transport again at the next close; the telemetry in flight is the old world's: dropped."""
-        self.exchange, self._telemetry = None, None
+        """Make the transport again at the next close; a step's exchange still in flight is the old world's:
+        dropped, with its record (the next allocation reads the step before's statistics, alike on every rank)."""
+        self.drop()
+        self.exchange = None

@@ -4,16 +4,19 @@ A front end (the Horovod compressor in :mod:`.compressor`, the fixed-action base
 each gradient to a parameter index and drives the core through three calls:
 
 * :meth:`SafeBitsCore.send` (tensor *i*): quantize it for the wire, with error feedback. The first send of a step
-  begins the step; the last one (every registered tensor sent once) closes it and starts the statistics exchange.
-* :meth:`SafeBitsCore.finish` (step *t*): wait for that step's exchange, if it is still pending, and take in the
-  reduced statistics: the step's record and the next allocation's input.
+  begins the step; the last one (every registered tensor sent once) closes it.
+* :meth:`SafeBitsCore.taken` / :meth:`SafeBitsCore.end` (step *t*): the front end has the step's reduced tensors;
+  the step's statistics and telemetry start their exchange.
+* :meth:`SafeBitsCore.finish`: wait for that exchange, if it is still pending (the next begin does), and take in
+  the reduced statistics: the step's record, the next allocation's input and, for ``budget_bits="auto"``, the
+  next budget's telemetry.
 * checkpointing: :func:`.checkpoint.save` / :func:`.checkpoint.load` (between steps).
 
-The life of one step (numbers reappear in the code; steps 4 and 5 in :mod:`.closing`; docs/DESIGN.md, "The life of
+The life of one step (numbers reappear in the code; steps 4 to 6 in :mod:`.closing`; docs/DESIGN.md, "The life of
 one step"):
 
-1. **Begin**: finish the previous step's exchange if still pending; a schedule that reads telemetry
-   (``observe_timing``: ``budget_bits="auto"``) takes the previous step's, reduced; take the step's budget from the
+1. **Begin**: finish the previous step's exchange (6) if still pending, which hands a schedule that reads telemetry
+   (``observe_timing``: ``budget_bits="auto"``) the previous step's, reduced; take the step's budget from the
    schedule; the policy allocates an action per tensor from the previous step's reduced statistics
    (:mod:`.policy`); digest it.
 2. **Screen** (:class:`.sending.Sender`, one batched pass over many tensors on the packed paths: docs/DESIGN.md,
@@ -24,11 +27,14 @@ one step"):
    ``q = Q(v)`` and ``e <- v - q`` and returns the exact statistics of ``q``; if they fail the screen, the next
    candidate is tried, a round for all such tensors at once, and the lossless action always passes. Every sent
    tensor satisfies the screen. What travels is the step's collective path's (:class:`.collectives.CollectivePath`).
-4. **Close**: when every tensor has been sent, start the statistics exchange (:mod:`.exchange`; layout:
-   :mod:`.statistics`). Starting needs nothing from other ranks, so it cannot deadlock.
-5. **Finish**: wait for the exchange; record the step (:mod:`.telemetry`); keep the reduced statistics for the next
-   allocation; check that every rank allocated the same way (the digest); for a schedule that reads telemetry,
-   start reducing the step's own figures, which are complete now (taken at the next begin).
+4. **Close**: every tensor has been sent; the step's statistics are complete.
+5. **End**: the front end has taken every reduced tensor of the step; the step's telemetry (:mod:`.clock`) is
+   complete too and joins the statistics in one vector, whose exchange starts (:mod:`.exchange`; layout:
+   :mod:`.statistics`). Starting needs nothing from other ranks, so it cannot deadlock; it runs during the optimizer
+   step and the next forward pass.
+6. **Finish** (at the next begin): wait for the exchange; record the step (:mod:`.telemetry`); keep the reduced
+   statistics for the next allocation; check that every rank allocated the same way (the digest); hand a schedule
+   that reads telemetry the step's figures.
 """
 
 from __future__ import annotations
@@ -150,11 +156,12 @@ class SafeBitsCore:
         # A step whose budget fits every tensor uncompressed on the dense path passes the gradients through: no
         # screen, no packing (and the next allocation, with no statistics from it, uses the start policy).
         self.pass_through = False
-        self.clock = StepClock()                       # this rank's telemetry (clock.py), exchanged a step later
+        self.clock = StepClock()                       # this rank's telemetry (clock.py), exchanged at the step's end
 
-        # -- steps 4 and 5 (closing.py): the statistics go straight into the vector the exchange reduces in place;
-        # finished by finish() or the next begin, or by taken() once the front end has taken every tensor that
-        # step sent. The reduced statistics become the records and the next allocation's input.
+        # -- steps 4 to 6 (closing.py): the statistics go straight into the vector the exchange reduces in place,
+        # the step's telemetry with them; started by taken() once the front end has taken every tensor that step
+        # sent (or end()), finished by the next begin or finish(). The reduced statistics become the records and
+        # the next allocation's input.
         self.layout = StatisticsLayout(tensors, actions)
         self.log = StepLog(names, self.menu.names, self.total_elements, max_history,
                            os.fspath(log_path) if log_path is not None else None)
@@ -273,28 +280,32 @@ class SafeBitsCore:
 
     @property
     def exchange_pending(self) -> bool:
-        """Whether a closed step's statistics exchange has not been finished yet."""
+        """Whether a closed step's statistics exchange has not been finished yet (it is until the next begin)."""
         return self.closing.pending is not None
 
-    def finish(self, step: int | None = None) -> None:
-        """5. Finish the pending exchange (only if it is ``step``'s, when given); without ``step``, hand the
-        schedule the telemetry in flight too."""
-        pending = self.closing.pending
-        if pending is not None and (step is None or pending.step == step):
+    @property
+    def step_ended(self) -> bool:
+        """Whether the pending step has ended (5): its exchange is in flight, to be finished at the next begin."""
+        return self.closing.ended
+
+    def finish(self) -> None:
+        """6. Finish the pending exchange, if any (started now if its step has not ended)."""
+        if self.closing.pending is not None:
             self.closing.finish()
-        if step is None:
-            self.closing.hand_telemetry()
+
+    def end(self, step: int) -> None:
+        """5. The front end has every reduced tensor of ``step``: start its exchange (finished at the next begin)."""
+        if self.closing.ending(step):
+            self.closing.end()
 
     def taken(self, step: int) -> None:
-        """The front end has taken one reduced tensor of ``step``; after the step's last one, finish its exchange
-        (the step's last collective: waited for at the first, it would hold every decoding until all are done)."""
-        pending = self.closing.pending
-        if pending is None or pending.step != step:
+        """The front end has taken one reduced tensor of ``step``; after the step's last one, the step ends (5)."""
+        if not self.closing.ending(step):
             return
         now = time.perf_counter()
         self.clock.received(now, now, 0.0)          # on the dense path, the first reduced tensor back
         if self.closing.taken():
-            self.closing.finish()
+            self.closing.end()
 
     # ------------------------------------------------------------------ 1. begin
     def begin(self) -> None:
@@ -331,16 +342,15 @@ class SafeBitsCore:
 
     # ------------------------------------------------------------------ 4. close
     def _close(self) -> None:
-        """Every tensor of the step is on its way: start the statistics exchange."""
+        """4. Every tensor of the step is on its way (one process: the step ends and finishes now)."""
         assert self._allocation is not None
         if self.path.batched:
             self.path.flush()
         self.path.close(self.step, self._allocation.choice, self.seed)
         self.clock.closed()
-        self._fields.timing[:] = self.clock.last         # the previous step's telemetry, complete by now
         closed = ClosedStep(self.step, self._allocation, self.allocation_digest, self._budget_bits_total,
-                            self.path.wire_bytes, self.path.name, self.clock.last_step, self.pass_through)
-        exchange = self.closing.start(closed, sent=int((~self.unsent).sum()))
+                            self.path.wire_bytes, self.path.name, self.pass_through)
+        exchange = self.closing.close(closed, sent=int((~self.unsent).sum()))
         self.in_step = False
         self.step += 1
         if exchange.is_local:
@@ -361,11 +371,11 @@ class SafeBitsCore:
         """The world changed (elastic training): the statistics exchange and the payload transport are rebuilt for
         the new one at the next step, and the two-phase segments with them. Exchanges and transports given as
         objects rather than factories cannot be rebuilt: ``ValueError``. Call between steps."""
-        if self.in_step or self.exchange_pending:
+        if self.in_step:
             raise RuntimeError("leave_world() must be called between steps (abort_step() first after a failure)")
         if not (self.closing.follows_worlds and callable(self._transport_or_factory)):
             raise ValueError("SafeBits was given its exchange or transport as an object, which cannot follow a new "
                              "world; pass factories (or nothing) for elastic training")
-        self.closing.leave_world()       # the telemetry in flight is the old world's: the schedule goes without it
+        self.closing.leave_world()       # an exchange in flight is the old world's: dropped
         self.transport = None
         self.two_phase.leave_world()

@@ -281,7 +281,7 @@ class SafeBitsState(CoreRecords):
             for piece, total in zip(pieces, totals, strict=True):
                 if piece.target is None:
                     bucket.buffer[piece.start:piece.stop].copy_(total)
-        core.finish(step)
+        core.end(step)                   # its statistics exchange runs until the next step begins
         for bucket in pending:
             bucket.future.set_result(bucket.buffer)
 

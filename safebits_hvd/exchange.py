@@ -22,13 +22,15 @@ Transports, chosen when the first exchange starts (``hvd.init()`` may come after
 * otherwise (Gloo): :class:`HorovodExchange`, Horovod's own in-place ``allreduce_async_`` with ``op=hvd.Max``;
 * the DDP front end (:mod:`.ddp`): :class:`TorchDistributedExchange`, ``torch.distributed.all_reduce`` (MAX).
 
-Why it cannot deadlock (docs/DESIGN.md, "Why the exchange cannot deadlock"): it is started once a rank has handed
-every gradient of the step to Horovod, and finished at the last ``decompress`` of that step.
+Why it cannot deadlock (docs/DESIGN.md, "Why the exchange cannot deadlock"): it is started once a rank has taken
+every reduced gradient of the step back from Horovod, and finished at the next step's first ``compress``.
 
 Length check: the very first exchange of a transport is preceded by one small blocking MAX allreduce of
-``(length, -length)``. Ranks that registered different parameters or menus would otherwise hand vectors of
-different lengths to one allreduce (Horovod fails with an unclear message, an MPI ``Iallreduce`` with mismatched
-counts may truncate or hang); with the check every rank raises :class:`~.errors.SafeBitsConsistencyError`.
+``(length, -length)`` (``check_length``, which the core calls as its first step closes, before any payload is
+decoded; a transport of one's own may offer it too). Ranks that registered different parameters or menus would
+otherwise hand vectors of different lengths to one allreduce (Horovod fails with an unclear message, an MPI
+``Iallreduce`` with mismatched counts may truncate or hang); with the check every rank raises
+:class:`~.errors.SafeBitsConsistencyError`.
 """
 
 from __future__ import annotations
@@ -123,20 +125,25 @@ class _RankExchange:
     is_local = False
     _checked = False
 
+    def check_length(self, length: int) -> None:
+        """The length check, once (the core calls it when its first step closes, before any payload is decoded:
+        payloads of ranks built differently would fail to decode with a less clear message)."""
+        if self._checked:
+            return
+        longest, negated_shortest = self._max_now(np.array([length, -length], dtype=np.float64))
+        if int(longest) != -int(negated_shortest):
+            raise SafeBitsConsistencyError(
+                f"ranks exchange statistics of different lengths ({-int(negated_shortest)} to {int(longest)} "
+                f"values, this rank {length}): every rank must build SafeBits with the same parameters "
+                f"(requires_grad) and menu")
+        self._checked = True
+
     def start(self, values: np.ndarray) -> Any:
         """Starts reducing ``values`` (contiguous float64) in place; returns the handle :meth:`wait` takes.
         ``values`` must not be touched until :meth:`wait` returns it."""
         if values.dtype != np.float64 or values.ndim != 1 or not values.flags.c_contiguous:
             raise TypeError("the statistics vector must be a contiguous 1-D float64 array")
-        if not self._checked:
-            length = len(values)
-            longest, negated_shortest = self._max_now(np.array([length, -length], dtype=np.float64))
-            if int(longest) != -int(negated_shortest):
-                raise SafeBitsConsistencyError(
-                    f"ranks exchange statistics of different lengths ({-int(negated_shortest)} to {int(longest)} "
-                    f"values, this rank {length}): every rank must build SafeBits with the same parameters "
-                    f"(requires_grad) and menu")
-            self._checked = True
+        self.check_length(len(values))
         return self._start(values)
 
     def _max_now(self, values: np.ndarray) -> np.ndarray:
@@ -333,6 +340,11 @@ class TimedExchange:
         self.size = inner.size
         self.start_seconds: list[float] = []
         self.wait_seconds: list[float] = []
+
+    def check_length(self, length: int) -> None:
+        check = getattr(self.inner, "check_length", None)
+        if check is not None:
+            check(length)
 
     def start(self, values: np.ndarray) -> Any:
         begin = time.perf_counter()

@@ -141,12 +141,19 @@ class CoreRecords:
 
     @property
     def last_step(self) -> StepRecord | None:
-        """The :class:`StepRecord` of the last completed step (None before the first)."""
+        """The :class:`StepRecord` of the last completed step (None before the first). A step is complete once the
+        front end has taken its last reduced tensor; its statistics exchange then runs until the next step begins,
+        and reading a record waits for it."""
+        if self.core.step_ended:
+            self.core.finish()
         return self.core.log.last
 
     @property
     def history(self) -> list[StepRecord]:
-        """The last ``max_history`` :class:`StepRecord` objects, oldest first (a new list each time)."""
+        """The last ``max_history`` :class:`StepRecord` objects, oldest first (a new list each time; as
+        :attr:`last_step`, it waits for the last complete step's exchange)."""
+        if self.core.step_ended:
+            self.core.finish()
         return self.core.log.history
 
     @property

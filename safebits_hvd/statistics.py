@@ -44,7 +44,7 @@ FIELDS: dict[str, Field] = {
     "digest": Field(lambda t, a: (DIGEST_WORDS,), None, "the allocation digest, four 16-bit words"),
     "neg_digest": Field(lambda t, a: (DIGEST_WORDS,), None, "the same words negated: MAX(-x) = -MIN(x)"),
     "timing": Field(lambda t, a: (len(TIMING_FIELDS),), None,
-                    "this rank's telemetry of the previous step (clock.TIMING_FIELDS; -1 where unknown)"),
+                    "this rank's telemetry of the step (clock.TIMING_FIELDS; -1 where unknown)"),
 }
 
 

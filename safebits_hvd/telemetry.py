@@ -61,10 +61,10 @@ class StepRecord:
         guard_bits: bits the escalation guard kept out of the plan beyond the reserve. The rest of the budget the
             plan leaves, ``budget_bits_total - reserve_bits - guard_bits - planned_bits_total``, is what the menu's
             costs could not fill.
-        timing: what SafeBits measured of step ``timing_step`` (the previous one, whose receive side ends after
-            this step's exchange starts), MAX over ranks: ``backward_s``, ``send_s``, ``receive_s``, ``exposed_s``,
-            ``link_s``, ``wire_bytes``, ``span_s`` (:mod:`.clock`; NaN where unknown, empty at step 0).
-        timing_step: the step ``timing`` describes (-1: none).
+        timing: what SafeBits measured of this step, MAX over ranks: ``backward_s``, ``send_s``, ``receive_s``,
+            ``exposed_s``, ``link_s``, ``wire_bytes``, ``span_s`` (:mod:`.clock`; NaN where unknown, empty where no
+            rank measured the step).
+        timing_step: the step ``timing`` describes: ``step`` (-1: none).
         pass_through: the step sent every gradient as it is (its budget fit them all uncompressed: no screen, no
             packing, as ``Compression.none``; a residual left from earlier steps was added once).
 

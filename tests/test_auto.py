@@ -14,6 +14,7 @@ import torch
 import safebits_hvd as sb
 from safebits_hvd.auto import PASS_THROUGH_BITS, Auto
 from safebits_hvd.clock import TIMING_FIELDS
+from safebits_hvd.exchange import TimedExchange
 from safebits_hvd.schedules import as_schedule
 
 from .helpers import many_tensor_params, random_grads
@@ -466,10 +467,9 @@ def test_every_rank_chooses_alike_from_disagreeing_local_timings() -> None:
             c.decompress(sent, ctx)
         a, b = (c.last_step for c, _ in ranks)
         assert a.budget_bits_total == b.budget_bits_total and a.allocation_digest == b.allocation_digest
-        if step >= 1:
-            assert a.timing == b.timing and a.timing_step == step - 1
-            assert set(a.timing) == set(TIMING_FIELDS)
-            assert all(math.isfinite(v) and v >= 0 for v in a.timing.values())
+        assert a.timing == b.timing and a.timing_step == step        # its own step's, reduced with its statistics
+        assert set(a.timing) == set(TIMING_FIELDS)
+        assert all(math.isfinite(v) and v >= 0 for v in a.timing.values())
 
 
 class RecordingSchedule:
@@ -516,6 +516,33 @@ def test_a_schedule_has_the_last_steps_telemetry_reduced_before_it_chooses() -> 
     assert a == b and set(a) == set(range(5))
     assert all(set(t) == set(TIMING_FIELDS) and t["span_s"] >= 0.02 for t in a.values())
 
+
+
+@pytest.mark.parametrize("budget_bits", ["auto", 4.4])
+def test_the_telemetry_rides_in_the_statistics_exchange(budget_bits: str | float) -> None:
+    """One exchange a step per rank, whether or not the schedule reads telemetry: the step's figures travel with
+    its statistics (docs/DESIGN.md, "Telemetry"), so ``auto`` costs no collective of its own; and the exchange
+    starts only when the step's last reduced tensor is taken, so its figures cover the whole step."""
+    shared = PairExchange()
+    ranks = []
+    for _ in range(2):
+        params = many_tensor_params()
+        timed = TimedExchange(shared)
+        ranks.append((sb.SafeBits(params, budget_bits=budget_bits, exchange=timed), params, timed))
+    steps = 8
+    for step in range(steps):
+        pending = []
+        for rank, (c, params, _) in enumerate(ranks):
+            random_grads(params, step, seed=rank + 1)
+            pending += [(c, c.compress(p.grad)) for _, p in reversed(params)]
+        for k, (c, (sent, ctx)) in enumerate(pending):
+            started = len(ranks[0][2].start_seconds) + len(ranks[1][2].start_seconds)
+            c.decompress(sent, ctx)
+            last_of_its_rank = k % len(params) == len(params) - 1
+            assert len(ranks[0][2].start_seconds) + len(ranks[1][2].start_seconds) == started + last_of_its_rank
+    a, b = (c.history for c, _, _ in ranks)
+    assert [r.timing_step for r in a] == list(range(steps)) and [r.timing for r in a] == [r.timing for r in b]
+    assert [len(timed.start_seconds) for _, _, timed in ranks] == [steps, steps]
 
 def skewed_fast_link_timing(bits: float, bytes_per_s: float) -> dict[str, float]:
     """A fast link where compressing does not pay (measured on the link benchmark's unlimited link, docs/RESULTS.md
