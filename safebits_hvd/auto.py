@@ -332,7 +332,9 @@ class Auto:
        steps' excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN); before any
        other budget is probed, since a span from the slow first steps makes every other budget look closer than
        it is. (b) **Now and then**: every ``probe_every`` steps the one measured longest ago (two steps into or
-       out of pass-through), unless predicted above ``1 + prune`` times the fastest estimate.
+       out of pass-through), unless predicted above ``1 + prune`` times the fastest estimate; the pass-through
+       measured only before step :data:`AUTO_WARM_AFTER` whatever it predicts (an early step can be slow in its
+       communication too, which (a) does not test).
     4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
        for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
        the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
@@ -497,7 +499,12 @@ class Auto:
             stalest = min(known, key=lambda b: model.measured_at.get(b, -1))
             guess = model.predict(stalest)
             fastest = min(e for e, _ in known.values())
-            if stalest not in pending and guess is not None and guess <= (1 + self.prune) * fastest:
+            # A pass-through measured only while the run warmed up is probed whatever it predicts: an early step slow
+            # in its communication (the compute test of 3 (a) cannot see that) would otherwise keep it out for good.
+            early = stalest == PASS_THROUGH_BITS and model.measured_at.get(stalest, -1) < AUTO_WARM_AFTER
+            if stalest not in pending and guess is not None and (early or guess <= (1 + self.prune) * fastest):
+                if early:
+                    model.drop(stalest)                          # its early spans go, as in (a)
                 if PASS_THROUGH_BITS in (stalest, self.chosen.get(step - 1)):
                     self.probe = (stalest, 1)                    # the switch measures nothing (1): one more step
                 return stalest

@@ -182,13 +182,15 @@ def test_where_compressing_costs_little_the_fewest_bits_are_probed_first_and_no_
     unlimited, gigabit = RESNET18_RATES["unlimited"], RESNET18_RATES["1 Gbit/s"]
     chosen = drive(Auto(warm_start=0), lambda step: unlimited, 60, tight_timing)
     assert chosen[3:] == [2.0] * 3 + [PASS_THROUGH_BITS] * 54
-    assert drive(Auto(warm_start=0), lambda step: gigabit, 60, tight_timing)[4:] == [2.0] * 56
+    # (at step 50 the pass-through, measured only at steps 2-3, is probed again once: 3 (b))
+    assert drive(Auto(warm_start=0), lambda step: gigabit, 60, tight_timing)[4:] == [2.0] * 46 + [32.0] * 2 + [2.0] * 8
     # 10% noise on 4% differences: a few probes, and now and then a stretch at 3 bits that the noise made look
-    # faster (over 40 seeds 116 steps off 2 bits of 2,240; 217 when the telemetry arrived a step later, 388 with
-    # fresh telemetry but no AUTO_MEDIAN_OF)
+    # faster (over 40 seeds, steps 4-59: 116 steps off 2 bits of 2,240 at commit 7a77cce; 217 when the telemetry
+    # arrived a step later, 388 with fresh telemetry but no AUTO_MEDIAN_OF; steps 4-49, before step 50's probe of
+    # the pass-through: 30 of 1,840 now)
     off_best = [sum(b != 2.0 for b in drive(Auto(warm_start=0), lambda step: gigabit, 60, tight_timing, noise=0.1,
-                                            seed=seed)[4:]) for seed in range(40)]
-    assert sum(off_best) <= 160, off_best
+                                            seed=seed)[4:50]) for seed in range(40)]
+    assert sum(off_best) <= 60, off_best
 
 
 def test_a_pass_through_measured_while_the_run_warms_up_is_measured_again() -> None:
@@ -556,6 +558,46 @@ def skewed_fast_link_timing(bits: float, bytes_per_s: float) -> dict[str, float]
     return {"backward_s": 0.24, "send_s": 0.04, "receive_s": 0.02, "exposed_s": 0.06,
             "link_s": 0.12 + wire / bytes_per_s, "wire_bytes": wire, "span_s": 0.27}
 
+
+
+TRANSFORMER_PARAMETERS = 11_607_552
+
+
+def fast_transformer_timing(bits: float, bytes_per_s: float) -> dict[str, float]:
+    """The GPT-2-shaped transformer under the DDP hook on the link benchmark's unlimited link (docs/RESULTS.md 4.3,
+    f5c7a39): passing through 0.255 s (backward 0.23 s, the allreduce 25 ms after it); 2 bits 0.29 s, SafeBits'
+    own work 0.07 s (0.055 s of it in the sends, inside backward), its collectives ending 5 ms after backward."""
+    wire = TRANSFORMER_PARAMETERS * bits / 8
+    if bits >= PASS_THROUGH_BITS:
+        return {"backward_s": 0.23, "send_s": 0.0005, "receive_s": 0.0, "exposed_s": 0.025, "link_s": 0.255,
+                "wire_bytes": wire, "span_s": 0.255}
+    send = 0.055 + 0.01 * math.log(bits / 2.0, 4.0)
+    backward = 0.215 + send
+    link = backward + 0.005 + wire / bytes_per_s
+    return {"backward_s": backward, "send_s": send, "receive_s": 0.016, "exposed_s": link - backward,
+            "link_s": link, "wire_bytes": wire, "span_s": link + 0.016}
+
+
+def test_a_pass_through_slow_only_in_an_early_wait_is_probed_again_now_and_then() -> None:
+    """The run of :func:`fast_transformer_timing` in round 0 (f5c7a39): its first measured pass-through waited 254
+    ms for its allreduce (25-80 ms later on), computing no slower than a 2-bit step, so 3 (a) took it as warm; 2
+    bits looked faster and, predicted slower, the pass-through was never probed again: 0.93x `none` for good. A
+    pass-through measured only in the run's first steps is now probed every ``probe_every`` steps whatever it
+    predicts (two steps, once: the new span stands alone)."""
+    observed = iter(range(10**6))
+
+    def early_wait(bits: float, bytes_per_s: float) -> dict[str, float]:
+        figures = fast_transformer_timing(bits, bytes_per_s)
+        if next(observed) == 2:                  # the run's first measured step (AUTO_WARMUP), passing through
+            assert bits == PASS_THROUGH_BITS
+            figures.update(backward_s=0.195, exposed_s=0.254, link_s=0.453, span_s=0.453)
+        return figures
+
+    chosen = drive(Auto(), lambda step: 2e9, 80, early_wait)
+    assert chosen[:3] == [PASS_THROUGH_BITS] * 3 and chosen[3:50] == [2.0] * 47, chosen
+    assert chosen[50:] == [PASS_THROUGH_BITS] * 30, chosen
+    steady = drive(Auto(), lambda step: 2e9, 80, fast_transformer_timing)      # without the slow wait: one probe
+    assert steady[:6] == [PASS_THROUGH_BITS] * 3 + [2.0] * 3 and steady[6:] == [PASS_THROUGH_BITS] * 74, steady
 
 def test_a_rate_seen_through_compressed_payloads_does_not_drop_the_measured_pass_through() -> None:
     """Once passing through is measured fastest, the low rate a compressed probe's skewed wait suggests must not

@@ -402,3 +402,35 @@ def test_auto_is_measured_against_the_fastest_fixed_choice_of_each_phase() -> No
     assert auto["phases"][1]["budget_bits"] == [32.0, 6.0, 4.4, 4.4]
     md = link_phases.table(summary, phases)
     assert "| m | safebits@auto |" in md and "1.50x" in md and "pass pass pass pass pass 6 4.4 4.4" in md
+
+
+def _record(step: int) -> Any:
+    import safebits_hvd as sb
+
+    return sb.StepRecord(step=step, budget_bits_total=100.0 + step, modeled_bits_total=90 + step,
+                         modeled_compression_ratio=1.0, violation=step == 4, excess_bits=0.0, escalations=[],
+                         actions={}, distortion={}, cosine={}, allocation_digest="0", wire_bytes=10 * step,
+                         timing={"span_s": 0.1 * step}, timing_step=step, pass_through=step % 2 == 0)
+
+
+def test_the_protocol_reads_the_records_once_after_the_timed_steps() -> None:
+    """Reading a record waits for its step's statistics exchange, which otherwise overlaps the next step: the
+    protocol reads the history once, after the timed steps, and takes the last ``steps`` records as theirs."""
+    done: list[int] = []
+    reads: list[int] = []
+
+    def history() -> list[Any]:
+        reads.append(len(done))
+        return [_record(s) for s in done]
+
+    measured = protocol.measure(lambda: done.append(len(done)), lambda: None, history, None, warmup=2, steps=3)
+    assert reads == [5] and len(measured["step_times_s"]) == 3
+    assert measured["budget_bits_per_rank"] == [102.0, 103.0, 104.0]
+    assert measured["modeled_bits_per_rank"] == [92.0, 93.0, 94.0]
+    assert measured["pass_through"] == [True, False, True] and measured["violations"] == 1
+    assert measured["wire_bytes"] == 90.0
+    assert [t["span_s"] for t in measured["timing"]] == pytest.approx([0.2, 0.3, 0.4])
+    without = protocol.measure(lambda: None, lambda: None, lambda: None, 32.0, warmup=1, steps=2)
+    assert without["modeled_bits_per_rank"] == [32.0, 32.0] and without["wire_bytes"] is None
+    with pytest.raises(RuntimeError, match="max_history"):
+        protocol.measure(lambda: None, lambda: None, lambda: [_record(0)], None, warmup=0, steps=2)
