@@ -58,9 +58,9 @@ def main() -> None:
         task.batch_loss(model, gen).backward()
         opt.step()
         walls.append(time.perf_counter() - start)
-        if isinstance(compression, sb.SafeBits):
-            record = compression.last_step
-            timings.append(record.timing)
+    if isinstance(compression, sb.SafeBits):      # read after the loop: reading one waits for its step's exchange
+        for record in compression.history[-steps:]:
+            timings.append(record.timing)         # the step's own (StepRecord.timing_step == record.step)
             bits.append(round(record.budget_bits_total / parameters, 1))
     if hvd.rank() != 0:
         return
@@ -73,8 +73,8 @@ def main() -> None:
                                                                      "link_s")}
     print("  telemetry medians (ms): " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in medians.items()))
     spans = [t["span_s"] / medians["span_s"] for t in steady]
-    first = [t["span_s"] / medians["span_s"] for t in timings[1:5] if t]
-    print(f"  spans over the median: steps 1-4 (telemetry of 0-3) {', '.join(f'{x:.1f}' for x in first)}; "
+    first = [t["span_s"] / medians["span_s"] for t in timings[0:4] if t]
+    print(f"  spans over the median: steps 0-3 {', '.join(f'{x:.1f}' for x in first)}; "
           f"steady max {max(spans):.2f}, min {min(spans):.2f}")
     print("  budgets: " + " ".join(f"{b:g} x{len(list(g))}" for b, g in itertools.groupby(bits)))
 
