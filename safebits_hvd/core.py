@@ -371,7 +371,7 @@ class SafeBitsCore:
         """The world changed (elastic training): the statistics exchange and the payload transport are rebuilt for
         the new one at the next step, and the two-phase segments with them. Exchanges and transports given as
         objects rather than factories cannot be rebuilt: ``ValueError``. Call between steps."""
-        if self.in_step:
+        if self.in_step or (self.exchange_pending and not self.step_ended):
             raise RuntimeError("leave_world() must be called between steps (abort_step() first after a failure)")
         if not (self.closing.follows_worlds and callable(self._transport_or_factory)):
             raise ValueError("SafeBits was given its exchange or transport as an object, which cannot follow a new "

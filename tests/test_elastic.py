@@ -125,3 +125,22 @@ def test_leave_world_needs_factories_and_a_step_boundary() -> None:
     c.compress(params[0][1].grad)
     with pytest.raises(RuntimeError, match="between steps"):
         c.core.leave_world()
+
+
+def test_leave_world_between_a_steps_last_send_and_its_end_is_an_error() -> None:
+    """A step closed (every gradient sent) but not ended (its reduced tensors not all taken) is mid-step; once it has
+    ended, its exchange in flight belongs to the old world and leave_world may drop it."""
+    from .test_compressor import PairExchange
+
+    params = many_tensor_params()
+    c = sb.SafeBits(params, exchange=PairExchange())   # not local: the step stays pending until it ends
+    random_grads(params, 0)
+    pending = [c.compress(p.grad) for _, p in reversed(params)]
+    assert c.core.exchange_pending and not c.core.step_ended
+    with pytest.raises(RuntimeError, match="between steps"):
+        c.core.leave_world()
+    for sent, ctx in pending:
+        c.decompress(sent, ctx)
+    assert c.core.step_ended
+    with pytest.raises(ValueError, match="as an object"):     # ended: only the exchange given as an object stops it
+        c.core.leave_world()
