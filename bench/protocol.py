@@ -73,15 +73,14 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], history: Call
     timed = records[-steps:] if records is not None and steps else []
     if recorded and len(timed) != steps:
         raise RuntimeError(f"{len(timed)} step records for {steps} timed steps: raise the compressor's max_history")
-    timing = {r.timing_step: {k: v if math.isfinite(v) else None for k, v in r.timing.items()}
-              for r in timed if r.timing}            # by the step it describes (its own)
     return {"step_times_s": step_times, "elapsed_s": elapsed, "link_bytes": tx1 - tx0,
             "wire_bytes": sum(float(r.wire_bytes) for r in timed) if recorded and steps else None,
             "modeled_bits_per_rank": ([float(r.modeled_bits_total) for r in timed] if recorded
                                       else [float(fixed_bits or 0.0)] * steps),
             "budget_bits_per_rank": [float(r.budget_bits_total) for r in timed] if recorded else [None] * steps,
             "pass_through": [bool(r.pass_through) for r in timed] if recorded else [False] * steps,
-            "timing": [timing.get(r.step) for r in timed] if recorded else None,
+            "timing": ([{k: v if math.isfinite(v) else None for k, v in r.timing.items()} if r.timing else None
+                        for r in timed] if recorded else None),            # each record's own step's
             "collective": next((r.collective for r in reversed(timed) if r.collective), None),
             "violations": sum(int(bool(r.violation)) for r in timed)}
 

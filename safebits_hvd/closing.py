@@ -71,11 +71,11 @@ class StepClosing:
         self.previous_screened: np.ndarray | None = None
         self.previous_v2: np.ndarray | None = None
         # The closed step not finished yet; how many tensors it sent and how many of them the front end has taken
-        # (it ends after the last one); its exchange's handle and wire bytes once it has ended (None before).
+        # (it ends after the last one); once it has ended, its exchange's handle and its link bytes (None before).
         self.pending: ClosedStep | None = None
         self._sent = self._taken = 0
         self._handle: Any = None
-        self._ended: int | None = None
+        self._wire_bytes: int | None = None
 
     def fields(self, step: int) -> StepStatistics:
         """Step ``step``'s statistics vector, as the layout's views."""
@@ -90,7 +90,7 @@ class StepClosing:
         check_length = getattr(self.exchange, "check_length", None)
         if check_length is not None:   # ranks built differently fail here, clearly, before a payload is decoded
             check_length(len(self._vectors[0]))
-        self.pending, self._sent, self._taken, self._ended = closed, sent, 0, None
+        self.pending, self._sent, self._taken, self._wire_bytes = closed, sent, 0, None
         return self.exchange
 
     def taken(self) -> bool:
@@ -102,32 +102,31 @@ class StepClosing:
     @property
     def ended(self) -> bool:
         """Whether a pending step has ended: its exchange has started."""
-        return self.pending is not None and self._ended is not None
+        return self.pending is not None and self._wire_bytes is not None
 
     def ending(self, step: int) -> bool:
         """Whether ``step`` is the pending step and has not ended yet."""
-        return self.pending is not None and self.pending.step == step and self._ended is None
+        return self.pending is not None and self.pending.step == step and self._wire_bytes is None
 
     def end(self) -> None:
         """The pending step's receive side is done: its figures join its statistics, whose reduction starts."""
         closed, exchange = self.pending, self.exchange
-        assert closed is not None and exchange is not None and self._ended is None
+        assert closed is not None and exchange is not None and self._wire_bytes is None
         wire_bytes = closed.wire_bytes + self.complete_second_hop(closed.step)
         self.clock.finished(closed.step, wire_bytes)
-        vector = self._views[closed.step % 2]
-        vector.timing[:] = self.clock.last             # UNKNOWN where none: the MAX keeps a known one
-        self._handle, self._ended = exchange.start(self._vectors[closed.step % 2]), wire_bytes
+        self.fields(closed.step).timing[:] = self.clock.last      # UNKNOWN where none: the MAX keeps a known one
+        self._handle, self._wire_bytes = exchange.start(self._vectors[closed.step % 2]), wire_bytes
 
     # ------------------------------------------------------------------ 6. finish
     def finish(self) -> None:
         """Wait for the pending step's exchange (started now if the step has not ended) and take in the reduced
         statistics and telemetry."""
-        if self._ended is None:
+        if self._wire_bytes is None:
             self.end()
-        closed, exchange, wire_bytes = self.pending, self.exchange, self._ended
+        closed, exchange, wire_bytes = self.pending, self.exchange, self._wire_bytes
         assert closed is not None and exchange is not None and wire_bytes is not None
         step = closed.step
-        self.pending, handle, self._handle, self._ended = None, self._handle, None, None
+        self.pending, handle, self._handle, self._wire_bytes = None, self._handle, None, None
         exchange.wait(handle)                          # the step's own vector now holds the MAX over ranks
         reduced = self._views[step % 2]
         timing = reduced.timing.copy()
@@ -150,7 +149,7 @@ class StepClosing:
     # ------------------------------------------------------------------ elastic training
     def drop(self) -> None:
         """Forget what is in flight (a collective failed)."""
-        self.pending = self._handle = self._ended = None
+        self.pending = self._handle = self._wire_bytes = None
 
     @property
     def follows_worlds(self) -> bool:
