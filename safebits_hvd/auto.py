@@ -327,7 +327,9 @@ class Auto:
        steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
        before step :data:`AUTO_WARM_AFTER` is measured again for three steps after the switch (its early spans
        dropped; one span cannot tell a warm run's 15% from its noise), unless its step computed no slower than
-       the choice's do (:data:`AUTO_WARM_COMPUTE`: it was warm already) or it is estimated
+       the choice's do (:data:`AUTO_WARM_COMPUTE`: it was warm already), or its span divided by its compute's
+       slowdown over the choice's is still slower than the choice by more than ``prune`` (its communication made
+       it slow, which a warm run does not change; (b) measures it later), or it is estimated
        :data:`AUTO_WARM_SLOWDOWN` times slower than the choice and :data:`AUTO_HICCUP_S` or more (the first
        steps' excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN); before any
        other budget is probed, since a span from the slow first steps makes every other budget look closer than
@@ -512,8 +514,8 @@ class Auto:
 
     def _measure_again(self, known: dict[float, tuple[float, float]], pending: set[float]) -> float | None:
         """3 (a): once a compressed budget is the choice with three spans, a candidate measured only while the run
-        warmed up, unless its step was warm already or it is estimated far slower than the choice; None if there is
-        none."""
+        warmed up, unless its step was warm already, its slow compute does not explain its loss, or it is estimated far
+        slower than the choice; None if there is none."""
         model = self.model
         choice = self._pick(known) if known else PASS_THROUGH_BITS
         if choice >= PASS_THROUGH_BITS or len(model.spans[choice]) < 3:
@@ -525,8 +527,14 @@ class Auto:
                 continue
             figures = model.scaled(b)
             early = figures["span_s"]
-            warm = own_compute(figures) <= AUTO_WARM_COMPUTE * compute_now
-            if not warm and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S):
+            slowdown = own_compute(figures) / compute_now if compute_now > 0 else math.inf
+            warm = slowdown <= AUTO_WARM_COMPUTE
+            # The warm-up multiplies the whole step: divided by its compute's slowdown, is it still slower than
+            # the choice? Then its communication made it slow (a link as slow as measured, or an early wait),
+            # which a warmer run does not change; (b) probes it later.
+            explained = early / max(slowdown, 1.0) <= (1 + self.prune) * now
+            if (not warm and explained
+                    and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
                 model.drop(b)
                 self.probe = (b, 3)                              # the switch, then three spans: a median
                 return b

@@ -114,7 +114,7 @@ def load(core: SafeBitsCore, state: dict[str, Any]) -> None:
     """Restore :func:`save`'s ``state`` into ``core`` (between steps); ``ValueError`` if it was saved for another
     model or menu."""
     check_state(state, core.names, core.numels, core.menu.names)
-    if core.in_step or (core.exchange_pending and not core.step_ended):
+    if not core.between_steps:
         raise RuntimeError("load_state_dict() must be called between steps")
     core.finish()              # the last step's exchange, in flight until the next begin: its results are replaced
     core.memory.load_state_dict(state["residuals"])

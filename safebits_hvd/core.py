@@ -279,9 +279,9 @@ class SafeBitsCore:
         return self.closing.exchange
 
     @property
-    def exchange_pending(self) -> bool:
-        """Whether a closed step's statistics exchange has not been finished yet (it is until the next begin)."""
-        return self.closing.pending is not None
+    def between_steps(self) -> bool:
+        """Whether no step is under way: none begun, or the last one ended (its exchange may still be in flight)."""
+        return not self.in_step and (self.closing.pending is None or self.closing.ended)
 
     @property
     def step_ended(self) -> bool:
@@ -371,7 +371,7 @@ class SafeBitsCore:
         """The world changed (elastic training): the statistics exchange and the payload transport are rebuilt for
         the new one at the next step, and the two-phase segments with them. Exchanges and transports given as
         objects rather than factories cannot be rebuilt: ``ValueError``. Call between steps."""
-        if self.in_step or (self.exchange_pending and not self.step_ended):
+        if not self.between_steps:
             raise RuntimeError("leave_world() must be called between steps (abort_step() first after a failure)")
         if not (self.closing.follows_worlds and callable(self._transport_or_factory)):
             raise ValueError("SafeBits was given its exchange or transport as an object, which cannot follow a new "

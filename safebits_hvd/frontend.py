@@ -19,7 +19,7 @@ from .exchange import StatisticsExchange
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .schedules import Constant, as_schedule
-from .telemetry import StepRecord
+from .telemetry import StepLog, StepRecord
 from .transports import PayloadTransport
 
 NONFINITE_MODES = ("propagate", "raise", "skip")
@@ -144,17 +144,19 @@ class CoreRecords:
         """The :class:`StepRecord` of the last completed step (None before the first). A step is complete once the
         front end has taken its last reduced tensor; its statistics exchange then runs until the next step begins,
         and reading a record waits for it."""
-        if self.core.step_ended:
-            self.core.finish()
-        return self.core.log.last
+        return self._complete_log().last
 
     @property
     def history(self) -> list[StepRecord]:
         """The last ``max_history`` :class:`StepRecord` objects, oldest first (a new list each time; as
         :attr:`last_step`, it waits for the last complete step's exchange)."""
+        return self._complete_log().history
+
+    def _complete_log(self) -> StepLog:
+        """The core's records, the last ended step's included (its exchange finished first)."""
         if self.core.step_ended:
             self.core.finish()
-        return self.core.log.history
+        return self.core.log
 
     @property
     def step(self) -> int:

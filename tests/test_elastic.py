@@ -136,11 +136,11 @@ def test_leave_world_between_a_steps_last_send_and_its_end_is_an_error() -> None
     c = sb.SafeBits(params, exchange=PairExchange())   # not local: the step stays pending until it ends
     random_grads(params, 0)
     pending = [c.compress(p.grad) for _, p in reversed(params)]
-    assert c.core.exchange_pending and not c.core.step_ended
+    assert not c.core.between_steps and not c.core.in_step
     with pytest.raises(RuntimeError, match="between steps"):
         c.core.leave_world()
     for sent, ctx in pending:
         c.decompress(sent, ctx)
-    assert c.core.step_ended
+    assert c.core.step_ended and c.core.between_steps
     with pytest.raises(ValueError, match="as an object"):     # ended: only the exchange given as an object stops it
         c.core.leave_world()
