@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.suites.step_timing import interleaved_times, make_model
+from bench.suites.step_timing import interleaved_times, make_model, mse_loss
 from safebits_hvd import Auto
 from safebits_hvd import ddp as sbddp
 
@@ -56,7 +56,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, args.width, generator=gen)
-    times = interleaved_times(models, optimizers, x, y, args.warmup, args.steps)
+    times = interleaved_times(models, optimizers, mse_loss(x, y), args.warmup, args.steps)
     medians: dict[str, float] = {}
     for label, values in times.items():
         gathered: list[Any] = [None] * dist.get_world_size()

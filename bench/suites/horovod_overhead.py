@@ -5,7 +5,10 @@ Run as ``horovodrun -np 2 --gloo python -m bench.suites.horovod_overhead --parts
 * ``step``: two identical models of several million parameters in tens of tensors, one trained through
   ``hvd.DistributedOptimizer(compression=SafeBits(...))``, the other through ``compression=hvd.Compression.none``;
   their training steps (forward, backward, allreduce, update) alternate, and the figure is the ratio of the median
-  step times. With ``--against fixed`` the first is ``budget_bits="auto"`` held at ``--budget-bits``
+  step times. The models are MLPs of ``--layers`` square layers, or with ``--model`` one of the link benchmark's
+  (``resnet18``, ``gpt2_small``; ``--batch`` per rank): with ``--budget-bits 32``, SafeBits passing through against
+  ``Compression.none`` step by step, free of the drift between the cases of a ``bench.link`` launch. With
+  ``--against fixed`` the first is ``budget_bits="auto"`` held at ``--budget-bits``
   (``sb.Auto(min_bits=B, max_bits=B)``: its rule runs every step on the telemetry the statistics exchange carries,
   its choice cannot move) and the second SafeBits at that budget fixed: the ratio is what ``auto``'s telemetry
   costs (docs/RESULTS.md 4.5).
@@ -31,16 +34,33 @@ import torch
 from torch import nn
 
 import safebits_hvd as sb
-from bench.suites.step_timing import interleaved_times, make_model
+from bench.suites.step_timing import Loss, interleaved_times, make_model, mse_loss
+from bench.tasks import Workload
 from safebits_hvd.exchange import TimedExchange, make_exchange
 
 
 def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, budget_bits: float,
-               collective: str = "auto", against: str = "none") -> dict[str, Any]:
+               collective: str = "auto", against: str = "none", model: str = "mlp") -> dict[str, Any]:
     """Median step time with SafeBits and with ``hvd.Compression.none`` (``against="none"``), or with ``auto`` held
-    at ``budget_bits`` and SafeBits at ``budget_bits`` fixed (``against="fixed"``), interleaved in one run."""
+    at ``budget_bits`` and SafeBits at ``budget_bits`` fixed (``against="fixed"``), interleaved in one run.
+    ``model``: ``"mlp"`` (``layers`` square layers of ``width``) or a :class:`~bench.tasks.Workload` name."""
+    gen = torch.Generator().manual_seed(hvd.rank())
+    loss: Loss
+    if model == "mlp":
+        def make() -> nn.Module:
+            return make_model(width, layers)
+        loss = mse_loss(torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen))
+    else:
+        workload = Workload(model, batch)
+
+        def make() -> nn.Module:
+            torch.manual_seed(0)
+            return workload.model()
+
+        def loss(net: nn.Module) -> torch.Tensor:
+            return workload.loss(net, torch.Generator().manual_seed(hvd.rank()))   # the same batch each step
     # "baseline" is hvd.Compression.none (against="none") or SafeBits at the budget fixed (against="fixed").
-    models = {"safebits": make_model(width, layers), "baseline": make_model(width, layers)}
+    models = {"safebits": make(), "baseline": make()}
     measured = sb.Auto(min_bits=budget_bits, max_bits=budget_bits) if against == "fixed" else budget_bits
     compression = sb.SafeBits(models["safebits"].named_parameters(), budget_bits=measured,
                               name="safebits.bench", collective=collective)
@@ -49,21 +69,19 @@ def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, bud
         baseline = sb.SafeBits(models["baseline"].named_parameters(), budget_bits=budget_bits, name="safebits.fixed",
                                collective=collective)
     optimizers = {}
-    for label, model in models.items():
-        named = [(f"{label}.{n}", p) for n, p in model.named_parameters()]
-        base = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for label, net in models.items():
+        named = [(f"{label}.{n}", p) for n, p in net.named_parameters()]
+        base = torch.optim.SGD(net.parameters(), lr=1e-3)
         optimizers[label] = hvd.DistributedOptimizer(
             base, named_parameters=named, compression=compression if label == "safebits" else baseline)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    gen = torch.Generator().manual_seed(hvd.rank())
-    x = torch.randn(batch, width, generator=gen)
-    y = torch.randn(batch, width, generator=gen)
-    times = interleaved_times(models, optimizers, x, y, warmup, steps)
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    times = interleaved_times(models, optimizers, loss, warmup, steps)
     medians = {label: statistics.median(t) for label, t in times.items()}
     # The step is as slow as its slowest rank.
     medians = {label: max(hvd.allgather_object(m, name=f"median.{label}")) for label, m in medians.items()}
     record = compression.last_step
     return {
+        "model": model,
         "parameters": sum(p.numel() for p in models["safebits"].parameters()),
         "tensors": len(list(models["safebits"].parameters())),
         "batch_per_rank": batch, "steps": steps, "against": against,
@@ -126,6 +144,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="step,exchange")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="mlp", choices=("mlp", *Workload.DDP_NAMES),
+                        help="the step part's model: the MLP of --width and --layers, or a link-benchmark model")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batch", type=int, default=256)
@@ -148,7 +168,8 @@ def main() -> None:
                                             warmup=3)
     if "step" in parts:
         result["step"] = bench_step(args.width, args.layers, args.batch, args.steps, warmup=3,
-                                    budget_bits=args.budget_bits, collective=args.collective, against=args.against)
+                                    budget_bits=args.budget_bits, collective=args.collective, against=args.against,
+                                    model=args.model)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -4,6 +4,7 @@ model of many square layers, one timed training step, and the interleaved timing
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,24 +19,33 @@ def make_model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks)
 
 
-def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+Loss = Callable[[nn.Module], torch.Tensor]
+"""The loss of one batch through a model (the same batch every step: the figure is time, not learning)."""
+
+
+def mse_loss(x: torch.Tensor, y: torch.Tensor) -> Loss:
+    """The square-layer models' loss: mean squared error of ``model(x)`` against ``y``."""
+    return lambda model: nn.functional.mse_loss(model(x), y)
+
+
+def timed_step(model: nn.Module, opt: torch.optim.Optimizer, loss: Loss) -> float:
     """Seconds of one training step (forward, backward with the front end's collectives, update)."""
     start = time.perf_counter()
     opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
+    loss(model).backward()
     opt.step()
     return time.perf_counter() - start
 
 
-def interleaved_times(models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], x: torch.Tensor,
-                      y: torch.Tensor, warmup: int, steps: int) -> dict[str, list[float]]:
+def interleaved_times(models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], loss: Loss,
+                      warmup: int, steps: int) -> dict[str, list[float]]:
     """Per model, the seconds of its ``steps`` timed steps after ``warmup`` untimed ones; the models' steps
     alternate, in reversed order every other step (no order bias)."""
     times: dict[str, list[float]] = {label: [] for label in models}
     for step in range(warmup + steps):
         order = list(models) if step % 2 == 0 else list(models)[::-1]
         for label in order:
-            seconds = timed_step(models[label], optimizers[label], x, y)
+            seconds = timed_step(models[label], optimizers[label], loss)
             if step >= warmup:
                 times[label].append(seconds)
     return times
