@@ -16,6 +16,7 @@ from safebits_hvd.auto import PASS_THROUGH_BITS, Auto
 from safebits_hvd.clock import TIMING_FIELDS
 from safebits_hvd.exchange import TimedExchange
 from safebits_hvd.schedules import as_schedule
+from safebits_hvd.transports import LocalTransport
 
 from .helpers import many_tensor_params, random_grads
 from .test_compressor import PairExchange
@@ -425,6 +426,29 @@ def test_pass_through_sends_the_gradient_and_flushes_the_residual_once() -> None
             for name, _ in params:
                 assert torch.allclose(sums[name], grads[name], rtol=0, atol=1e-5 * float(grads[name].abs().max()))
     assert not c.last_step.pass_through                     # compressed again, from the start policy
+
+
+def test_a_pass_through_step_records_and_counts_every_gradient_it_hands_on() -> None:
+    """A pass-through step whose gradients go on as they are books their record and bytes when it closes, not one
+    gradient at a time: the same record and bytes as the first pass-through step, which adds each tensor's residual
+    as it goes (two ranks, so a ring allreduce moves 4 bytes per float32 element per rank)."""
+
+    class TwoRanks(LocalTransport):
+        size = 2
+
+    params = many_tensor_params()
+    budgets = iter([2.0, 32.0, 32.0])
+    c = sb.SafeBits(params, budget_bits=lambda step: next(budgets), collective="dense", transport=TwoRanks())
+    records = []
+    for step in range(3):
+        random_grads(params, step)
+        for _, p in reversed(params):
+            c.decompress(*c.compress(p.grad))
+        records.append(c.last_step)
+    assert not records[0].pass_through
+    for record in records[1:]:
+        assert record.pass_through and set(record.actions.values()) == {"fp32"}
+        assert record.wire_bytes == 4 * sum(p.numel() for _, p in params)
 
 
 def test_passing_through_hands_on_the_gradient_itself_in_its_shape() -> None:
