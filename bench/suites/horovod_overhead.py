@@ -39,26 +39,27 @@ from bench.tasks import Workload
 from safebits_hvd.exchange import TimedExchange, make_exchange
 
 
+def same_batch_loss(workload: Workload, seed: int) -> Loss:
+    """``workload``'s loss on one batch drawn from ``seed``, the same every step."""
+    return lambda net: workload.loss(net, torch.Generator().manual_seed(seed))
+
+
 def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, budget_bits: float,
                collective: str = "auto", against: str = "none", model: str = "mlp") -> dict[str, Any]:
     """Median step time with SafeBits and with ``hvd.Compression.none`` (``against="none"``), or with ``auto`` held
     at ``budget_bits`` and SafeBits at ``budget_bits`` fixed (``against="fixed"``), interleaved in one run.
     ``model``: ``"mlp"`` (``layers`` square layers of ``width``) or a :class:`~bench.tasks.Workload` name."""
     gen = torch.Generator().manual_seed(hvd.rank())
-    loss: Loss
-    if model == "mlp":
-        def make() -> nn.Module:
+    workload = Workload(model, batch) if model != "mlp" else None
+
+    def make() -> nn.Module:
+        if workload is None:
             return make_model(width, layers)
-        loss = mse_loss(torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen))
-    else:
-        workload = Workload(model, batch)
+        torch.manual_seed(0)
+        return workload.model()
 
-        def make() -> nn.Module:
-            torch.manual_seed(0)
-            return workload.model()
-
-        def loss(net: nn.Module) -> torch.Tensor:
-            return workload.loss(net, torch.Generator().manual_seed(hvd.rank()))   # the same batch each step
+    loss = (mse_loss(torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen))
+            if workload is None else same_batch_loss(workload, hvd.rank()))
     # "baseline" is hvd.Compression.none (against="none") or SafeBits at the budget fixed (against="fixed").
     models = {"safebits": make(), "baseline": make()}
     measured = sb.Auto(min_bits=budget_bits, max_bits=budget_bits) if against == "fixed" else budget_bits
