@@ -429,9 +429,9 @@ def test_pass_through_sends_the_gradient_and_flushes_the_residual_once() -> None
 
 
 def test_a_pass_through_step_records_and_counts_every_gradient_it_hands_on() -> None:
-    """A pass-through step whose gradients go on as they are books their record and bytes when it closes, not one
-    gradient at a time: the same record and bytes as the first pass-through step, which adds each tensor's residual
-    as it goes (two ranks, so a ring allreduce moves 4 bytes per float32 element per rank)."""
+    """Every gradient a pass-through step hands on is recorded as sent lossless and its bytes counted, on the first
+    pass-through step (which adds each tensor's residual) and on a later one (which hands each gradient on as it
+    is); two ranks, so a ring allreduce moves 4 bytes per float32 element per rank."""
 
     class TwoRanks(LocalTransport):
         size = 2
