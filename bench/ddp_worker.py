@@ -24,10 +24,11 @@ meant to be run by hand.
 
 import argparse
 import gc
-import itertools
 import json
 import logging
 import statistics
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from bench import specs
-from bench.protocol import SEED, case_line, case_result, measure, read_tx_bytes, step_reporter
+from bench.protocol import SEED, Case, case_result, measure_cases, read_tx_bytes, run_model, step_reporter
 from bench.tasks import DEFAULT_IMAGE_SIZE, ResNet18, Workload, model_facts
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.launch import exit_without_finalization
@@ -96,32 +97,44 @@ def barrier() -> None:
     dist.all_reduce(torch.zeros(1))
 
 
-def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps: int,
-             step_file: str | None = None) -> dict[str, Any]:
-    """One case under :func:`bench.protocol.measure`; its JSON record (meaningful on rank 0)."""
-    torch.manual_seed(SEED)
-    model = work.model()
-    ddp_model = DistributedDataParallel(model)
-    state, fixed_bits = attach(spec, ddp_model, model, case_id)
-    facts = model_facts(model)
-    opt = work.optimizer(model)
-    gen = torch.Generator().manual_seed(SEED * 7919 + dist.get_rank())
-
+def training_step(work: Workload, ddp_model: DistributedDataParallel, opt: torch.optim.Optimizer,
+                  gen: torch.Generator) -> Callable[[], None]:
+    """One training step of ``ddp_model`` on ``work``'s next synthetic batch."""
     def step() -> None:
         opt.zero_grad()
         work.loss(ddp_model, gen).backward()
         opt.step()
 
-    warmup_steps = max(warmup, PSGD_START if spec.name.startswith("powersgd") else 0)
-    measured = measure(step, barrier, lambda: None if state is None else state.history, fixed_bits,
-                       warmup_steps, steps, step_reporter(step_file, case_id, dist.get_rank()))
-    wire_total = None
-    if measured["wire_bytes"] is not None:
-        total = torch.tensor([measured["wire_bytes"]], dtype=torch.float64)
-        dist.all_reduce(total)
-        wire_total = float(total[0])
-    return case_result(work.name, spec.text, facts, work.facts(), work.batch, dist.get_world_size(), warmup, steps,
-                       measured, wire_total)
+    return step
+
+
+def run_cases(work: Workload, plan: Sequence[tuple[int, specs.Spec]], warmup: int, steps: int,
+              step_file: str | None = None) -> list[dict[str, Any]]:
+    """The (case id, compressor) cases of ``plan`` on ``work`` under :func:`bench.protocol.measure_cases`, their
+    timed steps interleaved when there are several; their JSON records (meaningful on rank 0)."""
+    built = []
+    for case_id, spec in plan:
+        torch.manual_seed(SEED)
+        model = work.model()
+        ddp_model = DistributedDataParallel(model)
+        state, fixed_bits = attach(spec, ddp_model, model, case_id)
+        facts = model_facts(model)
+        gen = torch.Generator().manual_seed(SEED * 7919 + dist.get_rank())
+        warmup_steps = max(warmup, PSGD_START if spec.name.startswith("powersgd") else 0)
+        built.append((spec, facts, Case(training_step(work, ddp_model, work.optimizer(model), gen),
+                                        partial(getattr, state, "history", None), fixed_bits, warmup_steps)))
+    measured = measure_cases([b[-1] for b in built], barrier, steps, step_reporter(step_file, plan[0][0],
+                                                                                   dist.get_rank()))
+    results = []
+    for (spec, facts, _), figures in zip(built, measured, strict=True):
+        wire_total = None
+        if figures["wire_bytes"] is not None:
+            total = torch.tensor([figures["wire_bytes"]], dtype=torch.float64)
+            dist.all_reduce(total)
+            wire_total = float(total[0])
+        results.append(case_result(work.name, spec.text, facts, work.facts(), work.batch, dist.get_world_size(),
+                                   warmup, steps, figures, wire_total))
+    return results
 
 
 def teacher_batch(index: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +189,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1, help="times the compressor list runs, in turn")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run each model's cases side by side, their timed steps alternating")
     parser.add_argument("--models", nargs="+", default=["resnet18"], choices=Workload.DDP_NAMES)
     parser.add_argument("--cnn-batch", type=int, default=16)
     parser.add_argument("--gpt-batch", type=int, default=8, help="gpt2_small sequences (128 tokens) per rank")
@@ -193,25 +208,22 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank0 = dist.get_rank() == 0
     cases = []
-    rounds = 1 if args.quality_steps else args.rounds
-    models = ["resnet18"] if args.quality_steps else args.models        # the training run: ResNet-18 only
     batches = {"resnet18": args.cnn_batch, "gpt2_small": args.gpt_batch}
-    for case_id, (name, round_index, spec) in enumerate(itertools.product(models, range(rounds),
-                                                                           args.compressors)):
-        if args.quality_steps:
+    if args.quality_steps:
+        for case_id, spec in enumerate(args.compressors):            # the training run: ResNet-18 only, once
             result = run_quality(spec, case_id, args.cnn_batch, args.quality_steps)
             if rank0:
                 print(f"[link] quality {spec.text:17s} held-out loss {result['held_out_loss']:.4f} accuracy "
                       f"{result['held_out_accuracy']:.3f}  link {result['link_bytes'] / args.quality_steps / 1e6:.2f}"
                       f" MB/step", flush=True)
-        else:
-            work = Workload(name, batches[name], args.image_size)
-            result = run_case(work, spec, case_id, args.warmup, args.steps, args.step_file)
-            if rank0:
-                print(case_line(name, spec.text, result), flush=True)
-        result["round"] = round_index
-        cases.append(result)
-        gc.collect()                      # the case's model, DDP wrapper and hook state
+            result["round"] = 0
+            cases.append(result)
+            gc.collect()                  # the case's model, DDP wrapper and hook state
+    for name in [] if args.quality_steps else args.models:
+        work = Workload(name, batches[name], args.image_size)
+        cases += run_model(name, args.compressors, args.rounds, args.interleave, len(cases),
+                           partial(run_cases, work, warmup=args.warmup, steps=args.steps, step_file=args.step_file),
+                           rank0)
     if rank0:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"cases": cases, "torch": torch.__version__, "threads": torch.get_num_threads()}, f)

@@ -8,7 +8,8 @@ and learning-rate schedule (by default a cosine decay to 0 over the run) for eve
 line per run and writes the raw per-step curves to ``--out`` (JSON); ``bench.demo`` turns them into
 ``results/demo.json``, ``results/demo.md`` and the plots.
 
-``link``: for every (model, compressor spec) case, one after another in the same two processes, the figures of
+``link``: for every (model, compressor spec) case, one after another in the same two processes (or with
+``--interleave`` each model's cases side by side, their timed steps alternating), the figures of
 :mod:`bench.protocol`. Compressors: ``none`` and ``fp16`` are ``hvd.Compression.none`` / ``hvd.Compression.fp16``;
 any other name is a registry name, ``name@bits`` giving ``budget_bits`` (``safebits@4.4``, ``safebits@auto``).
 Before the cases, a link probe times plain fp32 allreduces (no model, no compressor) and divides the loopback bytes
@@ -20,9 +21,7 @@ Not meant to be run by hand: ``python -m bench.demo`` and ``python -m bench.link
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.metadata
-import itertools
 import json
 import logging
 import math
@@ -30,6 +29,8 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import horovod.torch as hvd
@@ -37,7 +38,7 @@ import torch
 
 from bench import specs
 from bench.demo_stats import COLLAPSE_FACTOR, collapsed, run_label, section
-from bench.protocol import SEED, case_line, case_result, measure, read_tx_bytes, step_reporter
+from bench.protocol import SEED, Case, case_result, measure_cases, read_tx_bytes, run_model, step_reporter
 from bench.tasks import (
     DEFAULT_IMAGE_SIZE,
     LM_SHAPES,
@@ -297,33 +298,47 @@ def build_compression(spec: specs.Spec, model: torch.nn.Module, case_id: int) ->
     return make_compressor(spec.name, model.named_parameters(), seed=SEED, budget_bits=spec.budget_bits, **kwargs)
 
 
-def run_case(work: Workload, spec: specs.Spec, case_id: int, warmup: int, steps: int,
-             step_file: str | None = None) -> dict[str, Any]:
-    """One case under :func:`bench.protocol.measure`; its JSON record (meaningful on rank 0)."""
-    torch.manual_seed(SEED)
-    model = work.model()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    facts = model_facts(model)
-    compression = build_compression(spec, model, case_id)
-    opt = hvd.DistributedOptimizer(work.optimizer(model), named_parameters=model.named_parameters(),
-                                   compression=compression)
-    gen = torch.Generator().manual_seed(SEED * 7919 + hvd.rank())
-
+def training_step(work: Workload, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                  gen: torch.Generator) -> Callable[[], None]:
+    """One training step of ``model`` on ``work``'s next synthetic batch."""
     def step() -> None:
         opt.zero_grad()
         work.loss(model, gen).backward()
         opt.step()
 
-    measured = measure(step, lambda: barrier(f"{case_id}"), lambda: getattr(compression, "history", None),
-                       (16 if spec.name == "fp16" else 32) * facts["parameters"], warmup, steps,
-                       step_reporter(step_file, case_id, hvd.rank()))
-    wire_total: float | None = None
-    if measured["wire_bytes"] is not None:         # this rank's bytes, summed over steps, then over ranks
-        wire_total = float(hvd.allreduce(torch.tensor([measured["wire_bytes"]], dtype=torch.float64),
-                                         op=hvd.Sum, name=f"link.wire.{case_id}"))
-    result = case_result(work.name, spec.text, facts, work.facts(), work.batch, hvd.size(), warmup, steps,
-                         measured, wire_total)
-    return result
+    return step
+
+
+def run_cases(work: Workload, plan: Sequence[tuple[int, specs.Spec]], warmup: int, steps: int,
+              step_file: str | None = None) -> list[dict[str, Any]]:
+    """The (case id, compressor) cases of ``plan`` on ``work`` under :func:`bench.protocol.measure_cases`, their
+    timed steps interleaved when there are several; their JSON records (meaningful on rank 0)."""
+    built: list[tuple[int, specs.Spec, dict[str, Any], Any, Case]] = []
+    for case_id, spec in plan:
+        torch.manual_seed(SEED)
+        model = work.model()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        facts = model_facts(model)
+        compression = build_compression(spec, model, case_id)
+        # Each case's own collective names: interleaved cases' tensors never share an entry of Horovod's cache.
+        named = [(f"case{case_id}.{n}", p) for n, p in model.named_parameters()]
+        opt = hvd.DistributedOptimizer(work.optimizer(model), named_parameters=named, compression=compression)
+        gen = torch.Generator().manual_seed(SEED * 7919 + hvd.rank())
+        built.append((case_id, spec, facts, compression,
+                      Case(training_step(work, model, opt, gen), partial(getattr, compression, "history", None),
+                           (16 if spec.name == "fp16" else 32) * facts["parameters"], warmup)))
+    group = plan[0][0]
+    measured = measure_cases([b[-1] for b in built], lambda: barrier(f"{group}"), steps,
+                             step_reporter(step_file, group, hvd.rank()))
+    results = []
+    for (case_id, spec, facts, _, _), figures in zip(built, measured, strict=True):
+        wire_total: float | None = None
+        if figures["wire_bytes"] is not None:         # this rank's bytes, summed over steps, then over ranks
+            wire_total = float(hvd.allreduce(torch.tensor([figures["wire_bytes"]], dtype=torch.float64),
+                                             op=hvd.Sum, name=f"link.wire.{case_id}"))
+        results.append(case_result(work.name, spec.text, facts, work.facts(), work.batch, hvd.size(), warmup, steps,
+                                   figures, wire_total))
+    return results
 
 
 def link_probe(elements: int = 4 * 2**20, repeats: int = 3) -> dict[str, Any]:
@@ -356,17 +371,11 @@ def link_main(args: argparse.Namespace) -> None:
               f"{statistics.median(probe['link_bytes']) / 1e6:.1f} MB in {statistics.median(probe['times_s']):.3f} s "
               f"= {probe['achieved_bits_per_s'] / 1e9:.2f} Gbit/s on the link", flush=True)
     cases = []
-    case_id = 0
     for name in args.models:
         work = Workload(name, batch_for(name, args), args.image_size)
-        for round_index, spec in itertools.product(range(args.rounds), args.compressors):
-            result = run_case(work, spec, case_id, args.warmup, args.steps, args.step_file)
-            result["round"] = round_index
-            case_id += 1
-            cases.append(result)
-            gc.collect()                  # the case's model, optimizer and compressor
-            if rank0:
-                print(case_line(name, spec.text, result), flush=True)
+        cases += run_model(name, args.compressors, args.rounds, args.interleave, len(cases),
+                           partial(run_cases, work, warmup=args.warmup, steps=args.steps, step_file=args.step_file),
+                           rank0)
     if rank0:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"cases": cases, "probe": probe, "torch": torch.__version__,
@@ -387,6 +396,8 @@ def main() -> None:
     link.add_argument("--warmup", type=int, default=2)
     link.add_argument("--steps", type=int, default=6)
     link.add_argument("--rounds", type=int, default=1, help="times the compressor list runs, in turn")
+    link.add_argument("--interleave", action="store_true",
+                      help="run each model's cases side by side, their timed steps alternating")
     link.add_argument("--cnn-batch", type=int, default=16)
     link.add_argument("--lm-batch", type=int, default=16, help="bytes_lm sequences per rank")
     link.add_argument("--gpt-batch", type=int, default=8, help="gpt2_small sequences (128 tokens) per rank")

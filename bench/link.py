@@ -3,12 +3,14 @@
 What it measures. Two Horovod ranks (``horovodrun -np 2 --gloo``) run inside a private network namespace whose
 loopback is limited with a token-bucket filter (``tc qdisc ... tbf rate R``); Gloo talks TCP over that loopback,
 so every byte of every collective crosses the limited link and nothing else on the machine is touched. For each
-link rate, ONE launch of ``bench.hvd_worker link`` runs every (model, compressor) case in sequence and records:
+link rate, ONE launch of ``bench.hvd_worker link`` runs every (model, compressor) case in sequence (with
+``--interleave``, each model's cases side by side, their timed steps alternating: the fair comparison on a shared
+machine whose speed drifts over the minutes between cases) and records:
 
 * step time (median over the timed steps, rank 0) and throughput: samples/s (2 ranks x batch per rank / step
   time; images or sequences) and the model's own unit (images/s, tokens/s for ``gpt2_small``: samples/s x 128);
-* link bytes per step: the delta of the namespace loopback's ``tx_bytes`` over the timed steps, divided by the
-  steps (both ranks' traffic, TCP/IP headers and Horovod's coordination messages included);
+* link bytes per step: the delta of the namespace loopback's ``tx_bytes`` over the case's timed steps, divided by
+  the steps (both ranks' traffic, TCP/IP headers and Horovod's coordination messages included);
 * wire bytes per step: ``StepRecord.wire_bytes`` summed over both ranks, where the compressor's record carries it
   (null otherwise, e.g. while compressors still send float32);
 * modeled bytes per step: ``StepRecord.modeled_bits_total`` (else ``used_bits_total``) / 8 per rank, summed over
@@ -49,6 +51,10 @@ Run it as root (it needs CAP_NET_ADMIN for ``ip netns`` and ``tc``; without it, 
     .venv/bin/python -m bench.link --quick --models gpt2_small --gpt-batch 4     # the same for the transformer
     .venv/bin/python -m bench.link --rates 1gbit unlimited --models resnet18 gpt2_small --image-size 224 \
         --cnn-batch 4 --gpt-batch 8                       # ImageNet-size images and the GPT-2-shaped decoder
+    .venv/bin/python -m bench.link --rates 1gbit unlimited --models resnet18 --cnn-batch 16 --interleave \
+        --compressors none fp16 safebits@2 safebits@4.4 safebits@8 safebits@auto \
+        --ddp-compressors ddp:none ddp:fp16 ddp:safebits@2 ddp:safebits@4.4 ddp:safebits@8 ddp:safebits@auto
+                                                          # auto against every fixed choice, step by step
     .venv/bin/python -m bench.link --rates 1gbit unlimited --models resnet18 --compressors none \
         --quality-steps 40                                # the DDP rows and their training run
 
@@ -438,7 +444,7 @@ def worker_args(args: argparse.Namespace, out: str) -> list[str]:
     return ["--out", out, "--models", *args.models, "--compressors", *args.compressors,
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
             "--cnn-batch", str(args.cnn_batch), "--lm-batch", str(args.lm_batch), "--gpt-batch", str(args.gpt_batch),
-            "--image-size", str(args.image_size)]
+            "--image-size", str(args.image_size), *(["--interleave"] if args.interleave else [])]
 
 
 def ddp_models(args: argparse.Namespace) -> list[str]:
@@ -454,7 +460,8 @@ def ddp_worker_args(args: argparse.Namespace, out: str, quality: bool = False) -
             *compressors, "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--rounds", str(1 if quality else args.rounds), "--cnn-batch", str(args.cnn_batch),
             "--gpt-batch", str(args.gpt_batch), "--image-size", str(args.image_size),
-            "--quality-steps", str(args.quality_steps if quality else 0)]
+            "--quality-steps", str(args.quality_steps if quality else 0),
+            *(["--interleave"] if args.interleave and not quality else [])]
 
 
 def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
@@ -472,6 +479,10 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the compressor list this many times in turn in each launch and pool each "
                              "compressor's steps (interleaving spreads a shared machine's drift over all of them)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run each model's compressors side by side in a launch, their timed steps alternating "
+                             "(a shared machine's drift falls on all of them step by step; the cases' models are "
+                             "all in memory at once)")
     parser.add_argument("--cnn-batch", type=int, default=16, help="ResNet-18 images per rank per step")
     parser.add_argument("--image-size", type=int, default=32,
                         help="ResNet-18 image side (synthetic 3xSxS images; e.g. 224 for ImageNet-size inputs)")
@@ -616,7 +627,8 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
                    "image_size": args.image_size, "batch_per_rank": {"resnet18": args.cnn_batch,
                                                                      "bytes_lm": args.lm_batch,
                                                                      "gpt2_small": args.gpt_batch},
-                   "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "launches": meta,
+                   "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+                   "interleave": args.interleave, "launches": meta,
                    "rows": rows, "raw": runs,
                    "failed_rates": failed, "total_s": total, "quality_steps": args.quality_steps,
                    "quality": quality}, f, indent=1)
@@ -624,7 +636,8 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         f.write(f"# Link benchmark\n\nCommand: `{command}`; 2 ranks (Gloo; Horovod rows under horovodrun, "
                 f"ddp: rows under torchrun) in a network namespace whose loopback is limited by tbf; "
                 f"{args.warmup} warm-up + {args.steps} timed steps per case, {args.rounds} round(s) of every "
-                f"compressor in turn per launch; total "
+                f"compressor {'side by side, their timed steps alternating' if args.interleave else 'in turn'} "
+                f"per launch; total "
                 f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md
                 + (f"\n### DDP training run ({args.quality_steps} steps, unlimited link)\n\n" + quality_table(quality)
                    if quality else ""))

@@ -2,21 +2,25 @@
 ``bench.ddp_worker``).
 
 One case = one (model, compressor): build the model from :data:`SEED`, wrap it, run ``warmup`` untimed steps, a
-barrier, then ``steps`` timed steps and a barrier. Recorded: the wall time of every step, the bytes that crossed the
-namespace's loopback during the timed steps (``/sys/class/net/lo/statistics/tx_bytes`` before and after; both ranks
-talk over that one ``lo``, so the delta covers both ranks' traffic, TCP/IP headers and the framework's own
-coordination included), the bytes the compressor says it put on the wire (``StepRecord.wire_bytes``, summed over
+barrier, then ``steps`` timed steps and a barrier; several cases may run side by side, their timed steps interleaved
+(:func:`measure_cases`). Recorded: the wall time of every step, the bytes that crossed the namespace's loopback
+during the case's timed steps (``/sys/class/net/lo/statistics/tx_bytes`` before and after each; both ranks talk
+over that one ``lo``, so the delta covers both ranks' traffic, TCP/IP headers and the framework's own coordination
+included), the bytes the compressor says it put on the wire (``StepRecord.wire_bytes``, summed over
 steps and ranks) and the modeled bits per rank and step (``StepRecord.modeled_bits_total``; for compressors without
 a record, their fixed width times the parameters).
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 TX_BYTES = "/sys/class/net/lo/statistics/tx_bytes"
@@ -29,51 +33,86 @@ def read_tx_bytes() -> int:
         return int(f.read())
 
 
+@dataclass
+class Case:
+    """What the protocol needs of one case: its training step, its compressor's records and its untimed steps."""
+
+    step: Callable[[], None]
+    """One training step (zero_grad, forward, backward, optimizer step)."""
+    history: Callable[[], list[Any] | None]
+    """The compressor's ``history`` (``StepRecord`` objects), or None when it keeps none."""
+    fixed_bits: float | None
+    """Bits per rank and step of a compressor without records (32 or 16 per parameter, PowerSGD's factors)."""
+    warmup: int
+    """Untimed steps before the timed ones."""
+
+
 def measure(step: Callable[[], None], barrier: Callable[[], None], history: Callable[[], list[Any] | None],
             fixed_bits: float | None, warmup: int, steps: int,
             on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Run one case's steps under the protocol; the raw figures (meaningful on rank 0, the loopback's reader).
+    """One case alone under :func:`measure_cases`; its raw figures."""
+    return measure_cases([Case(step, history, fixed_bits, warmup)], barrier, steps, on_step)[0]
+
+
+def measure_cases(cases: Sequence[Case], barrier: Callable[[], None], steps: int,
+                  on_step: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Run cases under the protocol, their timed steps interleaved; per case its raw figures (meaningful on rank 0,
+    the loopback's reader).
+
+    Every case runs its warm-up, in turn; a barrier; then timed step ``i`` of every case, one case after another
+    (in reversed order every other step, so no case always follows the same one), for ``i`` below ``steps``; a
+    barrier. With several cases this measures them side by side: a shared machine's drift over the minutes of a
+    launch falls on every case alike, step by step. A case's link bytes are the loopback's delta over its own steps.
 
     Args:
-        step: one training step (zero_grad, forward, backward, optimizer step).
+        cases: what to run (:class:`Case`).
         barrier: a collective every rank joins.
-        history: the compressor's ``history`` (``StepRecord`` objects), or None when it keeps none; read once,
-            after the timed steps: reading a record waits for its step's statistics exchange, which otherwise runs
-            during the next step's optimizer step and forward pass, so reading it after every step would take
-            that wait out of the timed steps.
-        fixed_bits: bits per rank and step of a compressor without records (32 or 16 per parameter, PowerSGD's
-            factors); ignored when ``history`` returns records.
-        warmup, steps: untimed and timed steps.
-        on_step: called with -1 before the warm-up and with ``i`` before timed step ``i`` (the changing-link run
-            tells the driver outside the ranks where the case is, through a file).
+        steps: timed steps per case.
+        on_step: called with -1 before the warm-up and with ``i`` before timed step ``i`` of the cases (the
+            changing-link run tells the driver outside the ranks where the run is, through a file).
 
-    Returns ``step_times_s``, ``elapsed_s``, ``link_bytes``, ``wire_bytes`` (this rank's, summed over steps; None
-    without records), ``modeled_bits_per_rank`` and ``budget_bits_per_rank`` (per step; the budget is what
-    ``budget_bits="auto"`` chose), ``pass_through`` (per step), ``timing`` (per step, the telemetry SafeBits measured
-    of it, ``StepRecord.timing``, reduced over ranks; None where none arrived), ``collective`` and ``violations``.
+    The history is read once per case, after every timed step: reading a record waits for its step's statistics
+    exchange, which otherwise runs during the next step's optimizer step and forward pass, so reading it after
+    every step would take that wait out of the timed steps.
+
+    Returns per case ``step_times_s``, ``elapsed_s`` (the timed steps' wall time, shared by interleaved cases),
+    ``link_bytes``, ``wire_bytes`` (this rank's, summed over steps; None without records), ``modeled_bits_per_rank``
+    and ``budget_bits_per_rank`` (per step; the budget is what ``budget_bits="auto"`` chose), ``pass_through`` (per
+    step), ``timing`` (per step, the telemetry SafeBits measured of it, ``StepRecord.timing``, reduced over ranks;
+    None where none arrived), ``collective`` and ``violations``.
     """
     tell = on_step or (lambda i: None)
     tell(-1)
-    for _ in range(warmup):
-        step()
+    for case in cases:
+        for _ in range(case.warmup):
+            case.step()
     barrier()
-    tx0 = read_tx_bytes()
     start = time.perf_counter()
-    step_times: list[float] = []
+    step_times: list[list[float]] = [[] for _ in cases]
+    link_bytes = [0] * len(cases)
     for i in range(steps):
         tell(i)
-        t0 = time.perf_counter()
-        step()
-        step_times.append(time.perf_counter() - t0)
+        order = range(len(cases)) if i % 2 == 0 else reversed(range(len(cases)))
+        for k in order:
+            tx0, t0 = read_tx_bytes(), time.perf_counter()
+            cases[k].step()
+            step_times[k].append(time.perf_counter() - t0)
+            link_bytes[k] += read_tx_bytes() - tx0
     barrier()
     elapsed = time.perf_counter() - start
-    tx1 = read_tx_bytes()
-    records = history()
+    return [_figures(case.history(), case.fixed_bits, times, moved, elapsed)
+            for case, times, moved in zip(cases, step_times, link_bytes, strict=True)]
+
+
+def _figures(records: list[Any] | None, fixed_bits: float | None, step_times: list[float], link_bytes: int,
+             elapsed: float) -> dict[str, Any]:
+    """One case's raw figures from its timed steps and its compressor's records (the last ``len(step_times)``)."""
+    steps = len(step_times)
     recorded = records is not None
     timed = records[-steps:] if records is not None and steps else []
     if recorded and len(timed) != steps:
         raise RuntimeError(f"{len(timed)} step records for {steps} timed steps: raise the compressor's max_history")
-    return {"step_times_s": step_times, "elapsed_s": elapsed, "link_bytes": tx1 - tx0,
+    return {"step_times_s": step_times, "elapsed_s": elapsed, "link_bytes": link_bytes,
             "wire_bytes": sum(float(r.wire_bytes) for r in timed) if recorded and steps else None,
             "modeled_bits_per_rank": ([float(r.modeled_bits_total) for r in timed] if recorded
                                       else [float(fixed_bits or 0.0)] * steps),
@@ -83,6 +122,25 @@ def measure(step: Callable[[], None], barrier: Callable[[], None], history: Call
                         for r in timed] if recorded else None),            # each record's own step's
             "collective": next((r.collective for r in reversed(timed) if r.collective), None),
             "violations": sum(int(bool(r.violation)) for r in timed)}
+
+
+def run_model(model: str, compressors: Sequence[Any], rounds: int, interleave: bool, first_id: int,
+              run_cases: Callable[[list[tuple[int, Any]]], list[dict[str, Any]]],
+              report: bool) -> list[dict[str, Any]]:
+    """A worker's cases of one model: ``rounds`` times every compressor (``bench.specs.Spec``), case ids from
+    ``first_id``, each case alone in turn or (``interleave``) all of them side by side. ``run_cases`` runs a group
+    of ``(case id, compressor)`` cases and returns their records; ``report``: print each case's line (rank 0)."""
+    plan = list(enumerate(itertools.product(range(rounds), compressors), start=first_id))
+    results: list[dict[str, Any]] = []
+    for group in [plan] if interleave else [[one] for one in plan]:
+        for (_, (round_index, spec)), result in zip(group, run_cases([(i, spec) for i, (_, spec) in group]),
+                                                    strict=True):
+            result["round"] = round_index
+            results.append(result)
+            if report:
+                print(case_line(model, spec.text, result), flush=True)
+        gc.collect()                  # the group's models, optimizers and compressors
+    return results
 
 
 def case_result(model: str, compressor: str, facts: dict[str, Any], workload_facts: dict[str, Any], batch: int,

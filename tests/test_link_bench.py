@@ -434,3 +434,52 @@ def test_the_protocol_reads_the_records_once_after_the_timed_steps() -> None:
     assert without["modeled_bits_per_rank"] == [32.0, 32.0] and without["wire_bytes"] is None
     with pytest.raises(RuntimeError, match="max_history"):
         protocol.measure(lambda: None, lambda: None, lambda: [_record(0)], None, warmup=0, steps=2)
+
+
+def test_interleaved_cases_alternate_their_timed_steps_and_each_counts_its_own_link_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``measure_cases``: every case's warm-up first, then timed step ``i`` of every case, the order reversed every
+    other step; each case's loopback bytes are the deltas over its own steps (case k sends k + 1 bytes a step), and
+    ``on_step`` hears the run's step, not each case's."""
+    sent = [0]
+    monkeypatch.setattr(protocol, "read_tx_bytes", lambda: sent[0])
+    ran: list[str] = []
+    told: list[int] = []
+
+    def stepper(name: str, size: int) -> protocol.Case:
+        def step() -> None:
+            ran.append(name)
+            sent[0] += size
+        return protocol.Case(step, lambda: None, 32.0, warmup=1 if name != "c" else 2)
+
+    cases = [stepper("a", 1), stepper("b", 2), stepper("c", 3)]
+    measured = protocol.measure_cases(cases, lambda: ran.append("|"), steps=3, on_step=told.append)
+    assert ran == ["a", "b", "c", "c", "|", "a", "b", "c", "c", "b", "a", "a", "b", "c", "|"]
+    assert told == [-1, 0, 1, 2]
+    assert [m["link_bytes"] for m in measured] == [3, 6, 9]
+    assert all(len(m["step_times_s"]) == 3 and m["modeled_bits_per_rank"] == [32.0] * 3 for m in measured)
+
+
+def test_a_model_runs_its_cases_one_by_one_or_side_by_side() -> None:
+    """``run_model``: rounds x compressors cases with ids from ``first_id``; alone in turn, or all in one group."""
+    compressors = [specs.parse("none"), specs.parse("safebits@auto")]
+    for interleave, groups in ((False, [[(5, "none")], [(6, "safebits@auto")], [(7, "none")],
+                                        [(8, "safebits@auto")]]),
+                               (True, [[(5, "none"), (6, "safebits@auto"), (7, "none"), (8, "safebits@auto")]])):
+        seen: list[list[tuple[int, str]]] = []
+
+        def run(group: list[tuple[int, specs.Spec]], seen: list[list[tuple[int, str]]] = seen) -> list[dict[str, Any]]:
+            seen.append([(i, spec.text) for i, spec in group])
+            return [{"case": i} for i, _ in group]
+
+        results = protocol.run_model("cnn", compressors, 2, interleave, 5, run, report=False)
+        assert seen == groups
+        assert [(r["case"], r["round"]) for r in results] == [(5, 0), (6, 0), (7, 1), (8, 1)]
+
+
+def test_interleave_reaches_both_workers_but_not_the_training_run() -> None:
+    args = link.parse_args(["--interleave", "--quality-steps", "5"])
+    assert "--interleave" in link.worker_args(args, "out.json")
+    assert "--interleave" in link.ddp_worker_args(args, "out.json")
+    assert "--interleave" not in link.ddp_worker_args(args, "out.json", quality=True)
+    assert "--interleave" not in link.worker_args(link.parse_args([]), "out.json")
