@@ -3,7 +3,8 @@
 Every compressor trains ``sum(phase steps)`` timed steps in one case, and the link rate changes under it: a thread of
 the driver, outside the ranks, reads the step rank 0 is about to run (``bench.protocol.step_reporter``'s file) and
 sets the namespace's qdisc to the rate of that step's phase (the first phase's during the warm-up, and again at the
-start of every case). Reported per phase and compressor: the median step time, throughput and time spent; for
+start of every case; with ``--interleave`` the compressors' steps alternate and the phases pass under all of them
+at once). Reported per phase and compressor: the median step time, throughput and time spent; for
 ``auto`` (a budgeted compressor whose budget moves), the budget it chose at every step; and the oracle that knows
 the phases: for each phase the fastest fixed compressor's time in that phase, summed.
 """

@@ -47,13 +47,6 @@ class Case:
     """Untimed steps before the timed ones."""
 
 
-def measure(step: Callable[[], None], barrier: Callable[[], None], history: Callable[[], list[Any] | None],
-            fixed_bits: float | None, warmup: int, steps: int,
-            on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """One case alone under :func:`measure_cases`; its raw figures."""
-    return measure_cases([Case(step, history, fixed_bits, warmup)], barrier, steps, on_step)[0]
-
-
 def measure_cases(cases: Sequence[Case], barrier: Callable[[], None], steps: int,
                   on_step: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Run cases under the protocol, their timed steps interleaved; per case its raw figures (meaningful on rank 0,
@@ -162,8 +155,9 @@ def case_result(model: str, compressor: str, facts: dict[str, Any], workload_fac
 
 
 def step_reporter(path: str | None, case_id: int, rank: int) -> Callable[[int], None] | None:
-    """``on_step`` for :func:`measure`: rank 0 writes ``"<case_id> <step>"`` to ``path`` before every step (written
-    whole, then renamed, so a reader never sees half a line); None without a path."""
+    """``on_step`` for :func:`measure_cases`: rank 0 writes ``"<case_id> <step>"`` to ``path`` before every step
+    (written whole, then renamed, so a reader never sees half a line); None without a path. Interleaved cases report
+    as their group's first case."""
     if path is None or rank != 0:
         return None
 

@@ -423,17 +423,20 @@ def test_the_protocol_reads_the_records_once_after_the_timed_steps() -> None:
         reads.append(len(done))
         return [_record(s) for s in done]
 
-    measured = protocol.measure(lambda: done.append(len(done)), lambda: None, history, None, warmup=2, steps=3)
+    [measured] = protocol.measure_cases([protocol.Case(lambda: done.append(len(done)), history, None, warmup=2)],
+                                        lambda: None, steps=3)
     assert reads == [5] and len(measured["step_times_s"]) == 3
     assert measured["budget_bits_per_rank"] == [102.0, 103.0, 104.0]
     assert measured["modeled_bits_per_rank"] == [92.0, 93.0, 94.0]
     assert measured["pass_through"] == [True, False, True] and measured["violations"] == 1
     assert measured["wire_bytes"] == 90.0
     assert [t["span_s"] for t in measured["timing"]] == pytest.approx([0.2, 0.3, 0.4])
-    without = protocol.measure(lambda: None, lambda: None, lambda: None, 32.0, warmup=1, steps=2)
+    [without] = protocol.measure_cases([protocol.Case(lambda: None, lambda: None, 32.0, warmup=1)], lambda: None,
+                                       steps=2)
     assert without["modeled_bits_per_rank"] == [32.0, 32.0] and without["wire_bytes"] is None
     with pytest.raises(RuntimeError, match="max_history"):
-        protocol.measure(lambda: None, lambda: None, lambda: [_record(0)], None, warmup=0, steps=2)
+        protocol.measure_cases([protocol.Case(lambda: None, lambda: [_record(0)], None, warmup=0)], lambda: None,
+                               steps=2)
 
 
 def test_interleaved_cases_alternate_their_timed_steps_and_each_counts_its_own_link_bytes(
