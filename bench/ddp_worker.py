@@ -38,7 +38,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from bench import specs
-from bench.protocol import SEED, Case, case_result, measure_cases, read_tx_bytes, run_model, step_reporter
+from bench.protocol import SEED, Case, read_tx_bytes, run_group, run_model, step_reporter
 from bench.tasks import DEFAULT_IMAGE_SIZE, ResNet18, Workload, model_facts
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.launch import exit_without_finalization
@@ -110,7 +110,7 @@ def training_step(work: Workload, ddp_model: DistributedDataParallel, opt: torch
 
 def run_cases(work: Workload, plan: Sequence[tuple[int, specs.Spec]], warmup: int, steps: int,
               step_file: str | None = None) -> list[dict[str, Any]]:
-    """The (case id, compressor) cases of ``plan`` on ``work`` under :func:`bench.protocol.measure_cases`, their
+    """The (case id, compressor) cases of ``plan`` on ``work`` under :func:`bench.protocol.run_group`, their
     timed steps interleaved when there are several; their JSON records (meaningful on rank 0)."""
     built = []
     for case_id, spec in plan:
@@ -121,20 +121,17 @@ def run_cases(work: Workload, plan: Sequence[tuple[int, specs.Spec]], warmup: in
         facts = model_facts(model)
         gen = torch.Generator().manual_seed(SEED * 7919 + dist.get_rank())
         warmup_steps = max(warmup, PSGD_START if spec.name.startswith("powersgd") else 0)
-        built.append((spec, facts, Case(training_step(work, ddp_model, work.optimizer(model), gen),
-                                        partial(getattr, state, "history", None), fixed_bits, warmup_steps)))
-    measured = measure_cases([b[-1] for b in built], barrier, steps, step_reporter(step_file, plan[0][0],
-                                                                                   dist.get_rank()))
-    results = []
-    for (spec, facts, _), figures in zip(built, measured, strict=True):
-        wire_total = None
-        if figures["wire_bytes"] is not None:
-            total = torch.tensor([figures["wire_bytes"]], dtype=torch.float64)
-            dist.all_reduce(total)
-            wire_total = float(total[0])
-        results.append(case_result(work.name, spec.text, facts, work.facts(), work.batch, dist.get_world_size(),
-                                   warmup, steps, figures, wire_total))
-    return results
+        built.append((case_id, spec, facts, Case(training_step(work, ddp_model, work.optimizer(model), gen),
+                                                 partial(getattr, state, "history", None), fixed_bits, warmup_steps)))
+    return run_group(work, built, barrier, warmup, steps, step_reporter(step_file, plan[0][0], dist.get_rank()),
+                     dist.get_world_size(), sum_over_ranks)
+
+
+def sum_over_ranks(value: float, case_id: int) -> float:
+    """``value`` summed over the ranks (the default process group's all_reduce)."""
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total[0])
 
 
 def teacher_batch(index: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,11 +216,12 @@ def main() -> None:
             result["round"] = 0
             cases.append(result)
             gc.collect()                  # the case's model, DDP wrapper and hook state
-    for name in [] if args.quality_steps else args.models:
-        work = Workload(name, batches[name], args.image_size)
-        cases += run_model(name, args.compressors, args.rounds, args.interleave, len(cases),
-                           partial(run_cases, work, warmup=args.warmup, steps=args.steps, step_file=args.step_file),
-                           rank0)
+    else:
+        for name in args.models:
+            work = Workload(name, batches[name], args.image_size)
+            cases += run_model(name, args.compressors, args.rounds, args.interleave, len(cases),
+                               partial(run_cases, work, warmup=args.warmup, steps=args.steps,
+                                       step_file=args.step_file), rank0)
     if rank0:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"cases": cases, "torch": torch.__version__, "threads": torch.get_num_threads()}, f)

@@ -38,7 +38,7 @@ import torch
 
 from bench import specs
 from bench.demo_stats import COLLAPSE_FACTOR, collapsed, run_label, section
-from bench.protocol import SEED, Case, case_result, measure_cases, read_tx_bytes, run_model, step_reporter
+from bench.protocol import SEED, Case, read_tx_bytes, run_group, run_model, step_reporter
 from bench.tasks import (
     DEFAULT_IMAGE_SIZE,
     LM_SHAPES,
@@ -311,9 +311,9 @@ def training_step(work: Workload, model: torch.nn.Module, opt: torch.optim.Optim
 
 def run_cases(work: Workload, plan: Sequence[tuple[int, specs.Spec]], warmup: int, steps: int,
               step_file: str | None = None) -> list[dict[str, Any]]:
-    """The (case id, compressor) cases of ``plan`` on ``work`` under :func:`bench.protocol.measure_cases`, their
+    """The (case id, compressor) cases of ``plan`` on ``work`` under :func:`bench.protocol.run_group`, their
     timed steps interleaved when there are several; their JSON records (meaningful on rank 0)."""
-    built: list[tuple[int, specs.Spec, dict[str, Any], Any, Case]] = []
+    built: list[tuple[int, specs.Spec, dict[str, Any], Case]] = []
     for case_id, spec in plan:
         torch.manual_seed(SEED)
         model = work.model()
@@ -324,21 +324,17 @@ def run_cases(work: Workload, plan: Sequence[tuple[int, specs.Spec]], warmup: in
         named = [(f"case{case_id}.{n}", p) for n, p in model.named_parameters()]
         opt = hvd.DistributedOptimizer(work.optimizer(model), named_parameters=named, compression=compression)
         gen = torch.Generator().manual_seed(SEED * 7919 + hvd.rank())
-        built.append((case_id, spec, facts, compression,
+        built.append((case_id, spec, facts,
                       Case(training_step(work, model, opt, gen), partial(getattr, compression, "history", None),
                            (16 if spec.name == "fp16" else 32) * facts["parameters"], warmup)))
     group = plan[0][0]
-    measured = measure_cases([b[-1] for b in built], lambda: barrier(f"{group}"), steps,
-                             step_reporter(step_file, group, hvd.rank()))
-    results = []
-    for (case_id, spec, facts, _, _), figures in zip(built, measured, strict=True):
-        wire_total: float | None = None
-        if figures["wire_bytes"] is not None:         # this rank's bytes, summed over steps, then over ranks
-            wire_total = float(hvd.allreduce(torch.tensor([figures["wire_bytes"]], dtype=torch.float64),
-                                             op=hvd.Sum, name=f"link.wire.{case_id}"))
-        results.append(case_result(work.name, spec.text, facts, work.facts(), work.batch, hvd.size(), warmup, steps,
-                                   figures, wire_total))
-    return results
+    return run_group(work, built, lambda: barrier(f"{group}"), warmup, steps,
+                     step_reporter(step_file, group, hvd.rank()), hvd.size(), sum_over_ranks)
+
+
+def sum_over_ranks(value: float, case_id: int) -> float:
+    """``value`` summed over the ranks (Horovod's allreduce, named after the case)."""
+    return float(hvd.allreduce(torch.tensor([value], dtype=torch.float64), op=hvd.Sum, name=f"link.wire.{case_id}"))
 
 
 def link_probe(elements: int = 4 * 2**20, repeats: int = 3) -> dict[str, Any]:

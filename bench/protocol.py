@@ -136,6 +136,21 @@ def run_model(model: str, compressors: Sequence[Any], rounds: int, interleave: b
     return results
 
 
+def run_group(work: Any, cases: Sequence[tuple[int, Any, dict[str, Any], Case]], barrier: Callable[[], None],
+              warmup: int, steps: int, on_step: Callable[[int], None] | None, ranks: int,
+              sum_over_ranks: Callable[[float, int], float]) -> list[dict[str, Any]]:
+    """Built cases of one workload (``bench.tasks.Workload``) under :func:`measure_cases`: each ``(case id,
+    compressor spec, model facts, Case)``; their JSON records (:func:`case_result`; meaningful on rank 0). A case's
+    wire bytes, this rank's, are summed over ranks by the front end's ``sum_over_ranks(bytes, case id)``."""
+    measured = measure_cases([case for *_, case in cases], barrier, steps, on_step)
+    results = []
+    for (case_id, spec, facts, _), figures in zip(cases, measured, strict=True):
+        wire = figures["wire_bytes"]
+        results.append(case_result(work.name, spec.text, facts, work.facts(), work.batch, ranks, warmup, steps,
+                                   figures, None if wire is None else sum_over_ranks(wire, case_id)))
+    return results
+
+
 def case_result(model: str, compressor: str, facts: dict[str, Any], workload_facts: dict[str, Any], batch: int,
                 ranks: int, warmup: int, steps: int, measured: dict[str, Any],
                 wire_bytes_total: float | None) -> dict[str, Any]:

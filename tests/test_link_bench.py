@@ -486,3 +486,27 @@ def test_interleave_reaches_both_workers_but_not_the_training_run() -> None:
     assert "--interleave" in link.ddp_worker_args(args, "out.json")
     assert "--interleave" not in link.ddp_worker_args(args, "out.json", quality=True)
     assert "--interleave" not in link.worker_args(link.parse_args([]), "out.json")
+
+
+def test_a_group_sums_each_case_s_wire_bytes_over_ranks_by_its_case_id() -> None:
+    """``run_group``: one record per built case, its wire bytes handed to the front end's sum with its case id (none
+    for a compressor without records), and the workload's facts, the ranks and the nominal warm-up in each record."""
+
+    class Work:
+        name, batch = "cnn", 4
+
+        def facts(self) -> dict[str, Any]:
+            return {"unit": "images", "unit_per_sample": 1}
+
+    done: list[int] = []
+    summed: list[tuple[float, int]] = []
+    with_records = protocol.Case(lambda: done.append(len(done)), lambda: [_record(s) for s in done], None, warmup=1)
+    without = protocol.Case(lambda: None, lambda: None, 32.0, warmup=3)
+    built = [(7, specs.parse("safebits@2"), {"parameters": 10}, with_records),
+             (8, specs.parse("none"), {"parameters": 10}, without)]
+    results = protocol.run_group(Work(), built, lambda: None, 2, 2, None, 2,
+                                 lambda value, case_id: summed.append((value, case_id)) or 2 * value)
+    assert summed == [(30.0, 7)]                  # records of steps 1 and 2: 10 + 20 wire bytes on this rank
+    assert [r["wire_bytes_total"] for r in results] == [60.0, None]
+    assert [r["compressor"] for r in results] == ["safebits@2", "none"]
+    assert all(r["ranks"] == 2 and r["warmup"] == 2 and r["unit"] == "images" for r in results)
