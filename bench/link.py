@@ -15,6 +15,8 @@ machine whose speed drifts over the minutes between cases) and records:
   (null otherwise, e.g. while compressors still send float32);
 * modeled bytes per step: ``StepRecord.modeled_bits_total`` (else ``used_bits_total``) / 8 per rank, summed over
   both ranks; 4 (``none``) or 2 (``fp16``) bytes per parameter per rank for Horovod's own compressors;
+* for every ``@auto`` row, its throughput over the best fixed row of its front end and over ``none``, each with
+  a 90% bootstrap interval (:func:`ratio_interval`: the timed steps resampled, step *i* of every row together);
 * a link probe per launch: fp32 allreduces with no model (loopback bytes / their time), the rate the link gave;
 * against the physical limit: step time / (``none`` step time on the unlimited link + modeled bytes / link rate),
   when ``unlimited`` was measured in the same invocation.
@@ -57,6 +59,7 @@ Run it as root (it needs CAP_NET_ADMIN for ``ip netns`` and ``tc``; without it, 
                                                           # auto against every fixed choice, step by step
     .venv/bin/python -m bench.link --rates 1gbit unlimited --models resnet18 --compressors none \
         --quality-steps 40                                # the DDP rows and their training run
+    .venv/bin/python -m bench.link --from-json results/link.json   # an earlier launch's tables, derived again
 
 Writes ``results/link.json`` (raw and derived figures, the command, rates, the image size and per-rank batches,
 per model its parameter and tensor counts, throughput unit and input shape, the qdisc statistics),
@@ -80,6 +83,8 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from bench import link_phases, specs
 
@@ -164,6 +169,26 @@ def merge_rounds(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
+INTERVAL_LEVEL = 0.9
+"""The coverage of the intervals of ``auto``'s ratios (:func:`ratio_interval`)."""
+
+
+def ratio_interval(times: Sequence[float], other: Sequence[float], level: float = INTERVAL_LEVEL,
+                   resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap interval (percentile, ``level``) of the throughput ratio ``median(other) / median(times)``.
+    Steps of the same index are resampled together when both have as many (side by side, step *i* of every row
+    ran at the same time, so the machine's drift cancels in the pair), else each row on its own. Seeded: the
+    same figures give the same interval."""
+    a, b = np.asarray(times, dtype=float), np.asarray(other, dtype=float)
+    rng = np.random.default_rng(0)
+    pick_a = rng.integers(0, len(a), size=(resamples, len(a)))
+    pick_b = pick_a if len(a) == len(b) else rng.integers(0, len(b), size=(resamples, len(b)))
+    ratios = np.median(b[pick_b], axis=1) / np.median(a[pick_a], axis=1)
+    tail = (1 - level) / 2
+    low, high = np.quantile(ratios, [tail, 1 - tail])
+    return float(low), float(high)
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Derived figures of every case: ``runs`` maps a rate label to the worker's raw cases at that rate (the rounds
     of a compressor pooled first, :func:`merge_rounds`).
@@ -178,9 +203,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     unlimited measurement of ``none``; on the unlimited link itself the transfer term is zero).
     """
     rows: list[dict[str, Any]] = []
+    times: dict[tuple[str, str, str], list[float]] = {}         # each row's timed steps, for the intervals
     for rate, cases in runs.items():
         bps = parse_rate(rate)
         for case in merge_rounds(cases):
+            times[rate, case["model"], case["compressor"]] = case["step_times_s"]
             step = _median(case["step_times_s"])
             steps = max(1, int(case["steps"]))
             wire = case.get("wire_bytes_total")
@@ -225,6 +252,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             r["best_fixed"] = None if best is None else best["compressor"]
             r["ratio_to_best"] = (r["samples_per_s"] / best["samples_per_s"]
                                   if best is not None and best["samples_per_s"] > 0 else None)
+            # How far the launch's own noise leaves those ratios: the median of 20 steps that differ by a third
+            # from one to the next is uncertain by about the target's 5% (docs/RESULTS.md 4.3).
+            mine = times[r["rate"], r["model"], r["compressor"]]
+            for name, other in (("best", None if best is None else best["compressor"]), ("none", front + "none")):
+                theirs = times.get((r["rate"], r["model"], other)) if other else None
+                r[f"ratio_to_{name}_interval"] = (list(ratio_interval(mine, theirs)) if mine and theirs
+                                                  else None)
     return rows
 
 
@@ -345,20 +379,28 @@ def budget_runs(bits: list[float | None]) -> str:
 
 def auto_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: every ``@auto`` row against the best fixed compressor of its front end on the same model and rate
-    (the throughput of each, ``x best``, ``x none``) and the budget ``auto`` chose at each timed step (bits per
-    parameter, in runs; 32 is no compression). Empty without ``@auto`` rows."""
+    (the throughput of each, ``x best``, ``x none``, each with its interval: :func:`ratio_interval`) and the
+    budget ``auto`` chose at each timed step (bits per parameter, in runs; 32 is no compression). Empty without
+    ``@auto`` rows."""
     autos = [r for r in rows if r["compressor"].endswith("@auto")]
     if not autos:
         return ""
-    lines = ["| model | rate | auto | best fixed | best's throughput | auto's throughput | x best | x none | "
-             "budgets of the timed steps |", "|" + " --- |" * 9]
+
+    def ratio(r: dict[str, Any], name: str) -> str:
+        interval = r.get(f"ratio_to_{name}_interval")
+        text = format_value(r[f"ratio_to_{name}"], ".2f", "x")
+        return text if interval is None else f"{text} ({interval[0]:.2f}-{interval[1]:.2f})"
+
+    level = f"{INTERVAL_LEVEL:.0%}"
+    lines = [f"| model | rate | auto | best fixed | best's throughput | auto's throughput | x best ({level}) | "
+             f"x none ({level}) | budgets of the timed steps |", "|" + " --- |" * 9]
     for r in autos:
         best = next((o for o in rows if o["rate"] == r["rate"] and o["model"] == r["model"]
                      and o["compressor"] == r["best_fixed"]), None)
         lines.append(f"| {r['model']} | {r['rate']} | {r['compressor']} | {r['best_fixed'] or '-'} | "
                      f"{format_value(None if best is None else best['throughput_per_s'], '.1f')} | "
-                     f"{format_value(r['throughput_per_s'], '.1f')} | {format_value(r['ratio_to_best'], '.2f', 'x')} | "
-                     f"{format_value(r['ratio_to_none'], '.2f', 'x')} | {budget_runs(r['budget_bits_per_step'])} |")
+                     f"{format_value(r['throughput_per_s'], '.1f')} | {ratio(r, 'best')} | {ratio(r, 'none')} | "
+                     f"{budget_runs(r['budget_bits_per_step'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -503,6 +545,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--phases", nargs="+", default=None, metavar="RATE:STEPS",
                         help="the changing-link run instead of --rates: every compressor trains the phases' steps "
                              "in one case while the link changes under it (e.g. unlimited:40 100mbit:40 1gbit:40)")
+    parser.add_argument("--from-json", default=None, metavar="LINK_JSON",
+                        help="measure nothing: print the tables of an earlier launch's link.json again, derived "
+                             "afresh from its raw cases (figures this version adds, such as the intervals, too)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per horovodrun launch")
     args = parser.parse_args(None if argv is None else list(argv))
@@ -539,6 +584,13 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        with open(args.from_json, encoding="utf-8") as f:
+            rows = summarize(json.load(f)["raw"])
+        autos = auto_table(rows)
+        print(build_tables(rows) + ("\n### `auto` against the best fixed choice of each cell\n\n" + autos
+                                    if autos else ""))
+        return 0
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         print(f"[link] {' and '.join(missing)} not found: install the Debian package iproute2 "

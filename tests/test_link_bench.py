@@ -3,6 +3,7 @@ arguments), bench.specs' parser and bench.tasks' models (no launch)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -120,8 +121,20 @@ def test_auto_is_compared_with_the_best_fixed_choice_of_its_front_end() -> None:
     assert "safebits@4.4" not in [r.get("best_fixed") for r in rows.values() if r["compressor"] == "none"]
     table = link.auto_table(list(rows.values()))
     assert "| cnn | 1gbit | safebits@auto | safebits@4.4 |" in table and "32 x1, 2 x2" in table
-    assert "| cnn | 1gbit | ddp:safebits@auto | ddp:none |" in table and "2.00x" in table
+    assert "| cnn | 1gbit | ddp:safebits@auto | ddp:none |" in table and "2.00x (2.00-2.00)" in table
+    assert hvd["ratio_to_none_interval"][0] <= hvd["ratio_to_none"] <= hvd["ratio_to_none_interval"][1]
     assert link.auto_table([r for r in rows.values() if "auto" not in r["compressor"]]) == ""
+
+
+def test_ratio_interval_pairs_steps_of_the_same_index() -> None:
+    """Side by side, step *i* of every row ran at the same time: resampled together, a drift that slows both rows
+    alike cancels in the ratio; rows of different lengths are resampled each on its own (a wider interval)."""
+    drift = [1.0, 3.0, 1.5, 4.0, 2.0, 1.2, 3.5, 2.5, 1.1, 2.2]
+    auto = [2 * x for x in drift]                     # half the throughput, step by step
+    assert link.ratio_interval(auto, drift) == pytest.approx((0.5, 0.5))
+    low, high = link.ratio_interval(auto, drift[:-1])
+    assert low < 0.5 < high and high - low > 0.2
+    assert link.ratio_interval(auto, drift[:-1]) == (low, high)        # seeded: the same figures, the same interval
 
 
 def test_rounds_are_pooled_per_compressor() -> None:
@@ -510,3 +523,16 @@ def test_a_group_sums_each_case_s_wire_bytes_over_ranks_by_its_case_id() -> None
     assert [r["wire_bytes_total"] for r in results] == [60.0, None]
     assert [r["compressor"] for r in results] == ["safebits@2", "none"]
     assert all(r["ranks"] == 2 and r["warmup"] == 2 and r["unit"] == "images" for r in results)
+
+
+def test_from_json_prints_an_earlier_launchs_tables_again(tmp_path: Any, capsys: Any) -> None:
+    """``--from-json``: nothing measured, no namespace made; the tables derived afresh from the raw cases."""
+    runs = fake_runs()
+    auto = case("cnn", "safebits@auto", [1.0, 0.5, 0.5], 3_000_000, 1100.0, wire=3300.0)
+    auto["budget_bits_per_rank"] = [32.0 * 1000, 2.0 * 1000, 2.0 * 1000]
+    runs["1gbit"].append(auto)
+    path = tmp_path / "link.json"
+    path.write_text(json.dumps({"raw": runs}))
+    assert link.main(["--from-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| cnn | 1gbit | safebits@auto | safebits@4.4 |" in out and "x best (90%)" in out
