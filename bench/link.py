@@ -16,7 +16,8 @@ machine whose speed drifts over the minutes between cases) and records:
 * modeled bytes per step: ``StepRecord.modeled_bits_total`` (else ``used_bits_total``) / 8 per rank, summed over
   both ranks; 4 (``none``) or 2 (``fp16``) bytes per parameter per rank for Horovod's own compressors;
 * for every ``@auto`` row, its throughput over the best fixed row of its front end and over ``none``, each with
-  a 90% bootstrap interval (:func:`ratio_interval`: the timed steps resampled, step *i* of every row together);
+  a 90% bootstrap interval (:func:`ratio_interval`: the timed steps resampled, step *i* of every row together,
+  the best chosen again in each resample);
 * a link probe per launch: fp32 allreduces with no model (loopback bytes / their time), the rate the link gave;
 * against the physical limit: step time / (``none`` step time on the unlimited link + modeled bytes / link rate),
   when ``unlimited`` was measured in the same invocation.
@@ -145,9 +146,9 @@ def _median(values: Sequence[float]) -> float:
 
 def merge_rounds(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One case per (model, compressor), in order of first appearance: with ``--rounds R`` the workers run the whole
-    compressor list R times in turn (so slow drift of a shared machine falls on every compressor alike), and the
-    rounds of a compressor are pooled here: step times concatenated, bytes and steps added, ``round_step_s`` the
-    median step of each round (their spread is the launch's own noise)."""
+    compressor list R times (in turn, or side by side with ``--interleave``: R instances of each), and the rounds
+    of a compressor are pooled here: step times and the budgets of the steps concatenated, bytes and steps added,
+    ``round_step_s`` the median step of each round (their spread is the launch's own noise)."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for case in cases:
         key = (case.get("model", "resnet18"), case["compressor"])
@@ -158,6 +159,8 @@ def merge_rounds(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         into = merged[key]
         earlier, steps = int(into["steps"]), int(case["steps"])
         into["step_times_s"] += case["step_times_s"]
+        if into.get("budget_bits_per_rank") is not None and case.get("budget_bits_per_rank") is not None:
+            into["budget_bits_per_rank"] = into["budget_bits_per_rank"] + case["budget_bits_per_rank"]
         into["round_step_s"].append(_median(case["step_times_s"]))
         into["modeled_bytes_per_step"] = ((into["modeled_bytes_per_step"] * earlier
                                            + case["modeled_bytes_per_step"] * steps) / max(1, earlier + steps))
@@ -173,17 +176,21 @@ INTERVAL_LEVEL = 0.9
 """The coverage of the intervals of ``auto``'s ratios (:func:`ratio_interval`)."""
 
 
-def ratio_interval(times: Sequence[float], other: Sequence[float], level: float = INTERVAL_LEVEL,
+def ratio_interval(times: Sequence[float], others: Sequence[Sequence[float]], level: float = INTERVAL_LEVEL,
                    resamples: int = 2000) -> tuple[float, float]:
-    """A bootstrap interval (percentile, ``level``) of the throughput ratio ``median(other) / median(times)``.
-    Steps of the same index are resampled together when both have as many (side by side, step *i* of every row
-    ran at the same time, so the machine's drift cancels in the pair), else each row on its own. Seeded: the
-    same figures give the same interval."""
-    a, b = np.asarray(times, dtype=float), np.asarray(other, dtype=float)
+    """A bootstrap interval (percentile, ``level``) of a row's throughput over the fastest of ``others``: of
+    ``min(median(o) for o in others) / median(times)``. The fastest is chosen again in every resample, so the
+    interval carries the luck of picking the best of several noisy rows (the best of five looks better than it
+    is). Steps of the same index are resampled together when every row has as many (side by side, step *i* of
+    every row ran at the same time, so the machine's drift cancels), else each row on its own. Seeded: the same
+    figures give the same interval."""
+    rows = [np.asarray(times, dtype=float), *(np.asarray(o, dtype=float) for o in others)]
     rng = np.random.default_rng(0)
-    pick_a = rng.integers(0, len(a), size=(resamples, len(a)))
-    pick_b = pick_a if len(a) == len(b) else rng.integers(0, len(b), size=(resamples, len(b)))
-    ratios = np.median(b[pick_b], axis=1) / np.median(a[pick_a], axis=1)
+    paired = len({len(r) for r in rows}) == 1
+    together = rng.integers(0, len(rows[0]), size=(resamples, len(rows[0])))
+    medians = [np.median(r[together if paired else rng.integers(0, len(r), size=(resamples, len(r)))], axis=1)
+               for r in rows]
+    ratios = np.min(medians[1:], axis=0) / medians[0]
     tail = (1 - level) / 2
     low, high = np.quantile(ratios, [tail, 1 - tail])
     return float(low), float(high)
@@ -255,10 +262,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             # How far the launch's own noise leaves those ratios: the median of 20 steps that differ by a third
             # from one to the next is uncertain by about the target's 5% (docs/RESULTS.md 4.3).
             mine = times[r["rate"], r["model"], r["compressor"]]
-            for name, other in (("best", None if best is None else best["compressor"]), ("none", front + "none")):
-                theirs = times.get((r["rate"], r["model"], other)) if other else None
-                r[f"ratio_to_{name}_interval"] = (list(ratio_interval(mine, theirs)) if mine and theirs
-                                                  else None)
+            none = times.get((r["rate"], r["model"], front + "none"))
+            for name, theirs in (("best", [times[o["rate"], o["model"], o["compressor"]] for o in fixed]),
+                                 ("none", [none] if none else [])):
+                r[f"ratio_to_{name}_interval"] = list(ratio_interval(mine, theirs)) if mine and theirs else None
     return rows
 
 
@@ -380,8 +387,8 @@ def budget_runs(bits: list[float | None]) -> str:
 def auto_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: every ``@auto`` row against the best fixed compressor of its front end on the same model and rate
     (the throughput of each, ``x best``, ``x none``, each with its interval: :func:`ratio_interval`) and the
-    budget ``auto`` chose at each timed step (bits per parameter, in runs; 32 is no compression). Empty without
-    ``@auto`` rows."""
+    budget ``auto`` chose at each timed step (bits per parameter, in runs, each round's apart; 32 is no
+    compression). Empty without ``@auto`` rows."""
     autos = [r for r in rows if r["compressor"].endswith("@auto")]
     if not autos:
         return ""
@@ -390,6 +397,11 @@ def auto_table(rows: list[dict[str, Any]]) -> str:
         interval = r.get(f"ratio_to_{name}_interval")
         text = format_value(r[f"ratio_to_{name}"], ".2f", "x")
         return text if interval is None else f"{text} ({interval[0]:.2f}-{interval[1]:.2f})"
+
+    def per_round(r: dict[str, Any]) -> str:
+        bits, rounds = r["budget_bits_per_step"], max(1, r.get("rounds", 1))
+        size = len(bits) // rounds if len(bits) % rounds == 0 else len(bits)
+        return " / ".join(budget_runs(bits[i:i + size]) for i in range(0, len(bits), max(1, size)))
 
     level = f"{INTERVAL_LEVEL:.0%}"
     lines = [f"| model | rate | auto | best fixed | best's throughput | auto's throughput | x best ({level}) | "
@@ -400,7 +412,7 @@ def auto_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['model']} | {r['rate']} | {r['compressor']} | {r['best_fixed'] or '-'} | "
                      f"{format_value(None if best is None else best['throughput_per_s'], '.1f')} | "
                      f"{format_value(r['throughput_per_s'], '.1f')} | {ratio(r, 'best')} | {ratio(r, 'none')} | "
-                     f"{budget_runs(r['budget_bits_per_step'])} |")
+                     f"{per_round(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -126,25 +126,34 @@ def test_auto_is_compared_with_the_best_fixed_choice_of_its_front_end() -> None:
     assert link.auto_table([r for r in rows.values() if "auto" not in r["compressor"]]) == ""
 
 
-def test_ratio_interval_pairs_steps_of_the_same_index() -> None:
-    """Side by side, step *i* of every row ran at the same time: resampled together, a drift that slows both rows
-    alike cancels in the ratio; rows of different lengths are resampled each on its own (a wider interval)."""
+def test_ratio_interval_pairs_steps_and_chooses_the_best_in_every_resample() -> None:
+    """Side by side, step *i* of every row ran at the same time: resampled together, a drift that slows the rows
+    alike cancels in the ratio; rows of different lengths are resampled each on its own (a wider interval). The
+    best of several rows is chosen in every resample: two rows as fast as auto, each noisy, make an interval lower
+    than one of them alone gives (the luck of the pick)."""
     drift = [1.0, 3.0, 1.5, 4.0, 2.0, 1.2, 3.5, 2.5, 1.1, 2.2]
     auto = [2 * x for x in drift]                     # half the throughput, step by step
-    assert link.ratio_interval(auto, drift) == pytest.approx((0.5, 0.5))
-    low, high = link.ratio_interval(auto, drift[:-1])
+    assert link.ratio_interval(auto, [drift]) == pytest.approx((0.5, 0.5))
+    low, high = link.ratio_interval(auto, [drift[:-1]])
     assert low < 0.5 < high and high - low > 0.2
-    assert link.ratio_interval(auto, drift[:-1]) == (low, high)        # seeded: the same figures, the same interval
+    assert link.ratio_interval(auto, [drift[:-1]]) == (low, high)        # seeded: the same figures, the same interval
+    flat = [1.0] * 10
+    noisy = [0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 0.75, 1.25, 1.05]
+    one = link.ratio_interval(flat, [noisy])
+    both = link.ratio_interval(flat, [noisy, [1.05, 0.7, 1.25, 0.9, 1.3, 0.8, 1.0, 1.2, 0.75, 1.1]])
+    assert one[0] < 1 < one[1] and both[0] <= one[0] and both[1] < one[1] - 0.05
 
 
 def test_rounds_are_pooled_per_compressor() -> None:
     first = case("cnn", "safebits@4.4", [0.5, 0.7], 3_000, 1000.0, wire=2000.0)
     second = case("cnn", "safebits@4.4", [0.6, 0.9, 0.8], 6_000, 1100.0, wire=3000.0)
+    first["budget_bits_per_rank"], second["budget_bits_per_rank"] = [32.0, 2.0], [2.0, 2.0, 32.0]
     other = case("cnn", "none", [1.0], 100, 8000.0)
     merged = link.merge_rounds([first, other, second, case("cnn", "none", [3.0], 300, 8000.0)])
     assert [c["compressor"] for c in merged] == ["safebits@4.4", "none"]      # order of first appearance
     sb, none = merged
     assert sb["step_times_s"] == [0.5, 0.7, 0.6, 0.9, 0.8] and sb["round_step_s"] == [0.6, 0.8]
+    assert sb["budget_bits_per_rank"] == [32.0, 2.0, 2.0, 2.0, 32.0] and first["budget_bits_per_rank"] == [32.0, 2.0]
     assert sb["steps"] == 5 and sb["link_bytes"] == 9_000 and sb["wire_bytes_total"] == 5000.0
     assert sb["modeled_bytes_per_step"] == pytest.approx((2 * 1000.0 + 3 * 1100.0) / 5)
     assert none["round_step_s"] == [1.0, 3.0] and none["wire_bytes_total"] is None
