@@ -384,6 +384,13 @@ def budget_runs(bits: list[float | None]) -> str:
     return ", ".join(f"{label} x{count}" for label, count in runs)
 
 
+def report_tables(rows: list[dict[str, Any]]) -> str:
+    """Markdown of a launch's rows: :func:`build_tables`, then :func:`auto_table` under its heading if any."""
+    autos = auto_table(rows)
+    return build_tables(rows) + ("\n### `auto` against the best fixed choice of each cell\n\n" + autos
+                                 if autos else "")
+
+
 def auto_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: every ``@auto`` row against the best fixed compressor of its front end on the same model and rate
     (the throughput of each, ``x best``, ``x none``, each with its interval: :func:`ratio_interval`) and the
@@ -598,10 +605,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json is not None:
         with open(args.from_json, encoding="utf-8") as f:
-            rows = summarize(json.load(f)["raw"])
-        autos = auto_table(rows)
-        print(build_tables(rows) + ("\n### `auto` against the best fixed choice of each cell\n\n" + autos
-                                    if autos else ""))
+            print(report_tables(summarize(json.load(f)["raw"])))
         return 0
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
@@ -680,10 +684,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         return 1
     rows = summarize(runs)
     models = model_facts(rows)
-    md = build_tables(rows)
-    autos = auto_table(rows)
-    if autos:
-        md += "\n### `auto` against the best fixed choice of each cell\n\n" + autos
+    md = report_tables(rows)
     total = time.perf_counter() - start
     with open(os.path.join(args.out_dir, "link.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "rates": list(runs), "models": models, "compressors": args.compressors,
