@@ -69,9 +69,9 @@ def interpolate(low: tuple[float, Trace], high: tuple[float, Trace], bits: float
     """A budget between two recorded ones, field by field in log bits (its wire bytes in proportion to bits)."""
     (b0, t0), (b1, t1) = low, high
     w = math.log(bits / b0) / math.log(b1 / b0)
-    step_s = [a + w * (b - a) for a, b in zip(t0.step_s, t1.step_s)]
+    step_s = [a + w * (b - a) for a, b in zip(t0.step_s, t1.step_s, strict=True)]
     timing = [{k: (x[k] * bits / b0 if k == "wire_bytes" else x[k] + w * (y[k] - x[k])) for k in x}
-              for x, y in zip(t0.timing, t1.timing)]
+              for x, y in zip(t0.timing, t1.timing, strict=True)]
     return Trace(step_s, timing)
 
 
@@ -94,7 +94,7 @@ def replay(traces: dict[float, Trace], warmup: int) -> tuple[list[float], list[f
         elif previous < PASS_THROUGH_BITS:
             factor = FLUSH_FACTOR
         previous = bits
-        trace = traces[bits] if bits in traces else None
+        trace = traces.get(bits)
         if trace is None:
             below = max((b for b in traces if b < bits), default=min(traces))
             above = min((b for b in traces if b > bits), default=max(traces))
@@ -129,14 +129,11 @@ def cells(path: str) -> list[tuple[str, dict[str, Any], int]]:
 
 def judge(rows: dict[str, Any], prefix: str, warmup: int) -> tuple[float, float, list[float]]:
     """The replayed auto's (median ratio, total ratio) to the best fixed row, and its budgets."""
-    auto = rows[f"{prefix}safebits@auto"]
-    params = auto["parameters"]
-    traces = {PASS_THROUGH_BITS: pass_through_trace(rows, prefix, auto)}
+    traces = {PASS_THROUGH_BITS: pass_through_trace(rows, prefix, rows[f"{prefix}safebits@auto"])}
     for name, row in rows.items():
         budget = name.removeprefix(prefix).removeprefix("safebits@")
         if name.startswith(prefix + "safebits@") and budget not in ("auto", "32"):
             traces[float(budget)] = Trace(row["step_times_s"], row["timing"])
-    del params
     chosen, charged = replay(traces, warmup)
     fixed = [r["step_times_s"] for n, r in rows.items() if not n.endswith("@auto")]
     best_median = min(statistics.median(s) for s in fixed)
