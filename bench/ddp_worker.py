@@ -38,7 +38,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from bench import specs
-from bench.protocol import SEED, Case, read_tx_bytes, run_group, run_model, step_reporter
+from bench.protocol import SEED, Case, pin_rank, read_tx_bytes, run_group, run_model, step_reporter
 from bench.tasks import DEFAULT_IMAGE_SIZE, ResNet18, Workload, model_facts
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.launch import exit_without_finalization
@@ -202,6 +202,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations are counted per case
+    pin_rank()                 # before Gloo starts its threads: they inherit the binding
     dist.init_process_group("gloo")
     rank0 = dist.get_rank() == 0
     cases = []

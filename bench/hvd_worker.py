@@ -38,7 +38,7 @@ import torch
 
 from bench import specs
 from bench.demo_stats import COLLAPSE_FACTOR, collapsed, run_label, section
-from bench.protocol import SEED, Case, read_tx_bytes, run_group, run_model, step_reporter
+from bench.protocol import SEED, Case, pin_rank, read_tx_bytes, run_group, run_model, step_reporter
 from bench.tasks import (
     DEFAULT_IMAGE_SIZE,
     LM_SHAPES,
@@ -408,6 +408,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     logging.getLogger("safebits_hvd").setLevel(logging.ERROR)   # violations/escalations are counted per run
+    pin_rank()                 # before hvd.init(): its threads inherit the binding
     hvd.init()
     (demo_main if args.command == "demo" else link_main)(args)
 

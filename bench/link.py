@@ -2,7 +2,9 @@
 
 What it measures. Two Horovod ranks (``horovodrun -np 2 --gloo``) run inside a private network namespace whose
 loopback is limited with a token-bucket filter (``tc qdisc ... tbf rate R``); Gloo talks TCP over that loopback,
-so every byte of every collective crosses the limited link and nothing else on the machine is touched. For each
+so every byte of every collective crosses the limited link and nothing else on the machine is touched. Each rank
+runs one thread and binds itself to its own cores, as ``mpirun`` binds ranks (``--no-pin``: unbound;
+:func:`bench.protocol.pin_rank`). For each
 link rate, ONE launch of ``bench.hvd_worker link`` runs every (model, compressor) case in sequence (with
 ``--interleave``, each model's cases side by side, their timed steps alternating: the fair comparison on a shared
 machine whose speed drifts over the minutes between cases) and records:
@@ -88,6 +90,7 @@ from typing import Any
 import numpy as np
 
 from bench import link_phases, specs
+from bench.protocol import PIN_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HVD_WORKER = ("-m", "bench.hvd_worker")      # launched as modules from the repository root (the launchers' cwd)
@@ -567,6 +570,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--from-json", default=None, metavar="LINK_JSON",
                         help="measure nothing: print the tables of an earlier launch's link.json again, derived "
                              "afresh from its raw cases (figures this version adds, such as the intervals, too)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave the ranks unbound (by default each binds itself to its own cores, as mpirun "
+                             "binds ranks: bench.protocol.pin_rank)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per horovodrun launch")
     args = parser.parse_args(None if argv is None else list(argv))
@@ -633,12 +639,22 @@ def main(argv: Iterable[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def launch_env(args: argparse.Namespace) -> dict[str, str]:
+    """The ranks' environment: one thread each (two ranks share two cores: more threads slow every compressor), each
+    rank bound to its own cores unless ``--no-pin``."""
+    return {"OMP_NUM_THREADS": "1", PIN_ENV: "0" if args.no_pin else "1"}
+
+
+def binding(args: argparse.Namespace) -> str:
+    return "unbound" if args.no_pin else "bound to their own cores"
+
+
 def _bench(args: argparse.Namespace, ns: str) -> int:
     from safebits_hvd.launch import LaunchError, horovodrun, torchrun
 
     os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python -m bench.link", *sys.argv[1:]])
-    env = {"OMP_NUM_THREADS": "1"}
+    env = launch_env(args)
     runs: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, dict[str, Any]] = {}
     failed = []
@@ -693,7 +709,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
                                                                      "bytes_lm": args.lm_batch,
                                                                      "gpt2_small": args.gpt_batch},
                    "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
-                   "interleave": args.interleave, "launches": meta,
+                   "interleave": args.interleave, "pinned": not args.no_pin, "launches": meta,
                    "rows": rows, "raw": runs,
                    "failed_rates": failed, "total_s": total, "quality_steps": args.quality_steps,
                    "quality": quality}, f, indent=1)
@@ -702,7 +718,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
                 f"ddp: rows under torchrun) in a network namespace whose loopback is limited by tbf; "
                 f"{args.warmup} warm-up + {args.steps} timed steps per case, {args.rounds} round(s) of every "
                 f"compressor {'side by side, their timed steps alternating' if args.interleave else 'in turn'} "
-                f"per launch; total "
+                f"per launch; ranks {binding(args)}; total "
                 f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md
                 + (f"\n### DDP training run ({args.quality_steps} steps, unlimited link)\n\n" + quality_table(quality)
                    if quality else ""))
@@ -727,7 +743,7 @@ def _changing_link(args: argparse.Namespace, ns: str) -> int:
     phases = args.phases
     args.steps = sum(steps for _, steps in phases)
     step_file = os.path.join(args.out_dir, ".link_step")
-    env = {"OMP_NUM_THREADS": "1"}
+    env = launch_env(args)
     cases: list[dict[str, Any]] = []
     changes: list[tuple[int, int, int, float]] = []
     launches: list[tuple[Any, tuple[str, ...], Any]] = []       # (launcher, worker module, its arguments for a path)
@@ -759,9 +775,9 @@ def _changing_link(args: argparse.Namespace, ns: str) -> int:
     total = time.perf_counter() - start
     with open(os.path.join(args.out_dir, "link_phases.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "phases": phases, "summary": summary, "changes": changes, "raw": cases,
-                   "total_s": total}, f, indent=1)
+                   "pinned": not args.no_pin, "total_s": total}, f, indent=1)
     with open(os.path.join(args.out_dir, "link_phases.md"), "w", encoding="utf-8") as f:
-        f.write(f"# Changing link\n\nCommand: `{command}`; {total:.0f} s.\n\n" + md)
+        f.write(f"# Changing link\n\nCommand: `{command}`; ranks {binding(args)}; {total:.0f} s.\n\n" + md)
     link_phases.plot(summary, phases, os.path.join(args.out_dir, "link_phases.png"))
     print(md)
     print(f"[link] wrote link_phases.json, link_phases.md and link_phases.png in {args.out_dir}; total {total:.0f} s",

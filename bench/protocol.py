@@ -25,6 +25,27 @@ from typing import Any
 
 TX_BYTES = "/sys/class/net/lo/statistics/tx_bytes"
 SEED = 0
+PIN_ENV = "SAFEBITS_BENCH_PIN"
+"""Set to 1 by ``bench.link`` (unless ``--no-pin``): each rank binds itself to its own cores (:func:`pin_rank`)."""
+
+
+def pin_rank() -> list[int] | None:
+    """Bind this process, and the threads it starts from now on (Horovod's background thread, Gloo's), to its local
+    rank's share of the cores it may run on, as ``mpirun`` binds ranks to cores by default: unbound, two ranks on
+    two cores migrate between them, and their steps ran 27% longer and twice as unevenly (docs/RESULTS.md 4.3,
+    "Ranks bound to cores"). Only when :data:`PIN_ENV` is 1 and there are at least as many cores as local ranks;
+    the local rank and count come from Horovod's or torchrun's environment. Returns the cores, or None."""
+    if os.environ.get(PIN_ENV) != "1":
+        return None
+    local_rank = os.environ.get("HOROVOD_LOCAL_RANK", os.environ.get("LOCAL_RANK"))
+    local_size = os.environ.get("HOROVOD_LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE"))
+    cores = sorted(os.sched_getaffinity(0))
+    if local_rank is None or local_size is None or len(cores) < int(local_size):
+        return None
+    rank, size = int(local_rank), int(local_size)
+    mine = cores[rank * len(cores) // size:(rank + 1) * len(cores) // size]
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 def read_tx_bytes() -> int:

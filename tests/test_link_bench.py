@@ -545,3 +545,35 @@ def test_from_json_prints_an_earlier_launchs_tables_again(tmp_path: Any, capsys:
     assert link.main(["--from-json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| cnn | 1gbit | safebits@auto | safebits@4.4 |" in out and "x best (90%)" in out
+
+
+@pytest.mark.parametrize(("env", "local_rank", "expected_share"), [
+    ({"HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"}, 1, True),       # horovodrun
+    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, 0, True),                  # torchrun
+    ({}, 0, False),                                                           # no launcher: left alone
+])
+def test_each_rank_binds_itself_to_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                                          local_rank: int, expected_share: bool) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    for name in ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(protocol.PIN_ENV, "0")
+    assert protocol.pin_rank() is None                                    # --no-pin
+    monkeypatch.setenv(protocol.PIN_ENV, "1")
+    try:
+        mine = protocol.pin_rank()
+        if not expected_share or len(cores) < 2:
+            assert mine is None and sorted(os.sched_getaffinity(0)) == cores
+        else:
+            half = len(cores) // 2
+            assert mine == (cores[:half] if local_rank == 0 else cores[half:])
+            assert sorted(os.sched_getaffinity(0)) == mine
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+def test_the_link_benchmark_binds_its_ranks_unless_told_not_to() -> None:
+    assert link.launch_env(link.parse_args(["--rates", "1gbit"]))[protocol.PIN_ENV] == "1"
+    assert link.launch_env(link.parse_args(["--rates", "1gbit", "--no-pin"]))[protocol.PIN_ENV] == "0"
