@@ -3,8 +3,8 @@
 What it measures. Two Horovod ranks (``horovodrun -np 2 --gloo``) run inside a private network namespace whose
 loopback is limited with a token-bucket filter (``tc qdisc ... tbf rate R``); Gloo talks TCP over that loopback,
 so every byte of every collective crosses the limited link and nothing else on the machine is touched. Each rank
-runs one thread and binds itself to its own cores, as ``mpirun`` binds ranks (``--no-pin``: unbound;
-:func:`bench.protocol.pin_rank`). For each
+runs one thread; Horovod's ranks bind themselves to their own cores, as ``mpirun`` binds ranks (``--no-pin``:
+unbound; :func:`bench.protocol.pin_rank`), torchrun's are left unbound, as torchrun leaves them. For each
 link rate, ONE launch of ``bench.hvd_worker link`` runs every (model, compressor) case in sequence (with
 ``--interleave``, each model's cases side by side, their timed steps alternating: the fair comparison on a shared
 machine whose speed drifts over the minutes between cases) and records:
@@ -571,8 +571,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         help="measure nothing: print the tables of an earlier launch's link.json again, derived "
                              "afresh from its raw cases (figures this version adds, such as the intervals, too)")
     parser.add_argument("--no-pin", action="store_true",
-                        help="leave the ranks unbound (by default each binds itself to its own cores, as mpirun "
-                             "binds ranks: bench.protocol.pin_rank)")
+                        help="leave Horovod's ranks unbound (by default each binds itself to its own cores, as "
+                             "mpirun binds ranks: bench.protocol.pin_rank; DDP's are never bound)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "results"))
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per horovodrun launch")
     args = parser.parse_args(None if argv is None else list(argv))
@@ -639,14 +639,23 @@ def main(argv: Iterable[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def launch_env(args: argparse.Namespace) -> dict[str, str]:
-    """The ranks' environment: one thread each (two ranks share two cores: more threads slow every compressor), each
-    rank bound to its own cores unless ``--no-pin``."""
-    return {"OMP_NUM_THREADS": "1", PIN_ENV: "0" if args.no_pin else "1"}
+def launch_env(args: argparse.Namespace, horovod: bool) -> dict[str, str]:
+    """The ranks' environment: one thread each (two ranks share two cores: more threads slow every compressor).
+    Horovod's ranks bind themselves to their own cores unless ``--no-pin``, as ``mpirun`` binds ranks; torchrun's
+    are left unbound, as torchrun leaves them: bound, Horovod's steps ran faster and evener, DDP's ResNet-18 steps
+    slower (docs/RESULTS.md 4.3, "Ranks bound to cores")."""
+    return {"OMP_NUM_THREADS": "1", PIN_ENV: "1" if horovod and not args.no_pin else "0"}
 
 
-def binding(args: argparse.Namespace) -> str:
-    return "unbound" if args.no_pin else "bound to their own cores"
+def binding(args: argparse.Namespace) -> dict[str, bool]:
+    """Whether each front end's ranks were bound to their own cores (:func:`launch_env`)."""
+    return {"horovod": launch_env(args, True)[PIN_ENV] == "1", "ddp": launch_env(args, False)[PIN_ENV] == "1"}
+
+
+def binding_text(args: argparse.Namespace) -> str:
+    bound = binding(args)
+    return "; ".join(f"{name} ranks {'bound to their own cores' if bound[key] else 'unbound'}"
+                     for key, name in (("horovod", "Horovod"), ("ddp", "DDP")))
 
 
 def _bench(args: argparse.Namespace, ns: str) -> int:
@@ -654,7 +663,6 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
 
     os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python -m bench.link", *sys.argv[1:]])
-    env = launch_env(args)
     runs: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, dict[str, Any]] = {}
     failed = []
@@ -670,12 +678,12 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         try:
             raw: dict[str, Any] = {"cases": []}
             if args.compressors:
-                horovodrun(2, *HVD_WORKER, "link", *worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
-                           timeout=args.timeout, on_line=_progress)
+                horovodrun(2, *HVD_WORKER, "link", *worker_args(args, raw_path), prefix=_in_ns(ns),
+                           env=launch_env(args, horovod=True), timeout=args.timeout, on_line=_progress)
                 raw = read_raw(raw_path)
             if args.ddp_compressors and ddp_models(args):
-                torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path), prefix=_in_ns(ns), env=env,
-                         timeout=args.timeout, on_line=_progress)
+                torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path), prefix=_in_ns(ns),
+                         env=launch_env(args, horovod=False), timeout=args.timeout, on_line=_progress)
                 raw["cases"] += read_raw(raw_path)["cases"]
         except LaunchError as exc:
             print(f"[link] rate {rate} failed: {exc}", file=sys.stderr)
@@ -690,8 +698,8 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         configure_link(ns, None)
         raw_path = os.path.join(args.out_dir, ".link_raw_quality.json")
         try:
-            torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path, quality=True), prefix=_in_ns(ns), env=env,
-                     timeout=args.timeout, on_line=_progress)
+            torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path, quality=True), prefix=_in_ns(ns),
+                     env=launch_env(args, horovod=False), timeout=args.timeout, on_line=_progress)
             quality = read_raw(raw_path)["cases"]
         except LaunchError as exc:
             print(f"[link] training run failed: {exc}", file=sys.stderr)
@@ -709,7 +717,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
                                                                      "bytes_lm": args.lm_batch,
                                                                      "gpt2_small": args.gpt_batch},
                    "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
-                   "interleave": args.interleave, "pinned": not args.no_pin, "launches": meta,
+                   "interleave": args.interleave, "bound": binding(args), "launches": meta,
                    "rows": rows, "raw": runs,
                    "failed_rates": failed, "total_s": total, "quality_steps": args.quality_steps,
                    "quality": quality}, f, indent=1)
@@ -718,7 +726,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
                 f"ddp: rows under torchrun) in a network namespace whose loopback is limited by tbf; "
                 f"{args.warmup} warm-up + {args.steps} timed steps per case, {args.rounds} round(s) of every "
                 f"compressor {'side by side, their timed steps alternating' if args.interleave else 'in turn'} "
-                f"per launch; ranks {binding(args)}; total "
+                f"per launch; {binding_text(args)}; total "
                 f"{total:.0f} s.\n\n" + probe_line(meta) + "\n\n" + md
                 + (f"\n### DDP training run ({args.quality_steps} steps, unlimited link)\n\n" + quality_table(quality)
                    if quality else ""))
@@ -743,7 +751,6 @@ def _changing_link(args: argparse.Namespace, ns: str) -> int:
     phases = args.phases
     args.steps = sum(steps for _, steps in phases)
     step_file = os.path.join(args.out_dir, ".link_step")
-    env = launch_env(args)
     cases: list[dict[str, Any]] = []
     changes: list[tuple[int, int, int, float]] = []
     launches: list[tuple[Any, tuple[str, ...], Any]] = []       # (launcher, worker module, its arguments for a path)
@@ -762,7 +769,8 @@ def _changing_link(args: argparse.Namespace, ns: str) -> int:
         changer.start()
         try:
             runner(2, *module, *arguments(raw_path), "--step-file", step_file,
-                   prefix=_in_ns(ns), env=env, timeout=args.timeout, on_line=_progress)
+                   prefix=_in_ns(ns), env=launch_env(args, horovod=runner is horovodrun), timeout=args.timeout,
+                   on_line=_progress)
         except LaunchError as exc:
             print(f"[link] changing-link launch failed: {exc}", file=sys.stderr)
             return 1
@@ -775,9 +783,9 @@ def _changing_link(args: argparse.Namespace, ns: str) -> int:
     total = time.perf_counter() - start
     with open(os.path.join(args.out_dir, "link_phases.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "phases": phases, "summary": summary, "changes": changes, "raw": cases,
-                   "pinned": not args.no_pin, "total_s": total}, f, indent=1)
+                   "bound": binding(args), "total_s": total}, f, indent=1)
     with open(os.path.join(args.out_dir, "link_phases.md"), "w", encoding="utf-8") as f:
-        f.write(f"# Changing link\n\nCommand: `{command}`; ranks {binding(args)}; {total:.0f} s.\n\n" + md)
+        f.write(f"# Changing link\n\nCommand: `{command}`; {binding_text(args)}; {total:.0f} s.\n\n" + md)
     link_phases.plot(summary, phases, os.path.join(args.out_dir, "link_phases.png"))
     print(md)
     print(f"[link] wrote link_phases.json, link_phases.md and link_phases.png in {args.out_dir}; total {total:.0f} s",

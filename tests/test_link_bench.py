@@ -574,6 +574,10 @@ def test_each_rank_binds_itself_to_its_share_of_the_cores(monkeypatch: pytest.Mo
         os.sched_setaffinity(0, cores)
 
 
-def test_the_link_benchmark_binds_its_ranks_unless_told_not_to() -> None:
-    assert link.launch_env(link.parse_args(["--rates", "1gbit"]))[protocol.PIN_ENV] == "1"
-    assert link.launch_env(link.parse_args(["--rates", "1gbit", "--no-pin"]))[protocol.PIN_ENV] == "0"
+def test_the_link_benchmark_binds_horovods_ranks_unless_told_not_to() -> None:
+    default, unbound = link.parse_args(["--rates", "1gbit"]), link.parse_args(["--rates", "1gbit", "--no-pin"])
+    assert link.launch_env(default, horovod=True)[protocol.PIN_ENV] == "1"
+    assert link.launch_env(unbound, horovod=True)[protocol.PIN_ENV] == "0"
+    assert link.launch_env(default, horovod=False)[protocol.PIN_ENV] == "0"     # torchrun's ranks: never bound
+    assert link.binding(default) == {"horovod": True, "ddp": False}
+    assert link.binding_text(default) == "Horovod ranks bound to their own cores; DDP ranks unbound"
