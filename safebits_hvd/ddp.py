@@ -172,9 +172,6 @@ class SafeBitsState(CoreRecords):
             pieces = self._send(buffer, bucket, indices, numels, in_place)
         work = None
         if collective == "dense" and self.world_size > 1:
-            # The mean's division before the sum, as DDP's own allreduce does: bucket by bucket while backward
-            # goes on, not all at once after the step's last wait.
-            buffer.div_(self.world_size)
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         elif collective == "two_phase" and isinstance(core.transport, TorchDistributedTransport):
             core.transport.flush()
@@ -276,6 +273,7 @@ class SafeBitsState(CoreRecords):
                 if bucket.work is not None:
                     wait_bounded(bucket.work.is_completed, self.timeout, "the DDP bucket's all_reduce")
                     bucket.work.wait()
+                    bucket.buffer.div_(ranks)
                 continue
             pieces = bucket.pieces
             totals = core.reduced_sums([p.index for p in pieces], step, collective, [p.target for p in pieces],
