@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+import safebits_hvd as sb
 from safebits_hvd import actions as A
-from safebits_hvd import host, rng
+from safebits_hvd import collectives, host, rng
 from safebits_hvd import kernels as K
 from safebits_hvd.kernels import cuda
 from safebits_hvd.policy import BudgetPolicy
 from safebits_hvd.wire import WireFormatError
 
+from .helpers import random_grads
 from .kernel_cases import bits, make
 from .test_group_kernels import MENU, group_case
 from .test_group_kernels import SIZES as GROUP_SIZES
@@ -370,3 +372,42 @@ def test_cuda_decode_group_reads_back_once_and_names_an_invalid_topk_payload():
     with pytest.raises(WireFormatError, match=rf"t{k} \(rank 1\)"):
         K.decode_group(payloads, actions, outs, own, tables, np.arange(GROUP_M), names)
     assert host.reads() - before == 1
+
+
+def _compressor_steps(device: str, collective: str, steps: int = 3):
+    """A SafeBits compressor in one process on ``device``: per step the values ``decompress`` returns (on the host)
+    and the reads back of the step, with the step records."""
+    sizes = (272, 16, 5000, 3) * 15 + (70_000,)
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n, device=device))) for i, n in enumerate(sizes)]
+    host_params = [(name, torch.nn.Parameter(torch.zeros(p.shape))) for name, p in params]
+    compressor = sb.SafeBits(params, budget_bits=3.0, collective=collective)
+    outs, reads, records = [], [], []
+    for step in range(steps):
+        random_grads(host_params, step)                 # the same gradients on either device
+        for (_, p), (_, h) in zip(params, host_params, strict=True):
+            p.grad = h.grad.to(device)
+        before = host.reads()
+        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+        received = [compressor.decompress(out, ctx) for out, ctx in pending]
+        reads.append(host.reads() - before)
+        outs.append([t.cpu() for t in received])
+        records.append(compressor.last_step)
+    return outs, reads, records, len(collectives.fusion_groups(np.array(sizes)))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("collective", ["allgather", "dense"])
+def test_cuda_compressor_step_is_bitwise_the_cpu_step_and_reads_back_per_group(collective):
+    """The whole step on CUDA parameters (screen, choice, packing, error feedback, decoding) gives bitwise what
+    the CPU gives, with the same actions, and reads back per group, escalation rounds included, not per tensor
+    (dense: once per tensor, as on the CPU)."""
+    cpu_outs, cpu_reads, cpu_records, groups = _compressor_steps("cpu", collective)
+    gpu_outs, gpu_reads, gpu_records, _ = _compressor_steps("cuda", collective)
+    for step, (want, got) in enumerate(zip(cpu_outs, gpu_outs, strict=True)):
+        for k, (a, b) in enumerate(zip(want, got, strict=True)):
+            assert torch.equal(bits(a.contiguous()), bits(b.contiguous())), (step, k)
+        assert cpu_records[step].actions == gpu_records[step].actions, step
+    tensors = len(cpu_outs[0])
+    assert max(gpu_reads) <= (2 * groups + 1 + groups * len(sb.DEFAULT_MENU) if collective == "allgather"
+                              else tensors), (gpu_reads, cpu_reads)

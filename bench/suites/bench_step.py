@@ -11,6 +11,9 @@ the dense path (each tensor a group of one, its values only), for comparison;
 ``test_locating_a_gathered_group``: where each payload of a gathered group of 1,000 members from 2 ranks starts
 (``collectives.locate_payloads``), when every rank sent what was allocated and when some escalated.
 
+``SAFEBITS_BENCH_DEVICE=cuda`` runs the step tests on a GPU (parameters, gradients and residuals on the device; every
+timed call ends with ``torch.cuda.synchronize``).
+
 ``extra_info``: ``us_per_tensor`` (compress plus decompress, per tensor, median step), ``host_reads_per_step``
 (reads back to the host, :mod:`safebits_hvd.host`), ``step_vs_clone`` (the step over ``torch.clone`` of the same
 1,000 gradients, the machine's speed of one small tensor operation; lower is better).
@@ -18,6 +21,7 @@ the dense path (each tensor a group of one, its values only), for comparison;
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
@@ -27,17 +31,33 @@ import pytest
 import torch
 
 import safebits_hvd as sb
+from bench.suites import model_shapes
 from safebits_hvd import collectives, host, kernels
 
 TENSORS = 1000
+DEVICE = os.environ.get("SAFEBITS_BENCH_DEVICE", "cpu")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("SAFEBITS_BENCH_DEVICE=cuda but no CUDA device", allow_module_level=True)
 
 
-def make_step(numel: int, collective: str = "allgather",
+def synchronized(fn: Any) -> Any:
+    """``fn`` followed by waiting for the device, so that a timer around it measures the device's work too."""
+    if DEVICE != "cuda":
+        return fn
+
+    def call() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return call
+
+
+def make_step(sizes: list[int], collective: str = "allgather",
               budget_bits: float = 4.4) -> tuple[Any, Any, list[torch.Tensor]]:
-    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel))) for i in range(TENSORS)]
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n, device=DEVICE))) for i, n in enumerate(sizes)]
     compressor = sb.SafeBits(params, budget_bits=budget_bits, collective=collective)
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(numel, generator=gen) for _ in params]
+    grads = [torch.randn(n, generator=gen).to(DEVICE) for n in sizes]
 
     def step() -> None:
         for (_, p), g in zip(params, grads, strict=True):
@@ -46,7 +66,7 @@ def make_step(numel: int, collective: str = "allgather",
         for out, ctx in pending:
             compressor.decompress(out, ctx)
 
-    return compressor, step, grads
+    return compressor, synchronized(step), grads
 
 
 def median_seconds(fn: Any, repeats: int) -> float:
@@ -71,6 +91,21 @@ def test_thousand_tensor_dense_step(benchmark: Any, numel: int) -> None:
     is sent alone, a group of one): one read back per tensor."""
     _, reads = measure_step(benchmark, numel, "dense")
     assert reads <= TENSORS, reads
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("model", ["resnet18", "gpt2_small"])
+def test_model_step(benchmark: Any, model: str) -> None:
+    """One step of a model's gradients (its parameter shapes, ``bench.suites.model_shapes``) at 4.4 bits on the
+    allgather path; ``fp16_vs_clone``: the casts ``Compression.fp16`` makes of the same gradients (to float16 and
+    back), for scale."""
+    sizes = [model_shapes.numel(shape) for _, shape in getattr(model_shapes, model)()]
+    compressor, reads = measure_step(benchmark, sizes, "allgather")
+    grads = [torch.randn(n).to(DEVICE) for n in sizes]
+    fp16 = median_seconds(synchronized(lambda: [g.half().float() for g in grads]), 5)
+    clone = median_seconds(synchronized(lambda: [g.clone() for g in grads]), 5)
+    benchmark.extra_info.update({"model": model, "fp16_vs_clone": round(fp16 / clone, 3)})
+    assert reads <= 2 * len(sb.collectives.fusion_groups(compressor.numels)) + 1, reads
 
 
 def test_thousand_tensor_pass_through_step(benchmark: Any) -> None:
@@ -126,10 +161,13 @@ def test_sending_a_group_of_thousand_tensors(benchmark: Any, numel: int) -> None
                                  "us_per_member": round(1e6 * benchmark.stats.stats.median / TENSORS, 3)})
 
 
-def measure_step(benchmark: Any, numel: int, collective: str, budget_bits: float = 4.4) -> tuple[Any, int]:
-    """Time the 1,000-tensor step on ``collective``; returns the compressor and the reads back of one step."""
+def measure_step(benchmark: Any, numel: int | list[int], collective: str,
+                 budget_bits: float = 4.4) -> tuple[Any, int]:
+    """Time the step of 1,000 tensors of ``numel`` elements (or of tensors of the sizes listed) on ``collective``;
+    returns the compressor and the reads back of one step."""
     torch.set_num_threads(1)
-    compressor, step, grads = make_step(numel, collective, budget_bits)
+    sizes = numel if isinstance(numel, list) else [numel] * TENSORS
+    compressor, step, grads = make_step(sizes, collective, budget_bits)
     for _ in range(3):
         step()                            # warm: index cache, residuals, samples
     reads = host.reads()
@@ -137,14 +175,14 @@ def measure_step(benchmark: Any, numel: int, collective: str, budget_bits: float
     reads = host.reads() - reads
     benchmark.pedantic(step, rounds=5, iterations=1)
     seconds = benchmark.stats.stats.median
-    clone = median_seconds(lambda: [g.clone() for g in grads], 5)
+    clone = median_seconds(synchronized(lambda: [g.clone() for g in grads]), 5)
     # What the step itself does beyond setting the gradients (a clone each, timed alongside).
     benchmark.extra_info.update({
-        "tensors": TENSORS, "numel": numel,
-        "us_per_tensor": round(1e6 * max(seconds - clone, 0.0) / TENSORS, 2),
+        "tensors": len(sizes), "numel": sum(sizes), "device": DEVICE,
+        "us_per_tensor": round(1e6 * max(seconds - clone, 0.0) / len(sizes), 2),
         "step_vs_clone": round(seconds / clone, 3),
         "host_reads_per_step": reads,
     })
     record = compressor.last_step
-    assert record is not None and len(record.actions) == TENSORS and record.collective == collective
+    assert record is not None and len(record.actions) == len(sizes) and record.collective == collective
     return compressor, reads
