@@ -20,7 +20,8 @@ import pytest
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "full: long benchmark cases, excluded from make bench-smoke")
     json_path = config.getoption("benchmark_json", default=None)   # e.g. results/bench.json in a clean clone
-    if json_path:
+    json_path = getattr(json_path, "name", json_path)   # newer pytest-benchmark opens the file itself
+    if isinstance(json_path, (str, os.PathLike)):
         os.makedirs(os.path.dirname(os.path.abspath(os.fspath(json_path))), exist_ok=True)
 
 

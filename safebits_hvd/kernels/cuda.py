@@ -2,14 +2,14 @@
 
 :func:`cuda_source` is the exact translation unit; :func:`compile_nvrtc` compiles it to PTX with CuPy's NVRTC
 bindings without needing a GPU (used by the tests to catch CUDA compile errors on CPU-only machines).
-Tensors are shared with CuPy via DLPack and kernels run on PyTorch's current stream.
+Kernels get the tensors' device addresses and run on PyTorch's current stream.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -51,27 +51,50 @@ def compile_nvrtc(arch: str = "compute_80") -> str:
         nvrtc.destroyProgram(prog)
 
 
+
+class _Stream(NamedTuple):
+    """A CUDA stream as CuPy's kernel launch takes it (it reads ``ptr`` only): PyTorch's current stream."""
+
+    ptr: int
+
+
 @functools.cache
-def _module():
-    import cupy
+def _module(device_index: int) -> Any:
+    """The kernels of :func:`cuda_source`, compiled once per device for its architecture and loaded in its
+    context. Compiled here rather than by ``cupy.RawModule``, which appends ``-ftz=true`` after the caller's
+    options and would flush float32 subnormals to zero (the C backend keeps them)."""
+    from cupy.cuda import Device, function
 
-    return cupy.RawModule(code=cuda_source(), options=NVRTC_OPTIONS)
+    major, minor = torch.cuda.get_device_capability(device_index)
+    try:
+        ptx = compile_nvrtc(f"compute_{major}{minor}")
+    except RuntimeError:          # an NVRTC older than the device: PTX of an older architecture, JIT-compiled on load
+        ptx = compile_nvrtc()
+    module = function.Module()
+    with Device(device_index):
+        module.load(ptx.encode())
+    return module
 
 
-def _cp(t: torch.Tensor):
-    import cupy
+@functools.cache
+def _function(name: str, device_index: int) -> Any:
+    return _module(device_index).get_function(name)
 
-    return cupy.from_dlpack(t.detach())
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    """A tensor as a kernel argument: its device address. A DLPack exchange per argument instead took more host
+    time than the kernels of the step on a GPU (docs/RESULTS.md, "On a GPU")."""
+    if not t.is_cuda:
+        raise TypeError(f"the CUDA kernels take CUDA tensors, got one on {t.device}")
+    return np.uint64(t.data_ptr())
 
 
 def _launch(name: str, grid: int, args: tuple, device: torch.device) -> None:
-    import cupy
+    from cupy.cuda import Device
 
-    kernel = _module().get_function(name)
-    with cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-        with stream:
-            kernel((grid,), (THREADS,), args)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with Device(index):
+        _function(name, index)((grid,), (THREADS,), args, stream=_Stream(torch.cuda.current_stream(device).cuda_stream))
 
 
 def _ints(values, device):
@@ -85,8 +108,8 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
         return torch.zeros(4, dtype=torch.float64, device=e.device)
     nb = -(-n // action.bucket_size)
     part = torch.empty((nb, 4), dtype=torch.float64, device=e.device)
-    args = (_cp(g if g is not None else e), _cp(e), _cp(out), np.int32(g is not None), np.int64(n),
-            np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _cp(part))
+    args = (_ptr(g if g is not None else e), _ptr(e), _ptr(out), np.int32(g is not None), np.int64(n),
+            np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _ptr(part))
     _launch("sb_quantize_ef_kernel", nb, args, e.device)
     return part.sum(dim=0)
 
@@ -108,9 +131,9 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
     payload[HEADER_BYTES:].zero_()              # the kernel ORs / adds the packed codes into zeroed words
     nb = -(-n // action.bucket_size)
     part = torch.empty((nb, 4), dtype=torch.float64, device=e.device)
-    args = (_cp(g if g is not None else e), _cp(e), _cp(payload), _cp(sent if sent is not None else e),
+    args = (_ptr(g if g is not None else e), _ptr(e), _ptr(payload), _ptr(sent if sent is not None else e),
             np.int32(g is not None), np.int32(sent is not None), np.int64(n),
-            np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _cp(part))
+            np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _ptr(part))
     _launch("sb_quantize_pack_ef_kernel", nb, args, e.device)
     return part.sum(dim=0)
 
@@ -126,13 +149,13 @@ def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate:
     if header.kind == ActionKind.TOPK:          # check the indices first: a corrupt payload writes nothing
         bad = torch.full((1,), 2**31 - 1, dtype=torch.int32, device=out.device)
         _launch("sb_check_topk_kernel", -(-nb // THREADS),
-                (_cp(payload), np.int64(n), np.int32(header.bucket_size), np.int32(header.topk), _cp(bad)),
+                (_ptr(payload), np.int64(n), np.int32(header.bucket_size), np.int32(header.topk), _ptr(bad)),
                 out.device)
         first_bad = int(bad.item())
         if first_bad != 2**31 - 1:
             raise WireFormatError(f"{name}: top-k bucket {first_bad} has local indices out of range or not "
                                   "ascending")
-    args = (_cp(payload), _cp(out), np.int64(n), np.int32(header.bucket_size), np.int32(header.kind),
+    args = (_ptr(payload), _ptr(out), np.int64(n), np.int32(header.bucket_size), np.int32(header.kind),
             np.int32(header.levels), np.int32(header.topk), np.int32(header.trits), np.int32(accumulate),
             np.float32(divisor))
     _launch("sb_decode_kernel", nb, args, out.device)
@@ -155,9 +178,9 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     stoch = _ints([int(a.stochastic) for a in menu], e.device)
     topks = _ints([a.topk_per_bucket if a.kind == ActionKind.TOPK else 0 for a in menu], e.device)
     trits = _ints([int(a.packs_trits) for a in menu], e.device)
-    args = (_cp(g if g is not None else e), _cp(e), np.int32(g is not None), np.int64(n),
-            np.int32(menu.bucket_size), _cp(buckets), np.int32(len(menu)), _cp(kinds), _cp(levels),
-            _cp(stoch), _cp(topks), _cp(trits), np.uint32(key & 0xFFFFFFFF), _cp(part))
+    args = (_ptr(g if g is not None else e), _ptr(e), np.int32(g is not None), np.int64(n),
+            np.int32(menu.bucket_size), _ptr(buckets), np.int32(len(menu)), _ptr(kinds), _ptr(levels),
+            _ptr(stoch), _ptr(topks), _ptr(trits), np.uint32(key & 0xFFFFFFFF), _ptr(part))
     _launch("sb_screen_kernel", m, args, e.device)
     return part.sum(dim=0)
 
@@ -259,42 +282,42 @@ def send_group(request: Any, tables: Any) -> Any:
         start += size
     screen_stats, stats = r["screen"].view(torch.float64), r["stats"].view(torch.float64)
     payload_bytes, headers, cost_order, lossless = _device_tables(tables, device)
-    menu_args = [_cp(a) for a in _menu_arrays(tables.menu, device)]
+    menu_args = [_ptr(a) for a in _menu_arrays(tables.menu, device)]
     buckets = int(bucket_off[-1])
     sizes = torch.empty(m, dtype=torch.int64, device=device)
     if request.check_finite and buckets:
-        _launch("sb_group_finite_kernel", buckets, (np.int32(m), _cp(t["bucket_off"]), _cp(t["g"]), _cp(t["n"]),
-                                                    np.int32(bucket), _cp(r["bad"])), device)
+        _launch("sb_group_finite_kernel", buckets, (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["n"]),
+                                                    np.int32(bucket), _ptr(r["bad"])), device)
     if request.do_screen and pair_off[-1]:
         part = torch.empty((int(pair_off[-1]), nact, 4), dtype=torch.float64, device=device)
         _launch("sb_group_screen_kernel", int(pair_off[-1]),
-                (np.int32(m), _cp(t["pair_off"]), _cp(t["g"]), _cp(t["e"]), _cp(t["n"]), _cp(t["sample"]),
-                 _cp(t["key"]), _cp(r["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _cp(part)), device)
-        _launch("sb_segment_sum_kernel", m * nact, (_cp(part), _cp(t["pair_off"]), np.int32(nact),
-                                                    _cp(screen_stats)), device)
+                (np.int32(m), _ptr(t["pair_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["n"]), _ptr(t["sample"]),
+                 _ptr(t["key"]), _ptr(r["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _ptr(part)), device)
+        _launch("sb_segment_sum_kernel", m * nact, (_ptr(part), _ptr(t["pair_off"]), np.int32(nact),
+                                                    _ptr(screen_stats)), device)
     _launch("sb_group_choose_kernel", _grid(m),
-            (np.int32(m), _cp(t["tensor"]), _cp(t["allocated"]), _cp(r["bad"]), _cp(screen_stats),
-             np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _cp(cost_order), _cp(lossless),
+            (np.int32(m), _ptr(t["tensor"]), _ptr(t["allocated"]), _ptr(r["bad"]), _ptr(screen_stats),
+             np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _ptr(cost_order), _ptr(lossless),
              np.int32(tables.lossless_index), np.float64(request.max_distortion), np.float64(request.min_cosine),
-             _cp(payload_bytes), _cp(r["chosen"]), _cp(sizes)), device)
+             _ptr(payload_bytes), _ptr(r["chosen"]), _ptr(sizes)), device)
     if request.output == GroupOutput.SCREEN:
         sizes.zero_()                                     # the check, the screen and the choice only
     torch.cumsum(sizes, 0, out=r["offsets"][1:])        # the layout: a prefix sum on the device (int64: exact)
     if request.output != GroupOutput.SCREEN:
         _launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
-                (np.int32(m), _cp(t["stage_off"]), _cp(t["tensor"]), _cp(r["chosen"]), _cp(r["offsets"]),
-                 np.int32(nact), _cp(headers), _cp(stage)), device)
+                (np.int32(m), _ptr(t["stage_off"]), _ptr(t["tensor"]), _ptr(r["chosen"]), _ptr(r["offsets"]),
+                 np.int32(nact), _ptr(headers), _ptr(stage)), device)
         if buckets:
             part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
             _launch("sb_group_pack_kernel", buckets,
-                    (np.int32(m), _cp(t["bucket_off"]), _cp(t["g"]), _cp(t["e"]), _cp(t["sent"]), _cp(t["n"]),
-                     _cp(t["key"]), _cp(r["chosen"]), _cp(t["stage_addr"]), np.int32(bucket), *menu_args, _cp(part)),
-                    device)
-            _launch("sb_segment_sum_kernel", m, (_cp(part), _cp(t["bucket_off"]), np.int32(1), _cp(stats)), device)
+                    (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["sent"]), _ptr(t["n"]),
+                     _ptr(t["key"]), _ptr(r["chosen"]), _ptr(t["stage_addr"]), np.int32(bucket), *menu_args,
+                     _ptr(part)), device)
+            _launch("sb_segment_sum_kernel", m, (_ptr(part), _ptr(t["bucket_off"]), np.int32(1), _ptr(stats)), device)
         if request.output == GroupOutput.PAYLOAD:
             _launch("sb_gather_kernel", _grid(capacity),
-                    (np.int32(m), _cp(r["offsets"]), _cp(r["offsets"]), np.int32(0), _cp(t["stage_addr"]),
-                     _cp(buffer), np.int64(capacity)), device)
+                    (np.int32(m), _ptr(r["offsets"]), _ptr(r["offsets"]), np.int32(0), _ptr(t["stage_addr"]),
+                     _ptr(buffer), np.int64(capacity)), device)
     data = host.to_host(results)                 # the group's one device-to-host synchronization
     values: dict[str, np.ndarray] = {}
     start = 0
@@ -342,20 +365,20 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
                 bucket_off=bucket_off, outs=addresses(outs), n=numels, own=own, addr=addr, actions=actions)
     if moved.any():
         _launch("sb_gather_kernel", _grid(int(stage_off[-1])),
-                (np.int32(int(moved.sum())), _cp(t["stage_off"]), _cp(t["sizes"]), np.int32(1), _cp(t["source"]),
-                 _cp(stage), np.int64(stage_off[-1])), device)
+                (np.int32(int(moved.sum())), _ptr(t["stage_off"]), _ptr(t["sizes"]), np.int32(1), _ptr(t["source"]),
+                 _ptr(stage), np.int64(stage_off[-1])), device)
     if len(checked):
         bad = torch.full((1,), _INT_MAX, dtype=torch.int32, device=device)
         _launch("sb_group_check_topk_kernel", _grid(int(check_off[-1])),
-                (np.int32(len(checked)), _cp(t["check_off"]), _cp(t["checked"]), _cp(t["checked_addr"]),
-                 _cp(t["checked_n"]), _cp(t["checked_topk"]), np.int32(bucket), _cp(bad)), device)
+                (np.int32(len(checked)), _ptr(t["check_off"]), _ptr(t["checked"]), _ptr(t["checked_addr"]),
+                 _ptr(t["checked_n"]), _ptr(t["checked_topk"]), np.int32(bucket), _ptr(bad)), device)
         first_bad = int(host.to_host(bad)[0])    # the group's one read back (only with top-k payloads)
         if first_bad != _INT_MAX:
             return first_bad
     if bucket_off[-1]:
-        kinds_d, levels_d, _, topks_d, trits_d = (_cp(a) for a in _menu_arrays(menu, device))
+        kinds_d, levels_d, _, topks_d, trits_d = (_ptr(a) for a in _menu_arrays(menu, device))
         _launch("sb_group_decode_kernel", int(bucket_off[-1]),
-                (np.int32(m), np.int32(ranks), _cp(t["bucket_off"]), _cp(t["outs"]), _cp(t["n"]), _cp(t["own"]),
-                 _cp(t["addr"]), _cp(t["actions"]), np.int32(bucket), kinds_d, levels_d, topks_d, trits_d,
+                (np.int32(m), np.int32(ranks), _ptr(t["bucket_off"]), _ptr(t["outs"]), _ptr(t["n"]), _ptr(t["own"]),
+                 _ptr(t["addr"]), _ptr(t["actions"]), np.int32(bucket), kinds_d, levels_d, topks_d, trits_d,
                  np.float32(divisor)), device)
     return -1

@@ -1,6 +1,6 @@
 /* SafeBits CUDA backend: one thread block per bucket, per-element math from safebits_math.h.
  *
- * Compiled by NVRTC (CuPy RawModule) from source.translation_unit() (constants, safebits_math.h, this file),
+ * Compiled by NVRTC (CuPy's bindings, cuda.py) from source.translation_unit() (constants, safebits_math.h, this file),
  * with --fmad=false
  * --ftz=false --prec-div=true, so every float result is bit-identical to the C backend. The block-wide values
  * that decide outputs are computed exactly as in cpu.c: the QUANT scale is an integer max of |v| keys, the SIGN
