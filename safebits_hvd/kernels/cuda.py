@@ -181,7 +181,7 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     args = (_ptr(g if g is not None else e), _ptr(e), np.int32(g is not None), np.int64(n),
             np.int32(menu.bucket_size), _ptr(buckets), np.int32(len(menu)), _ptr(kinds), _ptr(levels),
             _ptr(stoch), _ptr(topks), _ptr(trits), np.uint32(key & 0xFFFFFFFF), _ptr(part))
-    _launch("sb_screen_kernel", m, args, e.device)
+    _launch("sb_screen_kernel", m * len(menu), args, e.device)
     return part.sum(dim=0)
 
 
@@ -290,7 +290,7 @@ def send_group(request: Any, tables: Any) -> Any:
                                                     np.int32(bucket), _ptr(r["bad"])), device)
     if request.do_screen and pair_off[-1]:
         part = torch.empty((int(pair_off[-1]), nact, 4), dtype=torch.float64, device=device)
-        _launch("sb_group_screen_kernel", int(pair_off[-1]),
+        _launch("sb_group_screen_kernel", int(pair_off[-1]) * nact,
                 (np.int32(m), _ptr(t["pair_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["n"]), _ptr(t["sample"]),
                  _ptr(t["key"]), _ptr(r["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _ptr(part)), device)
         _launch("sb_segment_sum_kernel", m * nact, (_ptr(part), _ptr(t["pair_off"]), np.int32(nact),

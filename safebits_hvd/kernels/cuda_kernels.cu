@@ -210,37 +210,38 @@ sb_quantize_ef_kernel(const float *g, float *e, float *out, int has_g, long long
     sb_block_stats(a0, a1, a2, a3, sh, part + 4 * b);
 }
 
-/* The screen of bucket b (every action of the menu): action a's four sums into dst[4 * a .. 4 * a + 3]. */
+/* The screen of bucket b for one action: its four sums into dst[0 .. 3]. */
 __device__ void sb_screen_bucket(const float *g, const float *e, int has_g, long long n, int bucket, long long b,
-                                 int nact, const int *kinds, const int *levels, const int *stochastic,
-                                 const int *topks, const int *trits, unsigned int key, double *dst, sb_shared *S) {
+                                 int kind, int levels, int stochastic, int topk, int trits, unsigned int key,
+                                 double *dst, sb_shared *S) {
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
-    for (int a = 0; a < nact; a++) {
-        int kind = kinds[a];
-        sb_block_prepare(g, e, has_g, j0, len, kind, levels[a], trits[a], topks[a], &S->P, &S->u, S->lane);
-        double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-        for (int i = threadIdx.x; i < len; i += blockDim.x) {
-            long long j = j0 + i;
-            float v = sb_load(g, e, has_g, j);
-            float q = sb_element(v, kind, levels[a], stochastic[a], trits[a], &S->P, (sb_u32)key, j, i);
-            double qd = (double)q, vd = (double)v, d = qd - vd;
-            a0 += d * d;
-            a1 += qd * vd;
-            a2 += qd * qd;
-            a3 += vd * vd;
-        }
-        sb_block_stats(a0, a1, a2, a3, S->sh, dst + 4 * a);
+    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &S->P, &S->u, S->lane);
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        long long j = j0 + i;
+        float v = sb_load(g, e, has_g, j);
+        float q = sb_element(v, kind, levels, stochastic, trits, &S->P, (sb_u32)key, j, i);
+        double qd = (double)q, vd = (double)v, d = qd - vd;
+        a0 += d * d;
+        a1 += qd * vd;
+        a2 += qd * qd;
+        a3 += vd * vd;
     }
+    sb_block_stats(a0, a1, a2, a3, S->sh, dst);
 }
 
+/* One block per (screened bucket, action) pair, blockIdx.x = pair * nact + action: the actions of a bucket run in
+ * parallel blocks (one block looping over them left most of the GPU idle on a sampled screen). */
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
 sb_screen_kernel(const float *g, const float *e, int has_g, long long n, int bucket, const long long *buckets,
                  int nact, const int *kinds, const int *levels, const int *stochastic, const int *topks,
                  const int *trits, unsigned int key, double *part) {
     __shared__ sb_shared S;
-    sb_screen_bucket(g, e, has_g, n, bucket, buckets[blockIdx.x], nact, kinds, levels, stochastic, topks, trits, key,
-                     part + (long long)blockIdx.x * nact * 4, &S);
+    long long p = blockIdx.x / nact;
+    int a = (int)(blockIdx.x % nact);
+    sb_screen_bucket(g, e, has_g, n, bucket, buckets[p], kinds[a], levels[a], stochastic[a], topks[a], trits[a], key,
+                     part + (long long)blockIdx.x * 4, &S);
 }
 
 /* Where the sections of a payload body start (bytes from the payload start, header included). */
@@ -565,28 +566,29 @@ sb_group_finite_kernel(int m, const long long *bucket_off, const long long *gp, 
     if (__syncthreads_or(any) && threadIdx.x == 0) bad[k] = 1; /* every writer writes 1: no atomic needed */
 }
 
-/* The screen of every (member, sampled bucket) pair, one block each: pair p of member k is its bucket
- * samples[k][p - pair_off[k]] (all buckets in order when samples[k] is 0). part: (pairs, nact, 4); a member found
- * non-finite gets zeros (it is not screened). */
+/* The screen of every (member, sampled bucket) pair, one block per pair and action (blockIdx.x = pair * nact +
+ * action, as sb_screen_kernel): pair p of member k is its bucket samples[k][p - pair_off[k]] (all buckets in order
+ * when samples[k] is 0). part: (pairs, nact, 4); a member found non-finite gets zeros (it is not screened). */
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
 sb_group_screen_kernel(int m, const long long *pair_off, const long long *gp, const long long *ep,
                        const long long *n, const long long *samples, const long long *keys, const long long *bad,
                        int bucket, int nact, const int *kinds, const int *levels, const int *stochastic,
                        const int *topks, const int *trits, double *part) {
     __shared__ sb_shared S;
-    long long p = blockIdx.x;
+    long long p = blockIdx.x / nact;
+    int a = (int)(blockIdx.x % nact);
     int k = sb_segment_of(pair_off, m, p);
-    double *dst = part + p * nact * 4;
+    double *dst = part + (long long)blockIdx.x * 4;
     if (bad[k]) {
-        for (int c = threadIdx.x; c < nact * 4; c += blockDim.x) dst[c] = 0.0;
+        if (threadIdx.x < 4) dst[threadIdx.x] = 0.0;
         return;
     }
     long long local = p - pair_off[k];
     const long long *sample = (const long long *)samples[k];
     const float *e = (const float *)ep[k];
     int has_g = gp[k] != 0;
-    sb_screen_bucket(has_g ? (const float *)gp[k] : e, e, has_g, n[k], bucket, sample ? sample[local] : local, nact,
-                     kinds, levels, stochastic, topks, trits, (unsigned int)keys[k], dst, &S);
+    sb_screen_bucket(has_g ? (const float *)gp[k] : e, e, has_g, n[k], bucket, sample ? sample[local] : local,
+                     kinds[a], levels[a], stochastic[a], topks[a], trits[a], (unsigned int)keys[k], dst, &S);
 }
 
 /* out[s * width + w] = the sum over rows p in [seg_off[s], seg_off[s + 1]) of part[p * width + w] (4 doubles
