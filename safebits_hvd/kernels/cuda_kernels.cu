@@ -165,6 +165,15 @@ __device__ __forceinline__ float sb_element(float v, int kind, int levels, int s
     }
 }
 
+/* One element's four statistics (STAT_COLUMNS: (q - v)^2, q v, q^2, v^2) added to a thread's sums, in float64. */
+__device__ __forceinline__ void sb_accumulate(float q, float v, double *a) {
+    double qd = (double)q, vd = (double)v, d = qd - vd;
+    a[0] += d * d;
+    a[1] += qd * vd;
+    a[2] += qd * qd;
+    a[3] += vd * vd;
+}
+
 /* Deterministic block tree reduction of 4 doubles; thread 0 writes them to dst. */
 __device__ void sb_block_stats(double a0, double a1, double a2, double a3, double *sh, double *dst) {
     int tid = threadIdx.x;
@@ -194,20 +203,16 @@ sb_quantize_ef_kernel(const float *g, float *e, float *out, int has_g, long long
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &P, &sh_u, sh_lane);
-    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
         long long j = j0 + i;
         float v = sb_load(g, e, has_g, j);
         float q = sb_element(v, kind, levels, stochastic, trits, &P, (sb_u32)key, j, i);
         out[j] = q;
         e[j] = v - q;
-        double qd = (double)q, vd = (double)v, d = qd - vd;
-        a0 += d * d;
-        a1 += qd * vd;
-        a2 += qd * qd;
-        a3 += vd * vd;
+        sb_accumulate(q, v, a);
     }
-    sb_block_stats(a0, a1, a2, a3, sh, part + 4 * b);
+    sb_block_stats(a[0], a[1], a[2], a[3], sh, part + 4 * b);
 }
 
 /* The screen of bucket b for one action: its four sums into dst[0 .. 3]. */
@@ -217,18 +222,14 @@ __device__ void sb_screen_bucket(const float *g, const float *e, int has_g, long
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &S->P, &S->u, S->lane);
-    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
         long long j = j0 + i;
         float v = sb_load(g, e, has_g, j);
         float q = sb_element(v, kind, levels, stochastic, trits, &S->P, (sb_u32)key, j, i);
-        double qd = (double)q, vd = (double)v, d = qd - vd;
-        a0 += d * d;
-        a1 += qd * vd;
-        a2 += qd * qd;
-        a3 += vd * vd;
+        sb_accumulate(q, v, a);
     }
-    sb_block_stats(a0, a1, a2, a3, S->sh, dst);
+    sb_block_stats(a[0], a[1], a[2], a[3], S->sh, dst);
 }
 
 /* One block per (screened bucket, action) pair, blockIdx.x = pair * nact + action: the actions of a bucket run in
@@ -322,7 +323,7 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
         ((float *)(payload + L.scales_off))[b] = S->P.scale; /* 0 for a zero QUANT bucket */
     float s = (float)levels;
     int cb = L.code_bits;
-    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
     long long kept_before = 0; /* TOPK: kept entries of this bucket at lower local indices (uniform) */
     /* every thread runs the same number of iterations: the TOPK scan is a block-wide operation */
     for (int c0 = 0; c0 < len; c0 += blockDim.x) {
@@ -398,14 +399,10 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
         if (live) {
             e[j] = v - q;
             if (has_sent) sent[j] = q; /* may be g: this thread read g[j] above */
-            double qd = (double)q, vd = (double)v, d = qd - vd;
-            a0 += d * d;
-            a1 += qd * vd;
-            a2 += qd * qd;
-            a3 += vd * vd;
+            sb_accumulate(q, v, a);
         }
     }
-    sb_block_stats(a0, a1, a2, a3, S->sh, dst);
+    sb_block_stats(a[0], a[1], a[2], a[3], S->sh, dst);
 }
 
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
