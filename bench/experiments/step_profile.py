@@ -6,14 +6,22 @@ The step of ``bench/suites/bench_step.py`` (every gradient through ``compress``,
 of ``--steps`` steps by their own time (``cProfile``) and, on CUDA, the kernels of one step by their device time
 (``torch.profiler``).
 
-Usage: ``SAFEBITS_BENCH_DEVICE=cuda python -m bench.experiments.step_profile [--model resnet18] [--steps 3]``
+``--times``: no profile; the median of 7 steps (after 3 warm) of ResNet-18's and GPT-2 small's gradients, of 1,000
+tensors of 16 elements, and of a pass-through step of 1,000 tensors of 272, as one JSON line. Run by path from
+another checkout's root (``PYTHONPATH=.``), it times that checkout's package: how section 5.4 compared commits on
+one machine.
+
+Usage: ``SAFEBITS_BENCH_DEVICE=cuda python -m bench.experiments.step_profile [--model resnet18] [--steps 3]
+[--times LABEL]``
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
+import statistics
 import time
 
 import torch
@@ -21,13 +29,39 @@ import torch
 from bench.suites import bench_step, model_shapes
 
 
+def median_step_ms(sizes: list[int], collective: str, budget_bits: float) -> float:
+    """The median of 7 steps, after 3 warm ones, in milliseconds."""
+    _, step, _ = bench_step.make_step(sizes, collective, budget_bits)
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return round(1e3 * statistics.median(times), 1)
+
+
+def step_times() -> dict[str, float]:
+    """``--times``: the steps section 5.4 compares across commits."""
+    times = {model: median_step_ms([model_shapes.numel(shape) for _, shape in getattr(model_shapes, model)()],
+                                   "allgather", 4.4) for model in ("resnet18", "gpt2_small")}
+    times["pass_through_1000x272"] = median_step_ms([272] * 1000, "dense", 32.0)
+    times["step_1000x16"] = median_step_ms([16] * 1000, "allgather", 4.4)
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet18", choices=["resnet18", "resnet50", "gpt2_small"])
     parser.add_argument("--steps", type=int, default=3, help="steps under cProfile")
     parser.add_argument("--rows", type=int, default=25, help="rows of each table")
+    parser.add_argument("--times", metavar="LABEL", default=None, help="print step times only, labelled")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.times is not None:
+        print(args.times, json.dumps(step_times()), flush=True)
+        return
     sizes = [model_shapes.numel(shape) for _, shape in getattr(model_shapes, args.model)()]
     _, step, _ = bench_step.make_step(sizes, "allgather", 4.4)
     for _ in range(3):
