@@ -51,7 +51,6 @@ def compile_nvrtc(arch: str = "compute_80") -> str:
         nvrtc.destroyProgram(prog)
 
 
-
 class _Stream(NamedTuple):
     """A CUDA stream as CuPy's kernel launch takes it (it reads ``ptr`` only): PyTorch's current stream."""
 
