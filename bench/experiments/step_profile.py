@@ -29,6 +29,11 @@ import torch
 from bench.suites import bench_step, model_shapes
 
 
+def model_sizes(model: str) -> list[int]:
+    """The elements of each parameter of ``model`` (``bench.suites.model_shapes``, as old checkouts have it too)."""
+    return [model_shapes.numel(shape) for _, shape in model_shapes.MODELS[model]()]
+
+
 def median_step_ms(sizes: list[int], collective: str, budget_bits: float) -> float:
     """The median of 7 steps, after 3 warm ones, in milliseconds."""
     _, step, _ = bench_step.make_step(sizes, collective, budget_bits)
@@ -44,8 +49,7 @@ def median_step_ms(sizes: list[int], collective: str, budget_bits: float) -> flo
 
 def step_times() -> dict[str, float]:
     """``--times``: the steps section 5.4 compares across commits."""
-    times = {model: median_step_ms([model_shapes.numel(shape) for _, shape in getattr(model_shapes, model)()],
-                                   "allgather", 4.4) for model in ("resnet18", "gpt2_small")}
+    times = {model: median_step_ms(model_sizes(model), "allgather", 4.4) for model in ("resnet18", "gpt2_small")}
     times["pass_through_1000x272"] = median_step_ms([272] * 1000, "dense", 32.0)
     times["step_1000x16"] = median_step_ms([16] * 1000, "allgather", 4.4)
     return times
@@ -53,7 +57,7 @@ def step_times() -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="resnet18", choices=["resnet18", "resnet50", "gpt2_small"])
+    parser.add_argument("--model", default="resnet18", choices=sorted(model_shapes.MODELS))
     parser.add_argument("--steps", type=int, default=3, help="steps under cProfile")
     parser.add_argument("--rows", type=int, default=25, help="rows of each table")
     parser.add_argument("--times", metavar="LABEL", default=None, help="print step times only, labelled")
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.times is not None:
         print(args.times, json.dumps(step_times()), flush=True)
         return
-    sizes = [model_shapes.numel(shape) for _, shape in getattr(model_shapes, args.model)()]
+    sizes = model_sizes(args.model)
     _, step, _ = bench_step.make_step(sizes, "allgather", 4.4)
     for _ in range(3):
         step()                                          # warm: compiled kernels, residuals, samples

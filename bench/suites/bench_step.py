@@ -99,7 +99,7 @@ def test_model_step(benchmark: Any, model: str) -> None:
     """One step of a model's gradients (its parameter shapes, ``bench.suites.model_shapes``) at 4.4 bits on the
     allgather path; ``fp16_vs_clone``: the casts ``Compression.fp16`` makes of the same gradients (to float16 and
     back), for scale."""
-    sizes = [model_shapes.numel(shape) for _, shape in getattr(model_shapes, model)()]
+    sizes = [model_shapes.numel(shape) for _, shape in model_shapes.MODELS[model]()]
     compressor, reads = measure_step(benchmark, sizes, "allgather")
     grads = [torch.randn(n).to(DEVICE) for n in sizes]
     fp16 = median_seconds(synchronized(lambda: [g.half().float() for g in grads]), 5)
