@@ -7,8 +7,10 @@ Kernels get the tensors' device addresses and run on PyTorch's current stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -88,12 +90,30 @@ def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def _launch(name: str, grid: int, args: tuple, device: torch.device) -> None:
+Launch = Callable[[str, int, tuple], None]
+"""``launch(kernel name, blocks, arguments)``: one kernel launch of :func:`_launcher`'s."""
+
+
+@contextlib.contextmanager
+def _launcher(device: torch.device) -> Iterator[Launch]:
+    """Launches on ``device``, on PyTorch's current stream there. The device is entered and the stream looked up
+    once per group of tensors: a lookup per launch (about ten a group) was host time the kernels did not need."""
     from cupy.cuda import Device
 
     index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _Stream(torch.cuda.current_stream(index).cuda_stream)
+
+    def launch(name: str, grid: int, args: tuple) -> None:
+        _function(name, index)((grid,), (THREADS,), args, stream=stream)
+
     with Device(index):
-        _function(name, index)((grid,), (THREADS,), args, stream=_Stream(torch.cuda.current_stream(device).cuda_stream))
+        yield launch
+
+
+def _launch(name: str, grid: int, args: tuple, device: torch.device) -> None:
+    """One launch on its own (the per-tensor kernels)."""
+    with _launcher(device) as launch:
+        launch(name, grid, args)
 
 
 def _ints(values, device):
@@ -284,39 +304,40 @@ def send_group(request: Any, tables: Any) -> Any:
     menu_args = [_ptr(a) for a in _menu_arrays(tables.menu, device)]
     buckets = int(bucket_off[-1])
     sizes = torch.empty(m, dtype=torch.int64, device=device)
-    if request.check_finite and buckets:
-        _launch("sb_group_finite_kernel", buckets, (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["n"]),
-                                                    np.int32(bucket), _ptr(r["bad"])), device)
-    if request.do_screen and pair_off[-1]:
-        part = torch.empty((int(pair_off[-1]), nact, 4), dtype=torch.float64, device=device)
-        _launch("sb_group_screen_kernel", int(pair_off[-1]) * nact,
-                (np.int32(m), _ptr(t["pair_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["n"]), _ptr(t["sample"]),
-                 _ptr(t["key"]), _ptr(r["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _ptr(part)), device)
-        _launch("sb_segment_sum_kernel", m * nact, (_ptr(part), _ptr(t["pair_off"]), np.int32(nact),
-                                                    _ptr(screen_stats)), device)
-    _launch("sb_group_choose_kernel", _grid(m),
-            (np.int32(m), _ptr(t["tensor"]), _ptr(t["allocated"]), _ptr(r["bad"]), _ptr(screen_stats),
-             np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _ptr(cost_order), _ptr(lossless),
-             np.int32(tables.lossless_index), np.float64(request.max_distortion), np.float64(request.min_cosine),
-             _ptr(payload_bytes), _ptr(r["chosen"]), _ptr(sizes)), device)
-    if request.output == GroupOutput.SCREEN:
-        sizes.zero_()                                     # the check, the screen and the choice only
-    torch.cumsum(sizes, 0, out=r["offsets"][1:])        # the layout: a prefix sum on the device (int64: exact)
-    if request.output != GroupOutput.SCREEN:
-        _launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
-                (np.int32(m), _ptr(t["stage_off"]), _ptr(t["tensor"]), _ptr(r["chosen"]), _ptr(r["offsets"]),
-                 np.int32(nact), _ptr(headers), _ptr(stage)), device)
-        if buckets:
-            part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
-            _launch("sb_group_pack_kernel", buckets,
-                    (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["sent"]), _ptr(t["n"]),
-                     _ptr(t["key"]), _ptr(r["chosen"]), _ptr(t["stage_addr"]), np.int32(bucket), *menu_args,
-                     _ptr(part)), device)
-            _launch("sb_segment_sum_kernel", m, (_ptr(part), _ptr(t["bucket_off"]), np.int32(1), _ptr(stats)), device)
-        if request.output == GroupOutput.PAYLOAD:
-            _launch("sb_gather_kernel", _grid(capacity),
-                    (np.int32(m), _ptr(r["offsets"]), _ptr(r["offsets"]), np.int32(0), _ptr(t["stage_addr"]),
-                     _ptr(buffer), np.int64(capacity)), device)
+    with _launcher(device) as launch:
+        if request.check_finite and buckets:
+            launch("sb_group_finite_kernel", buckets, (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["n"]),
+                                                       np.int32(bucket), _ptr(r["bad"])))
+        if request.do_screen and pair_off[-1]:
+            part = torch.empty((int(pair_off[-1]), nact, 4), dtype=torch.float64, device=device)
+            launch("sb_group_screen_kernel", int(pair_off[-1]) * nact,
+                   (np.int32(m), _ptr(t["pair_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["n"]), _ptr(t["sample"]),
+                    _ptr(t["key"]), _ptr(r["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _ptr(part)))
+            launch("sb_segment_sum_kernel", m * nact, (_ptr(part), _ptr(t["pair_off"]), np.int32(nact),
+                                                       _ptr(screen_stats)))
+        launch("sb_group_choose_kernel", _grid(m),
+               (np.int32(m), _ptr(t["tensor"]), _ptr(t["allocated"]), _ptr(r["bad"]), _ptr(screen_stats),
+                np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _ptr(cost_order),
+                _ptr(lossless), np.int32(tables.lossless_index), np.float64(request.max_distortion),
+                np.float64(request.min_cosine), _ptr(payload_bytes), _ptr(r["chosen"]), _ptr(sizes)))
+        if request.output == GroupOutput.SCREEN:
+            sizes.zero_()                                     # the check, the screen and the choice only
+        torch.cumsum(sizes, 0, out=r["offsets"][1:])        # the layout: a prefix sum on the device (int64: exact)
+        if request.output != GroupOutput.SCREEN:
+            launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
+                   (np.int32(m), _ptr(t["stage_off"]), _ptr(t["tensor"]), _ptr(r["chosen"]), _ptr(r["offsets"]),
+                    np.int32(nact), _ptr(headers), _ptr(stage)))
+            if buckets:
+                part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
+                launch("sb_group_pack_kernel", buckets,
+                       (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["sent"]), _ptr(t["n"]),
+                        _ptr(t["key"]), _ptr(r["chosen"]), _ptr(t["stage_addr"]), np.int32(bucket), *menu_args,
+                        _ptr(part)))
+                launch("sb_segment_sum_kernel", m, (_ptr(part), _ptr(t["bucket_off"]), np.int32(1), _ptr(stats)))
+            if request.output == GroupOutput.PAYLOAD:
+                launch("sb_gather_kernel", _grid(capacity),
+                       (np.int32(m), _ptr(r["offsets"]), _ptr(r["offsets"]), np.int32(0), _ptr(t["stage_addr"]),
+                        _ptr(buffer), np.int64(capacity)))
     data = host.to_host(results)                 # the group's one device-to-host synchronization
     values: dict[str, np.ndarray] = {}
     start = 0
@@ -362,22 +383,23 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
     t = _upload(device, stage_off=stage_off, sizes=sizes[moved], source=source, check_off=check_off, checked=checked,
                 checked_addr=addr[checked], checked_n=slot_numels[checked], checked_topk=topk_of[actions[checked]],
                 bucket_off=bucket_off, outs=addresses(outs), n=numels, own=own, addr=addr, actions=actions)
-    if moved.any():
-        _launch("sb_gather_kernel", _grid(int(stage_off[-1])),
-                (np.int32(int(moved.sum())), _ptr(t["stage_off"]), _ptr(t["sizes"]), np.int32(1), _ptr(t["source"]),
-                 _ptr(stage), np.int64(stage_off[-1])), device)
-    if len(checked):
-        bad = torch.full((1,), _INT_MAX, dtype=torch.int32, device=device)
-        _launch("sb_group_check_topk_kernel", _grid(int(check_off[-1])),
-                (np.int32(len(checked)), _ptr(t["check_off"]), _ptr(t["checked"]), _ptr(t["checked_addr"]),
-                 _ptr(t["checked_n"]), _ptr(t["checked_topk"]), np.int32(bucket), _ptr(bad)), device)
-        first_bad = int(host.to_host(bad)[0])    # the group's one read back (only with top-k payloads)
-        if first_bad != _INT_MAX:
-            return first_bad
-    if bucket_off[-1]:
-        kinds_d, levels_d, _, topks_d, trits_d = (_ptr(a) for a in _menu_arrays(menu, device))
-        _launch("sb_group_decode_kernel", int(bucket_off[-1]),
-                (np.int32(m), np.int32(ranks), _ptr(t["bucket_off"]), _ptr(t["outs"]), _ptr(t["n"]), _ptr(t["own"]),
-                 _ptr(t["addr"]), _ptr(t["actions"]), np.int32(bucket), kinds_d, levels_d, topks_d, trits_d,
-                 np.float32(divisor)), device)
+    with _launcher(device) as launch:
+        if moved.any():
+            launch("sb_gather_kernel", _grid(int(stage_off[-1])),
+                   (np.int32(int(moved.sum())), _ptr(t["stage_off"]), _ptr(t["sizes"]), np.int32(1), _ptr(t["source"]),
+                    _ptr(stage), np.int64(stage_off[-1])))
+        if len(checked):
+            bad = torch.full((1,), _INT_MAX, dtype=torch.int32, device=device)
+            launch("sb_group_check_topk_kernel", _grid(int(check_off[-1])),
+                   (np.int32(len(checked)), _ptr(t["check_off"]), _ptr(t["checked"]), _ptr(t["checked_addr"]),
+                    _ptr(t["checked_n"]), _ptr(t["checked_topk"]), np.int32(bucket), _ptr(bad)))
+            first_bad = int(host.to_host(bad)[0])    # the group's one read back (only with top-k payloads)
+            if first_bad != _INT_MAX:
+                return first_bad
+        if bucket_off[-1]:
+            kinds_d, levels_d, _, topks_d, trits_d = (_ptr(a) for a in _menu_arrays(menu, device))
+            launch("sb_group_decode_kernel", int(bucket_off[-1]),
+                   (np.int32(m), np.int32(ranks), _ptr(t["bucket_off"]), _ptr(t["outs"]), _ptr(t["n"]), _ptr(t["own"]),
+                    _ptr(t["addr"]), _ptr(t["actions"]), np.int32(bucket), kinds_d, levels_d, topks_d, trits_d,
+                    np.float32(divisor)))
     return -1
