@@ -192,33 +192,11 @@ __device__ void sb_block_stats(double a0, double a1, double a2, double a3, doubl
         for (int c = 0; c < 4; c++) dst[c] = sh[c * SB_THREADS];
 }
 
-extern "C" __global__ void __launch_bounds__(SB_THREADS)
-sb_quantize_ef_kernel(const float *g, float *e, float *out, int has_g, long long n, int bucket, int kind,
-                      int levels, int stochastic, int topk, int trits, unsigned int key, double *part) {
-    __shared__ sb_block_params P;
-    __shared__ unsigned sh_u;
-    __shared__ double sh_lane[SB_SUM_LANES];
-    __shared__ double sh[4 * SB_THREADS];
-    long long b = blockIdx.x;
-    long long j0 = b * (long long)bucket;
-    int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
-    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &P, &sh_u, sh_lane);
-    double a[4] = {0.0, 0.0, 0.0, 0.0};
-    for (int i = threadIdx.x; i < len; i += blockDim.x) {
-        long long j = j0 + i;
-        float v = sb_load(g, e, has_g, j);
-        float q = sb_element(v, kind, levels, stochastic, trits, &P, (sb_u32)key, j, i);
-        out[j] = q;
-        e[j] = v - q;
-        sb_accumulate(q, v, a);
-    }
-    sb_block_stats(a[0], a[1], a[2], a[3], sh, part + 4 * b);
-}
-
-/* The screen of bucket b for one action: its four sums into dst[0 .. 3]. */
-__device__ void sb_screen_bucket(const float *g, const float *e, int has_g, long long n, int bucket, long long b,
-                                 int kind, int levels, int stochastic, int topk, int trits, unsigned int key,
-                                 double *dst, sb_shared *S) {
+/* Bucket b quantized by one action: its four sums into dst[0 .. 3] and, with out, q into out and the residual
+ * v - q into e (the screen passes no out and writes nothing: e is read only then). */
+__device__ void sb_quantize_bucket(const float *g, float *e, float *out, int has_g, long long n, int bucket,
+                                   long long b, int kind, int levels, int stochastic, int topk, int trits,
+                                   unsigned int key, double *dst, sb_shared *S) {
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &S->P, &S->u, S->lane);
@@ -227,9 +205,29 @@ __device__ void sb_screen_bucket(const float *g, const float *e, int has_g, long
         long long j = j0 + i;
         float v = sb_load(g, e, has_g, j);
         float q = sb_element(v, kind, levels, stochastic, trits, &S->P, (sb_u32)key, j, i);
+        if (out) {
+            out[j] = q;
+            e[j] = v - q;
+        }
         sb_accumulate(q, v, a);
     }
     sb_block_stats(a[0], a[1], a[2], a[3], S->sh, dst);
+}
+
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_quantize_ef_kernel(const float *g, float *e, float *out, int has_g, long long n, int bucket, int kind,
+                      int levels, int stochastic, int topk, int trits, unsigned int key, double *part) {
+    __shared__ sb_shared S;
+    sb_quantize_bucket(g, e, out, has_g, n, bucket, blockIdx.x, kind, levels, stochastic, topk, trits, key,
+                       part + 4 * (long long)blockIdx.x, &S);
+}
+
+/* The screen of bucket b for one action: its four sums into dst[0 .. 3], nothing written. */
+__device__ void sb_screen_bucket(const float *g, const float *e, int has_g, long long n, int bucket, long long b,
+                                 int kind, int levels, int stochastic, int topk, int trits, unsigned int key,
+                                 double *dst, sb_shared *S) {
+    sb_quantize_bucket(g, (float *)e, nullptr, has_g, n, bucket, b, kind, levels, stochastic, topk, trits, key, dst,
+                       S);
 }
 
 /* One block per (screened bucket, action) pair, blockIdx.x = pair * nact + action: the actions of a bucket run in
