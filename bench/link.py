@@ -19,7 +19,8 @@ machine whose speed drifts over the minutes between cases) and records:
   both ranks; 4 (``none``) or 2 (``fp16``) bytes per parameter per rank for Horovod's own compressors;
 * for every ``@auto`` row, its throughput over the best fixed row of its front end and over ``none``, each with
   a 90% bootstrap interval (:func:`ratio_interval`: the timed steps resampled, step *i* of every row together,
-  the best chosen again in each resample);
+  the best chosen again in each resample), and how many of its timed steps ran at the best fixed row's budget
+  (:func:`fixed_budget`): whether it chose right, apart from how fast its instance ran;
 * a link probe per launch: fp32 allreduces with no model (loopback bytes / their time), the rate the link gave;
 * against the physical limit: step time / (``none`` step time on the unlimited link + modeled bytes / link rate),
   when ``unlimited`` was measured in the same invocation.
@@ -262,6 +263,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             r["best_fixed"] = None if best is None else best["compressor"]
             r["ratio_to_best"] = (r["samples_per_s"] / best["samples_per_s"]
                                   if best is not None and best["samples_per_s"] > 0 else None)
+            # Whether it chose right, apart from its instance's speed: two instances of one fixed row differ by up
+            # to 10% here (docs/RESULTS.md 4.3).
+            target = None if best is None else fixed_budget(best["compressor"])
+            bits = [b for b in r["budget_bits_per_step"] if b is not None]
+            r["steps_at_best_budget"] = None if target is None or not bits else [
+                sum(math.isclose(b, target, rel_tol=1e-3) for b in bits), len(bits)]
             # How far the launch's own noise leaves those ratios: the median of 20 steps that differ by a third
             # from one to the next is uncertain by about the target's 5% (docs/RESULTS.md 4.3).
             mine = times[r["rate"], r["model"], r["compressor"]]
@@ -312,6 +319,19 @@ def model_facts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def front_end_prefix(compressor: str) -> str:
     """``"ddp:"`` for the DDP rows, ``""`` for Horovod's."""
     return "ddp:" if compressor.startswith("ddp:") else ""
+
+
+def fixed_budget(compressor: str) -> float | None:
+    """The bits per parameter a fixed row sends, as ``auto``'s budgets count them: ``none`` 32 (``auto``'s
+    pass-through), ``safebits@B`` B; None for a row ``auto`` cannot choose (``fp16``)."""
+    name = compressor.removeprefix(front_end_prefix(compressor))
+    if name == "none":
+        return 32.0
+    bits = name.removeprefix("safebits@")
+    try:
+        return float(bits) if bits != name else None
+    except ValueError:
+        return None
 
 
 def quality_table(cases: list[dict[str, Any]]) -> str:
@@ -398,7 +418,7 @@ def auto_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: every ``@auto`` row against the best fixed compressor of its front end on the same model and rate
     (the throughput of each, ``x best``, ``x none``, each with its interval: :func:`ratio_interval`) and the
     budget ``auto`` chose at each timed step (bits per parameter, in runs, each round's apart; 32 is no
-    compression). Empty without ``@auto`` rows."""
+    compression) and how many ran at the best fixed row's budget. Empty without ``@auto`` rows."""
     autos = [r for r in rows if r["compressor"].endswith("@auto")]
     if not autos:
         return ""
@@ -415,14 +435,15 @@ def auto_table(rows: list[dict[str, Any]]) -> str:
 
     level = f"{INTERVAL_LEVEL:.0%}"
     lines = [f"| model | rate | auto | best fixed | best's throughput | auto's throughput | x best ({level}) | "
-             f"x none ({level}) | budgets of the timed steps |", "|" + " --- |" * 9]
+             f"x none ({level}) | steps at the best's budget | budgets of the timed steps |", "|" + " --- |" * 10]
     for r in autos:
+        at_best = r.get("steps_at_best_budget")
         best = next((o for o in rows if o["rate"] == r["rate"] and o["model"] == r["model"]
                      and o["compressor"] == r["best_fixed"]), None)
         lines.append(f"| {r['model']} | {r['rate']} | {r['compressor']} | {r['best_fixed'] or '-'} | "
                      f"{format_value(None if best is None else best['throughput_per_s'], '.1f')} | "
                      f"{format_value(r['throughput_per_s'], '.1f')} | {ratio(r, 'best')} | {ratio(r, 'none')} | "
-                     f"{per_round(r)} |")
+                     f"{'-' if at_best is None else f'{at_best[0]}/{at_best[1]}'} | {per_round(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -118,12 +118,20 @@ def test_auto_is_compared_with_the_best_fixed_choice_of_its_front_end() -> None:
     assert hvd["best_fixed"] == "safebits@4.4" and hvd["ratio_to_best"] == pytest.approx(0.5 / 0.5)
     assert ddp["best_fixed"] == "ddp:none" and ddp["ratio_to_best"] == pytest.approx(0.5 / 0.25)
     assert hvd["budget_bits_per_step"] == [32.0, 2.0, 2.0]
+    assert hvd["steps_at_best_budget"] == [0, 3]               # none of its steps at the best's 4.4 bits
+    assert ddp["steps_at_best_budget"] is None                 # no budgets recorded for DDP's auto here
     assert "safebits@4.4" not in [r.get("best_fixed") for r in rows.values() if r["compressor"] == "none"]
     table = link.auto_table(list(rows.values()))
     assert "| cnn | 1gbit | safebits@auto | safebits@4.4 |" in table and "32 x1, 2 x2" in table
     assert "| cnn | 1gbit | ddp:safebits@auto | ddp:none |" in table and "2.00x (2.00-2.00)" in table
     assert hvd["ratio_to_none_interval"][0] <= hvd["ratio_to_none"] <= hvd["ratio_to_none_interval"][1]
+    assert "| 0/3 | 32 x1, 2 x2 |" in table
     assert link.auto_table([r for r in rows.values() if "auto" not in r["compressor"]]) == ""
+
+
+def test_fixed_budget_is_what_auto_would_choose_for_that_row() -> None:
+    assert [link.fixed_budget(c) for c in ("none", "ddp:none", "safebits@4.4", "ddp:safebits@2")] == [32, 32, 4.4, 2]
+    assert [link.fixed_budget(c) for c in ("fp16", "ddp:fp16", "safebits@auto", "topk")] == [None] * 4
 
 
 def test_ratio_interval_pairs_steps_and_chooses_the_best_in_every_resample() -> None:
