@@ -324,14 +324,10 @@ def front_end_prefix(compressor: str) -> str:
 def fixed_budget(compressor: str) -> float | None:
     """The bits per parameter a fixed row sends, as ``auto``'s budgets count them: ``none`` 32 (``auto``'s
     pass-through), ``safebits@B`` B; None for a row ``auto`` cannot choose (``fp16``)."""
-    name = compressor.removeprefix(front_end_prefix(compressor))
-    if name == "none":
+    spec = specs.parse(compressor)
+    if spec.name == "none":
         return 32.0
-    bits = name.removeprefix("safebits@")
-    try:
-        return float(bits) if bits != name else None
-    except ValueError:
-        return None
+    return spec.budget_bits if spec.name == "safebits" and isinstance(spec.budget_bits, float) else None
 
 
 def quality_table(cases: list[dict[str, Any]]) -> str:
