@@ -16,8 +16,10 @@ values into a float32 tensor, :func:`decode` returns them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -39,6 +41,7 @@ STAT_COLUMNS = ("err2", "qv", "q2", "v2")
 
 _log = logging.getLogger(__name__)
 _cpu_module: Any = None        # the CPU backend once chosen (an import statement per call costs microseconds)
+_override: Any = None          # a backend that serves every device (use_backend)
 
 
 def _cpu_backend():
@@ -56,6 +59,8 @@ def _cpu_backend():
 
 
 def _backend(device: torch.device):
+    if _override is not None:
+        return _override
     if device.type == "cpu":
         return _cpu_backend()
     if device.type == "cuda":
@@ -67,8 +72,20 @@ def _backend(device: torch.device):
 
 def backend_name(device: torch.device | str = "cpu") -> str:
     """``'c'``, ``'reference'`` or ``'cuda'``: the backend that serves tensors on ``device``."""
-    mod = _backend(torch.device(device))
-    return {"cpu": "c", "reference": "reference", "cuda": "cuda"}[mod.__name__.rsplit(".", 1)[-1]]
+    return _backend(torch.device(device)).NAME
+
+
+@contextlib.contextmanager
+def use_backend(backend: Any) -> Iterator[None]:
+    """Inside the block, ``backend`` serves tensors on every device: a module or object with this package's
+    backend functions and a ``NAME`` (``"c"``, ``"reference"`` or ``"cuda"``), as ``cpu``, ``reference`` and
+    ``cuda`` are. The counting tests run the CUDA backend's orchestration on CPU tensors this way."""
+    global _override
+    previous, _override = _override, backend
+    try:
+        yield
+    finally:
+        _override = previous
 
 
 def _check(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
@@ -325,12 +342,11 @@ def send_group(request: GroupSend, tables: GroupTables) -> GroupSent:
         raise ValueError("send_group: GroupOutput.VALUES writes q into every member's sents tensor; one is None")
     device = request.residuals[0].device if request.residuals else torch.device("cpu")
     backend = _backend(device)
-    if backend.__name__.endswith(".cuda"):
-        return backend.send_group(request, tables)      # its one read back is counted there (host.to_host)
-    host.count()
-    if backend.__name__.endswith(".cpu"):
-        return backend.send_group(request, tables)
-    return _send_group_loop(request, tables, device)
+    if backend.NAME == "reference":
+        return _send_group_loop(request, tables, device)
+    if backend.NAME == "c":
+        host.count()        # the read a device backend makes (the CUDA one counts its own, host.to_host)
+    return backend.send_group(request, tables)
 
 
 def _send_group_loop(request: GroupSend, tables: GroupTables, device: torch.device) -> GroupSent:
@@ -397,13 +413,13 @@ def decode_group(payloads: list[list[torch.Tensor]] | Gathered, actions: np.ndar
     backend = _backend(outs[0].device)
     flat: Any = None
     if isinstance(payloads, Gathered):
-        if backend.__name__.endswith(".cpu"):       # the C call takes addresses: no view made per payload
+        if backend.NAME == "c":       # the C call takes addresses: no view made per payload
             flat = payloads.buffer.data_ptr() + payloads.offsets.reshape(-1).astype(np.int64)
         else:
             payloads = payloads.payloads(sizes.reshape(len(outs), ranks))
     if flat is None:
         flat = [p for member in payloads for p in member]
-    if backend.__name__.endswith((".cpu", ".cuda")):      # cuda: same arguments, its top-k read back counted there
+    if backend.NAME != "reference":      # cuda: same arguments, its top-k read back counted there
         body_bytes = sizes - wire.HEADER_BYTES
         bad = backend.decode_group(flat, body_bytes, actions.reshape(-1), outs, tables.numels[members], own, ranks,
                                    tables.menu, float(divisor))

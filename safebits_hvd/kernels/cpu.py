@@ -30,6 +30,9 @@ from ..wire import HEADER_BYTES, Header, WireFormatError
 from .source import translation_unit
 from .tensors import addresses, element_counts
 
+NAME = "c"
+"""The backend's name (:func:`safebits_hvd.kernels.backend_name`)."""
+
 HERE = Path(__file__).resolve().parent
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 

@@ -16,10 +16,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .. import host
 from ..actions import Action, ActionKind, Menu
 from ..wire import HEADER_BYTES, Header, WireFormatError
 from .source import translation_unit
 from .tensors import addresses
+
+NAME = "cuda"
+"""The backend's name (:func:`safebits_hvd.kernels.backend_name`)."""
 
 THREADS = 256
 NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true",
@@ -82,42 +86,71 @@ def _function(name: str, device_index: int) -> Any:
     return _module(device_index).get_function(name)
 
 
-def _ptr(t: torch.Tensor) -> np.uint64:
-    """A tensor as a kernel argument: its device address. A DLPack exchange per argument instead took more host
-    time than the kernels of the step on a GPU (docs/RESULTS.md, "On a GPU")."""
-    if not t.is_cuda:
-        raise TypeError(f"the CUDA kernels take CUDA tensors, got one on {t.device}")
-    return np.uint64(t.data_ptr())
-
-
 Launch = Callable[[str, int, tuple], None]
-"""``launch(kernel name, blocks, arguments)``: one kernel launch of :func:`_launcher`'s."""
+"""``launch(kernel name, blocks, arguments)``: one kernel launch."""
+
+
+class Runtime:
+    """Where this backend's kernels run: CuPy's launch of the NVRTC-compiled kernels on PyTorch's current stream.
+    :func:`use_runtime` swaps it, so that a test can drive this module's orchestration (its launches, uploads and
+    reads, counted by :mod:`safebits_hvd.host`) on CPU tensors without a GPU."""
+
+    def address(self, t: torch.Tensor) -> np.uint64:
+        """A tensor as a kernel argument: its device address. A DLPack exchange per argument instead took more
+        host time than the kernels of the step on a GPU (docs/RESULTS.md, "On a GPU")."""
+        if not t.is_cuda:
+            raise TypeError(f"the CUDA kernels take CUDA tensors, got one on {t.device}")
+        return np.uint64(t.data_ptr())
+
+    @contextlib.contextmanager
+    def launcher(self, device: torch.device) -> Iterator[Launch]:
+        """Launches on ``device``, on PyTorch's current stream there. The device is entered and the stream looked
+        up once per group of tensors: a lookup per launch was host time the kernels did not need."""
+        from cupy.cuda import Device
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = _Stream(torch.cuda.current_stream(index).cuda_stream)
+
+        def launch(name: str, grid: int, args: tuple) -> None:
+            _function(name, index)((grid,), (THREADS,), args, stream=stream)
+
+        with Device(index):
+            yield launch
+
+
+_runtime = Runtime()
+
+
+@contextlib.contextmanager
+def use_runtime(runtime: Runtime) -> Iterator[None]:
+    """Run this module's kernels through ``runtime`` inside the block (see :class:`Runtime`)."""
+    global _runtime
+    previous, _runtime = _runtime, runtime
+    try:
+        yield
+    finally:
+        _runtime = previous
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return _runtime.address(t)
 
 
 @contextlib.contextmanager
 def _launcher(device: torch.device) -> Iterator[Launch]:
-    """Launches on ``device``, on PyTorch's current stream there. The device is entered and the stream looked up
-    once per group of tensors: a lookup per launch (about ten a group) was host time the kernels did not need."""
-    from cupy.cuda import Device
+    """The runtime's launches on ``device``, each counted (:func:`safebits_hvd.host.launched`)."""
+    with _runtime.launcher(device) as launch:
+        def counted(name: str, grid: int, args: tuple) -> None:
+            host.launched()
+            launch(name, grid, args)
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _Stream(torch.cuda.current_stream(index).cuda_stream)
-
-    def launch(name: str, grid: int, args: tuple) -> None:
-        _function(name, index)((grid,), (THREADS,), args, stream=stream)
-
-    with Device(index):
-        yield launch
+        yield counted
 
 
 def _launch(name: str, grid: int, args: tuple, device: torch.device) -> None:
     """One launch on its own (the per-tensor kernels)."""
     with _launcher(device) as launch:
         launch(name, grid, args)
-
-
-def _ints(values, device):
-    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, action: Action,
@@ -170,7 +203,7 @@ def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate:
         _launch("sb_check_topk_kernel", -(-nb // THREADS),
                 (_ptr(payload), np.int64(n), np.int32(header.bucket_size), np.int32(header.topk), _ptr(bad)),
                 out.device)
-        first_bad = int(bad.item())
+        first_bad = int(host.to_host(bad)[0])
         if first_bad != 2**31 - 1:
             raise WireFormatError(f"{name}: top-k bucket {first_bad} has local indices out of range or not "
                                   "ascending")
@@ -192,14 +225,9 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
     if m == 0:
         return torch.zeros((len(menu), 4), dtype=torch.float64, device=e.device)
     part = torch.empty((m, len(menu), 4), dtype=torch.float64, device=e.device)
-    kinds = _ints([int(a.kind) for a in menu], e.device)
-    levels = _ints([a.levels for a in menu], e.device)
-    stoch = _ints([int(a.stochastic) for a in menu], e.device)
-    topks = _ints([a.topk_per_bucket if a.kind == ActionKind.TOPK else 0 for a in menu], e.device)
-    trits = _ints([int(a.packs_trits) for a in menu], e.device)
     args = (_ptr(g if g is not None else e), _ptr(e), np.int32(g is not None), np.int64(n),
-            np.int32(menu.bucket_size), _ptr(buckets), np.int32(len(menu)), _ptr(kinds), _ptr(levels),
-            _ptr(stoch), _ptr(topks), _ptr(trits), np.uint32(key & 0xFFFFFFFF), _ptr(part))
+            np.int32(menu.bucket_size), _ptr(buckets), np.int32(len(menu)),
+            *(_ptr(a) for a in _menu_arrays(menu, e.device)), np.uint32(key & 0xFFFFFFFF), _ptr(part))
     _launch("sb_screen_kernel", m * len(menu), args, e.device)
     return part.sum(dim=0)
 
@@ -216,8 +244,8 @@ _tables_cache: weakref.WeakKeyDictionary[Any, dict[torch.device, tuple[torch.Ten
 @functools.lru_cache(maxsize=64)
 def _menu_arrays(menu: Menu, device: torch.device) -> tuple[torch.Tensor, ...]:
     """kinds, levels, stochastic, topks, trits of every action (int32 on ``device``): copied once per menu."""
-    args = [_action_args(a) for a in menu]
-    return tuple(torch.tensor([int(x[c]) for x in args], dtype=torch.int32, device=device) for c in range(5))
+    args = np.array([[int(x) for x in _action_args(a)] for a in menu], dtype=np.int32)
+    return tuple(host.to_device(np.ascontiguousarray(args[:, c]), device) for c in range(5))
 
 
 def _device_tables(tables: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -225,7 +253,7 @@ def _device_tables(tables: Any, device: torch.device) -> tuple[torch.Tensor, ...
     copied once per tables object (they never change between steps)."""
     per_device = _tables_cache.setdefault(tables, {})
     if device not in per_device:
-        per_device[device] = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (
+        per_device[device] = tuple(host.to_device(a, device) for a in (
             tables.payload_bytes, tables.headers, tables.cost_order, tables.lossless))
     return per_device[device]
 
@@ -235,18 +263,6 @@ def _prefix(sizes: np.ndarray) -> np.ndarray:
     out = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=out[1:])
     return out
-
-
-def _upload(device: torch.device, **columns: np.ndarray) -> dict[str, torch.Tensor]:
-    """The per-group int64 tables as views of ONE device tensor, copied from pinned memory without blocking (a
-    pageable copy would synchronize the stream)."""
-    flat = [np.asarray(c).astype(np.int64, copy=False).ravel() for c in columns.values()]
-    device_table = torch.from_numpy(np.concatenate(flat)).pin_memory().to(device, non_blocking=True)
-    views, start = {}, 0
-    for name, column in zip(columns, flat, strict=True):
-        views[name] = device_table[start:start + column.size]
-        start += column.size
-    return views
 
 
 def _grid(threads: int) -> int:
@@ -262,7 +278,6 @@ def send_group(request: Any, tables: Any) -> Any:
     and arguments). The float64 sums are reduced per member in a fixed order (``sb_segment_sum_kernel``), which is
     not torch's ``part.sum(dim=0)`` of :func:`screen` / :func:`quantize_pack_ef`: equal to float64 rounding, not
     bitwise."""
-    from .. import host
     from . import GroupOutput, GroupSent
 
     device = request.residuals[0].device
@@ -288,13 +303,17 @@ def send_group(request: Any, tables: Any) -> Any:
     stage_off = _prefix(-(-largest // 16) * 16)
     stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
     buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
-    t = _upload(device, g=addresses(request.grads), e=addresses(request.residuals), sent=addresses(request.sents),
-                sample=addresses(samples), n=numels, key=np.asarray(request.keys, dtype=np.uint32),
-                allocated=np.asarray(request.allocated), tensor=members, bucket_off=bucket_off, pair_off=pair_off,
-                stage_off=stage_off, stage_addr=stage.data_ptr() + stage_off[:-1])
-    # Everything read back, in one int64 tensor: bad (NaN/Inf) flags, chosen, offsets, then the float64 sums.
-    spans = {"bad": m, "chosen": m, "offsets": m + 1, "screen": m * nact * 4, "stats": m * 4}
-    results = torch.zeros(sum(spans.values()), dtype=torch.int64, device=device)
+    # One upload of what changes per step: addresses, keys, the allocation, the layout; and m zeros, the NaN/Inf
+    # flags the check sets (so no launch zeroes them).
+    t = host.upload(device, dict(
+        g=addresses(request.grads), e=addresses(request.residuals), sent=addresses(request.sents),
+        sample=addresses(samples), n=numels, key=np.asarray(request.keys, dtype=np.uint32),
+        allocated=np.asarray(request.allocated), tensor=members, bucket_off=bucket_off, pair_off=pair_off,
+        stage_off=stage_off, stage_addr=stage.data_ptr() + stage_off[:-1], bad=np.zeros(m, dtype=np.int64)))
+    # Everything read back, in one int64 tensor: chosen (-1: NaN/Inf), offsets, then the float64 sums; every word
+    # is written by a kernel below, or not read (the sums of a pass that did not run are zeros on the host).
+    spans = {"chosen": m, "offsets": m + 1, "screen": m * nact * 4, "stats": m * 4}
+    results = torch.empty(sum(spans.values()), dtype=torch.int64, device=device)
     r, start = {}, 0
     for name, size in spans.items():
         r[name] = results[start:start + size]
@@ -303,30 +322,30 @@ def send_group(request: Any, tables: Any) -> Any:
     payload_bytes, headers, cost_order, lossless = _device_tables(tables, device)
     menu_args = [_ptr(a) for a in _menu_arrays(tables.menu, device)]
     buckets = int(bucket_off[-1])
-    sizes = torch.empty(m, dtype=torch.int64, device=device)
-    with _launcher(device) as launch:
+    screened = bool(request.do_screen and pair_off[-1])
+    packed = request.output != GroupOutput.SCREEN and buckets > 0
+    with _launcher(device) as launch:             # at most 8 launches, whatever the member count
         if request.check_finite and buckets:
             launch("sb_group_finite_kernel", buckets, (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["n"]),
-                                                       np.int32(bucket), _ptr(r["bad"])))
-        if request.do_screen and pair_off[-1]:
+                                                       np.int32(bucket), _ptr(t["bad"])))
+        if screened:
             part = torch.empty((int(pair_off[-1]), nact, 4), dtype=torch.float64, device=device)
             launch("sb_group_screen_kernel", int(pair_off[-1]) * nact,
                    (np.int32(m), _ptr(t["pair_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["n"]), _ptr(t["sample"]),
-                    _ptr(t["key"]), _ptr(r["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _ptr(part)))
+                    _ptr(t["key"]), _ptr(t["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _ptr(part)))
             launch("sb_segment_sum_kernel", m * nact, (_ptr(part), _ptr(t["pair_off"]), np.int32(nact),
                                                        _ptr(screen_stats)))
-        launch("sb_group_choose_kernel", _grid(m),
-               (np.int32(m), _ptr(t["tensor"]), _ptr(t["allocated"]), _ptr(r["bad"]), _ptr(screen_stats),
+        # The choice and the layout (offsets: a prefix sum of the chosen payloads' bytes), one block.
+        launch("sb_group_choose_kernel", 1,
+               (np.int32(m), _ptr(t["tensor"]), _ptr(t["allocated"]), _ptr(t["bad"]), _ptr(screen_stats),
                 np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _ptr(cost_order),
                 _ptr(lossless), np.int32(tables.lossless_index), np.float64(request.max_distortion),
-                np.float64(request.min_cosine), _ptr(payload_bytes), _ptr(r["chosen"]), _ptr(sizes)))
-        if request.output == GroupOutput.SCREEN:
-            sizes.zero_()                                     # the check, the screen and the choice only
-        torch.cumsum(sizes, 0, out=r["offsets"][1:])        # the layout: a prefix sum on the device (int64: exact)
+                np.float64(request.min_cosine), _ptr(payload_bytes),
+                np.int32(request.output == GroupOutput.PAYLOAD), _ptr(r["chosen"]), _ptr(r["offsets"])))
         if request.output != GroupOutput.SCREEN:
             launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
-                   (np.int32(m), _ptr(t["stage_off"]), _ptr(t["tensor"]), _ptr(r["chosen"]), _ptr(r["offsets"]),
-                    np.int32(nact), _ptr(headers), _ptr(stage)))
+                   (np.int32(m), _ptr(t["stage_off"]), _ptr(t["tensor"]), _ptr(r["chosen"]), np.int32(nact),
+                    _ptr(payload_bytes), _ptr(headers), _ptr(stage)))
             if buckets:
                 part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
                 launch("sb_group_pack_kernel", buckets,
@@ -344,10 +363,11 @@ def send_group(request: Any, tables: Any) -> Any:
     for name, size in spans.items():
         values[name] = data[start:start + size]
         start += size
+    chosen = values["chosen"].copy()
     offsets = values["offsets"].copy() if request.output == GroupOutput.PAYLOAD else np.zeros(m + 1, dtype=np.int64)
-    return GroupSent(buffer[:int(offsets[-1])], values["bad"] == 0,
-                     values["screen"].view(np.float64).reshape(m, nact, 4), values["chosen"].copy(), offsets,
-                     values["stats"].view(np.float64).reshape(m, 4))
+    screen_host = values["screen"].view(np.float64).reshape(m, nact, 4) if screened else np.zeros((m, nact, 4))
+    stats_host = values["stats"].view(np.float64).reshape(m, 4) if packed else np.zeros((m, 4))
+    return GroupSent(buffer[:int(offsets[-1])], chosen >= 0, screen_host, chosen, offsets, stats_host)
 
 
 def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np.ndarray, outs: list[torch.Tensor],
@@ -357,8 +377,6 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
     ranks in rank order, bitwise the per-tensor ``decode`` then ``decode_add`` sequence. Top-k payloads are checked
     first, in one launch and ONE read back; returns -1 or the first slot (member * ranks + rank) whose top-k indices
     are invalid (nothing is decoded then)."""
-    from .. import host
-
     m, device, bucket = len(outs), outs[0].device, menu.bucket_size
     actions = np.ascontiguousarray(actions, dtype=np.int64).reshape(-1)
     own = np.ascontiguousarray(own, dtype=np.int64)
@@ -380,9 +398,10 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
     checked = np.flatnonzero(decoded & (kinds[actions] == int(ActionKind.TOPK)) & (slot_numels > 0))
     check_off = _prefix(-(-slot_numels[checked] // bucket))
     bucket_off = _prefix(-(-numels // bucket))
-    t = _upload(device, stage_off=stage_off, sizes=sizes[moved], source=source, check_off=check_off, checked=checked,
-                checked_addr=addr[checked], checked_n=slot_numels[checked], checked_topk=topk_of[actions[checked]],
-                bucket_off=bucket_off, outs=addresses(outs), n=numels, own=own, addr=addr, actions=actions)
+    t = host.upload(device, dict(
+        stage_off=stage_off, sizes=sizes[moved], source=source, check_off=check_off, checked=checked,
+        checked_addr=addr[checked], checked_n=slot_numels[checked], checked_topk=topk_of[actions[checked]],
+        bucket_off=bucket_off, outs=addresses(outs), n=numels, own=own, addr=addr, actions=actions))
     with _launcher(device) as launch:
         if moved.any():
             launch("sb_gather_kernel", _grid(int(stage_off[-1])),

@@ -606,43 +606,58 @@ sb_segment_sum_kernel(const double *part, const long long *seg_off, int width, d
     sb_block_stats(a0, a1, a2, a3, sh, out + 4 * (long long)blockIdx.x);
 }
 
-/* Per member (one thread each): the action to send (sb_first_candidate on the screen's sums when `choose`, else
- * the allocated one; -1 for a non-finite member) and its payload's bytes (0 for -1) into sizes[k]; the host turns
- * sizes into offsets by a prefix sum on the device. */
-extern "C" __global__ void sb_group_choose_kernel(int m, const long long *tensor, const long long *allocated,
-                                                  const long long *bad, const double *screen_stats, int choose,
-                                                  int nact, const long long *cost_order,
-                                                  const unsigned char *lossless, int lossless_index,
-                                                  double max_distortion, double min_cosine,
-                                                  const long long *payload_bytes, long long *chosen,
-                                                  long long *sizes) {
-    int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= m) return;
-    if (bad[k]) {
-        chosen[k] = -1;
-        sizes[k] = 0;
-        return;
+/* The choice and the layout, ONE block: per member the action to send (sb_first_candidate on the screen's sums
+ * when `choose`, else the allocated one; -1 for a non-finite member), and with `layout` the offsets of the chosen
+ * payloads back to back (offsets[0] = 0, offsets[k + 1] = offsets[k] + the bytes of member k's; 0 for -1), an
+ * exact int64 prefix sum, chunk after chunk of SB_THREADS members; without it every offset is 0. */
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_group_choose_kernel(int m, const long long *tensor, const long long *allocated, const long long *bad,
+                       const double *screen_stats, int choose, int nact, const long long *cost_order,
+                       const unsigned char *lossless, int lossless_index, double max_distortion,
+                       double min_cosine, const long long *payload_bytes, int layout, long long *chosen,
+                       long long *offsets) {
+    __shared__ long long scan[SB_THREADS];
+    long long carry = 0;
+    if (threadIdx.x == 0) offsets[0] = 0;
+    for (int base = 0; base < m; base += blockDim.x) {
+        int k = base + (int)threadIdx.x;
+        long long size = 0;
+        if (k < m) {
+            long long t = tensor[k];
+            int a = bad[k] ? -1
+                    : choose ? sb_first_candidate(screen_stats + (long long)k * nact * 4, nact, (int)allocated[k],
+                                                  cost_order + t * nact, lossless, lossless_index, max_distortion,
+                                                  min_cosine)
+                             : (int)allocated[k];
+            chosen[k] = a;
+            size = layout && a >= 0 ? payload_bytes[t * nact + a] : 0;
+        }
+        scan[threadIdx.x] = size; /* inclusive scan of the chunk (Hillis-Steele) */
+        __syncthreads();
+        for (int d = 1; d < (int)blockDim.x; d <<= 1) {
+            long long add = (int)threadIdx.x >= d ? scan[threadIdx.x - d] : 0;
+            __syncthreads();
+            scan[threadIdx.x] += add;
+            __syncthreads();
+        }
+        if (k < m) offsets[k + 1] = carry + scan[threadIdx.x];
+        carry += scan[blockDim.x - 1];
+        __syncthreads();
     }
-    long long t = tensor[k];
-    int a = choose ? sb_first_candidate(screen_stats + (long long)k * nact * 4, nact, (int)allocated[k],
-                                        cost_order + t * nact, lossless, lossless_index, max_distortion, min_cosine)
-                   : (int)allocated[k];
-    chosen[k] = a;
-    sizes[k] = payload_bytes[t * nact + a];
 }
 
 /* The staging payloads, each at a 16-byte-aligned stage_off[k] (the per-tensor kernels' word-wide atomics need
  * the alignment; the back-to-back buffer has none): 16-byte chunk 0 = the header of the chosen action, the other
  * chunks of the chosen payload zeroed (the packing pass ORs codes in). One thread per chunk of the stage. */
 extern "C" __global__ void sb_group_stage_kernel(int m, const long long *stage_off, const long long *tensor,
-                                                 const long long *chosen, const long long *offsets, int nact,
+                                                 const long long *chosen, int nact, const long long *payload_bytes,
                                                  const uint4 *headers, uint4 *stage) {
     long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (c * 16 >= stage_off[m]) return;
     int k = sb_segment_of(stage_off, m, c * 16);
     long long local = c - stage_off[k] / 16;
     long long a = chosen[k];
-    if (a < 0 || local * 16 >= offsets[k + 1] - offsets[k]) return;
+    if (a < 0 || local * 16 >= payload_bytes[tensor[k] * nact + a]) return;
     stage[c] = local == 0 ? headers[tensor[k] * nact + a] : make_uint4(0u, 0u, 0u, 0u);
 }
 

@@ -26,6 +26,9 @@ from ..actions import (
 )
 from ..wire import HEADER_BYTES, Header, WireFormatError
 
+NAME = "reference"
+"""The backend's name (:func:`safebits_hvd.kernels.backend_name`)."""
+
 _SIGN_BIT = -(2**31)
 
 SUM_LANES = 8
