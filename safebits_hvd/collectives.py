@@ -196,9 +196,19 @@ class DensePath(CollectivePath):
 
 # ---------------------------------------------------------------------------------------------- fused allgather
 FUSION_ELEMENTS = 1 << 16
-"""Elements per fusion group of the allgather path (about 32 KB of payload at 4 bits): a group of small tensors pays
-one collective's latency, and groups stay small enough that most of them start while backward still runs (with
-1,000 small tensors, 2^16 gave the shortest step of 2^12, 2^14, 2^16 and 2^18: docs/RESULTS.md 5.3)."""
+"""Elements per fusion group of the allgather path on the CPU (about 32 KB of payload at 4 bits): a group of small
+tensors pays one collective's latency, and groups stay small enough that most of them start while backward still
+runs (with 1,000 small tensors, 2^16 gave the shortest step of 2^12, 2^14, 2^16 and 2^18: docs/RESULTS.md 5.3)."""
+
+DEVICE_FUSION_BYTES = 64 << 20
+"""Float32 gradient bytes per fusion group on a GPU: a group's send is a fixed handful of launches and one read back
+whatever its member count, so groups are as large as memory allows (CGX fuses 64 MB); ResNet-18's gradients are one
+group, GPT-2 small's eight."""
+
+
+def fusion_bytes_for(device: torch.device) -> int:
+    """The default float32 gradient bytes per fusion group of tensors on ``device``."""
+    return DEVICE_FUSION_BYTES if device.type == "cuda" else 4 * FUSION_ELEMENTS
 
 
 def fusion_groups(numels: np.ndarray, max_elements: int = FUSION_ELEMENTS) -> list[list[int]]:
@@ -250,22 +260,31 @@ class AllgatherPath(PackedCodec, CollectivePath):
     front_end_groups = True
 
     def __init__(self, names: list[str], numels: np.ndarray, tables: kernels.GroupTables, cheapest: np.ndarray,
-                 sender: Any, collective_name: str, max_elements: int = FUSION_ELEMENTS) -> None:
+                 sender: Any, collective_name: str, fusion_bytes: int | None = None) -> None:
         super().__init__(tables.menu, cheapest)
         self.names = names
+        self.numels = numels
         self.tables = tables
         self.sender = sender              # the core's sending.Sender: sends a whole group in one batched pass
         self.collective_name = collective_name
-        self._fusion = fusion_groups(numels, max_elements)
+        self.fusion_bytes = fusion_bytes  # None: by the device of the first gradient registered
         self.step = -1
-        self._regroup()
+        self._fusion: list[list[int]] = []
+        self._regroup()                   # no groups until fusion_bytes is known
+        if fusion_bytes is not None:
+            self._group_by(fusion_bytes)
         self._clear()
+
+    def _group_by(self, fusion_bytes: int) -> None:
+        self.fusion_bytes = fusion_bytes
+        self._fusion = fusion_groups(self.numels, fusion_bytes // 4)
+        self._regroup()
 
     def _regroup(self) -> None:
         """The fusion groups (a front end's own groups of the last step are dropped)."""
         self.groups = [list(members) for members in self._fusion]
-        self.group_of = np.empty(len(self.names), dtype=np.int64)
-        self.member_of = np.empty(len(self.names), dtype=np.int64)
+        self.group_of = np.full(len(self.names), -1, dtype=np.int64)
+        self.member_of = np.full(len(self.names), -1, dtype=np.int64)
         self._members: list[np.ndarray] = []
         for members in self.groups:
             self._index_group(members)
@@ -325,6 +344,8 @@ class AllgatherPath(PackedCodec, CollectivePath):
         """Make ``members`` (none registered yet this step) one group for the rest of the step, sent when the last
         of them is registered; every rank must make the same groups (the DDP hook's chunks of its buckets). The
         groups a front end makes in the same order as last step are reused as they are."""
+        if self.fusion_bytes is None:
+            self._group_by(0)           # a front end that groups itself: every other tensor alone
         if any(int(self.group_of[i]) in self._registered for i in members):
             raise RuntimeError("group_together: a member was already registered this step")
         group = self._made
@@ -338,6 +359,8 @@ class AllgatherPath(PackedCodec, CollectivePath):
     def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
         """Tensor ``index``'s flat gradient (``own``: where its ``q`` is to be written, or None); returns its group
         when this completes it (the caller sends the group then), else None."""
+        if self.fusion_bytes is None:
+            self._group_by(fusion_bytes_for(gradient.device))
         group = int(self.group_of[index])
         members = self._registered.setdefault(group, {})
         members[index] = (gradient, own)

@@ -247,6 +247,10 @@ class SafeBits(CoreCompressor):
             benchmarks pass their own here.
         transport: the payload transport (:class:`~safebits_hvd.transports.PayloadTransport`). Default None:
             Horovod's allgather and alltoall when Horovod runs several ranks, else none.
+        fusion_bytes: on the allgather path, the float32 gradient bytes of consecutive tensors sent in one batched
+            pass and one allgather (a larger tensor goes alone); 0: every tensor alone. Default None: by the
+            gradients' device, 256 KiB on the CPU (groups start while backward runs) and 64 MiB on a GPU (a group
+            costs a fixed handful of kernel launches and one read back whatever its member count).
 
     Attributes:
         last_step: the :class:`StepRecord` of the last completed step (None before the first).
@@ -260,14 +264,16 @@ class SafeBits(CoreCompressor):
                  consistency_check_every: int = 1, nonfinite: str = "propagate", screen: bool = True,
                  name: str = "safebits", max_history: int = 1000, collective: str = "auto",
                  process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT,
-                 exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
+                 exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None,
+                 fusion_bytes: int | None = None) -> None:
         check_transports(exchange, transport)
         params, core = build_core(
             named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
             screen=screen, name=name, max_history=max_history, collective=collective, timeout=timeout,
             exchange=exchange if exchange is not None else (lambda t: make_exchange(name, process_set, t)),
-            transport=transport if transport is not None else (lambda t: make_transport(process_set, t)))
+            transport=transport if transport is not None else (lambda t: make_transport(process_set, t)),
+            fusion_bytes=fusion_bytes)
         self._attach(params, core)
         self.menu = core.menu
         self.schedule = core.schedule

@@ -98,8 +98,8 @@ class SafeBitsCore:
         collective: ``"auto"``, ``"allgather"``, ``"two_phase"`` or ``"dense"`` (:mod:`.collectives`).
         dense_wire_bytes: bytes per element the front end puts on the wire on the dense path (4: float32).
         name: prefix of the payload collectives' names (distinct per object).
-        fusion_elements: elements per fusion group of the allgather path (:func:`.collectives.fusion_groups`); 0:
-            every tensor alone (a front end that batches itself, as the DDP hook does per bucket).
+        fusion_bytes: float32 gradient bytes per allgather fusion group (:func:`.collectives.fusion_groups`);
+            None: by device (:func:`.collectives.fusion_bytes_for`); 0: each tensor alone (the DDP hook's groups).
     """
 
     def __init__(self, names: list[str], numels: np.ndarray, *, policy: BudgetPolicy,
@@ -108,7 +108,7 @@ class SafeBitsCore:
                  nonfinite: str = "propagate", sample_buckets: int = 16, consistency_check_every: int = 1,
                  max_history: int = 10000, log_path: str | os.PathLike[str] | None = None, collective: str = "dense",
                  transport: PayloadTransport | Callable[[], PayloadTransport] = make_transport,
-                 dense_wire_bytes: int = 4, name: str = "safebits", fusion_elements: int = collectives.FUSION_ELEMENTS,
+                 dense_wire_bytes: int = 4, name: str = "safebits", fusion_bytes: int | None = None,
                  ) -> None:
         # -- what is being compressed, and how decisions are made
         self.names = names
@@ -138,7 +138,7 @@ class SafeBitsCore:
         self.sender = Sender(names, numels, policy, self.memory, error_feedback=error_feedback, nonfinite=nonfinite,
                              sample_buckets=sample_buckets, tables=tables)
         self.two_phase = TwoPhasePath(names, numels, policy, name, self.sender)
-        self.allgather = AllgatherPath(names, numels, tables, cheapest, self.sender, name, fusion_elements)
+        self.allgather = AllgatherPath(names, numels, tables, cheapest, self.sender, name, fusion_bytes)
         self.path: CollectivePath = DensePath(policy.menu, cheapest, self.sender, dense_wire_bytes)
         self.paths: dict[str, CollectivePath] = {"dense": self.path, "allgather": self.allgather,
                                                  "two_phase": self.two_phase}

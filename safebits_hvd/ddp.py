@@ -114,7 +114,7 @@ class SafeBitsState(CoreRecords):
                 lambda t: TorchDistributedExchange(process_group, t) if several() else LocalExchange()),
             transport=transport if transport is not None else (
                 lambda t: TorchDistributedTransport(process_group, t) if several() else LocalTransport()),
-            fusion_elements=0)       # the hook batches a bucket's payloads itself (CHUNK_BYTES, the transport's flush)
+            fusion_bytes=0)       # the hook batches a bucket's payloads itself (CHUNK_BYTES, the transport's flush)
         self.core = core
         self.names = core.names
         self.timeout = timeout

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint, collectives
+from . import checkpoint
 from .actions import Menu, make_menu
 from .core import SafeBitsCore
 from .exchange import StatisticsExchange
@@ -91,10 +91,10 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
                max_history: int, collective: str, timeout: float | None,
                exchange: StatisticsExchange | Callable[[float | None], StatisticsExchange],
                transport: PayloadTransport | Callable[[float | None], PayloadTransport],
-               fusion_elements: int = collectives.FUSION_ELEMENTS) -> tuple[list[torch.nn.Parameter], SafeBitsCore]:
+               fusion_bytes: int | None = None) -> tuple[list[torch.nn.Parameter], SafeBitsCore]:
     """Check SafeBits' options (every front end takes the same ones) and build the core over the parameters with
     ``requires_grad``. ``exchange`` and ``transport`` are the front end's, or callables of the checked ``timeout``
-    that make them when the first step needs them; ``fusion_elements``: see :class:`~.core.SafeBitsCore`."""
+    that make them when the first step needs them; ``fusion_bytes``: see :class:`~.core.SafeBitsCore`."""
     names, params = registered_parameters(named_parameters)
     schedule = as_schedule(budget_bits)
     if isinstance(schedule, Constant):
@@ -111,6 +111,8 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
     if not (callable(exchange) or isinstance(exchange, StatisticsExchange)):
         raise TypeError(f"exchange must implement safebits_hvd.exchange.StatisticsExchange (start, wait, "
                         f"is_local, rank, size), got {type(exchange).__name__}")
+    if fusion_bytes is not None:
+        fusion_bytes = check_count("fusion_bytes", fusion_bytes, 0)
     numels = np.array([p.numel() for p in params], dtype=np.int64)
     policy = BudgetPolicy(menu, numels, max_distortion, min_cosine, screen=bool(screen))
     core = SafeBitsCore(
@@ -120,7 +122,7 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
         consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
         max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
         transport=transport if isinstance(transport, PayloadTransport) else (lambda: transport(timeout)),
-        name=name, fusion_elements=fusion_elements)
+        name=name, fusion_bytes=fusion_bytes)
     return params, core
 
 

@@ -617,8 +617,12 @@ sb_group_choose_kernel(int m, const long long *tensor, const long long *allocate
                        double min_cosine, const long long *payload_bytes, int layout, long long *chosen,
                        long long *offsets) {
     __shared__ long long scan[SB_THREADS];
-    long long carry = 0;
-    if (threadIdx.x == 0) offsets[0] = 0;
+    __shared__ long long carry; /* the bytes of the chunks before this one (shared: no register lives across the
+                                   choice's float64 divisions, which would spill it) */
+    if (threadIdx.x == 0) {
+        offsets[0] = 0;
+        carry = 0;
+    }
     for (int base = 0; base < m; base += blockDim.x) {
         int k = base + (int)threadIdx.x;
         long long size = 0;
@@ -641,7 +645,8 @@ sb_group_choose_kernel(int m, const long long *tensor, const long long *allocate
             __syncthreads();
         }
         if (k < m) offsets[k + 1] = carry + scan[threadIdx.x];
-        carry += scan[blockDim.x - 1];
+        __syncthreads();
+        if (threadIdx.x == 0) carry += scan[blockDim.x - 1];
         __syncthreads();
     }
 }

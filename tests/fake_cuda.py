@@ -1,0 +1,80 @@
+"""A fake CUDA backend for CPU-only machines: the CUDA backend's own orchestration (``safebits_hvd.kernels.cuda``)
+runs on CPU tensors with its kernel launches recorded instead of run (``cuda.use_runtime``), and the C backend
+computes the values. What ``safebits_hvd.host`` counts under it (launches, uploads, reads) is what the CUDA backend
+issues for the same step on a GPU; the values it computes there are checked bitwise against the C backend by the
+GPU tests (``tests/test_cuda_kernels.py``, ``bench/gpu_check.sh``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from safebits_hvd import kernels
+from safebits_hvd.kernels import cpu, cuda
+
+
+class RecordingRuntime(cuda.Runtime):
+    """Takes CPU tensors' addresses and records each launch's kernel name and grid; runs nothing."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, int]] = []
+
+    def address(self, t: torch.Tensor) -> np.uint64:
+        return np.uint64(t.data_ptr())
+
+    @contextlib.contextmanager
+    def launcher(self, device: torch.device) -> Iterator[cuda.Launch]:
+        def launch(name: str, grid: int, args: tuple) -> None:
+            self.launches.append((name, grid))
+
+        yield launch
+
+
+class FakeCuda:
+    """A backend (``kernels.use_backend``) named ``"cuda"``: each call issues what the CUDA backend issues, then
+    returns the C backend's values (which the CUDA backend's equal bitwise)."""
+
+    NAME = "cuda"
+
+    def __init__(self) -> None:
+        self.runtime = RecordingRuntime()
+
+    def _issue(self, function: Any, *args: Any) -> Any:
+        with cuda.use_runtime(self.runtime):
+            return function(*args)
+
+    def screen(self, *args: Any) -> torch.Tensor:
+        self._issue(cuda.screen, *args)
+        return cpu.screen(*args)
+
+    def quantize_ef(self, *args: Any) -> torch.Tensor:
+        self._issue(cuda.quantize_ef, *args)
+        return cpu.quantize_ef(*args)
+
+    def quantize_pack_ef(self, *args: Any) -> torch.Tensor:
+        self._issue(cuda.quantize_pack_ef, *args)
+        return cpu.quantize_pack_ef(*args)
+
+    def decode(self, *args: Any) -> None:
+        self._issue(cuda.decode, *args)
+        cpu.decode(*args)
+
+    def send_group(self, request: Any, tables: Any) -> Any:
+        self._issue(cuda.send_group, request, tables)
+        return cpu.send_group(request, tables)
+
+    def decode_group(self, *args: Any) -> int:
+        self._issue(cuda.decode_group, *args)
+        return cpu.decode_group(*args)
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[FakeCuda]:
+    """SafeBits' kernels through :class:`FakeCuda` inside the block."""
+    backend = FakeCuda()
+    with kernels.use_backend(backend):
+        yield backend
