@@ -117,8 +117,9 @@ class CollectivePath:
         given, receives ``q`` (the dense path's values, the allgather path's own part of the sum)."""
         raise NotImplementedError
 
-    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
-        """Undo :meth:`encode`'s residual update: ``e <- e + q`` (``e`` then holds ``v`` to float rounding)."""
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str, action: int | None = None) -> None:
+        """Undo :meth:`encode`'s residual update: ``e <- e + q`` (``e`` then holds ``v`` to float rounding);
+        ``action``: the menu action ``sent`` was made at, when known (its header is then not read back)."""
         raise NotImplementedError
 
     def zeros(self, index: int, n: int, device: torch.device) -> Any:
@@ -179,7 +180,7 @@ class DensePath(CollectivePath):
         out = own if own is not None else torch.empty_like(e)
         return out, host.to_host(kernels.quantize_ef(g, e, out, action, key))
 
-    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str, action: int | None = None) -> None:
         e.add_(sent)
 
     def zeros(self, index: int, n: int, device: torch.device) -> Any:
@@ -233,12 +234,15 @@ class PackedCodec:
     """One packed payload per tensor: the pass (:func:`encode_packed`) and its undoing (``e <- e + q``); the
     allgather path's and the two-phase second hop's (for :func:`.sending.escalate`)."""
 
+    menu: Menu
+
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
                own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
         return encode_packed(g, e, action, key, own)
 
-    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
-        kernels.decode_add(sent, e, name=name)
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str, action: int | None = None) -> None:
+        header = None if action is None else wire.header_of(self.menu[action], e.numel())
+        kernels.decode_add(sent, e, name=name, header=header)
 
 
 class AllgatherPath(PackedCodec, CollectivePath):
@@ -508,11 +512,11 @@ def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarr
     part_start = np.concatenate([[0], np.cumsum(parts)[:-1]]).astype(np.int64)
     offsets = starts + part_start[None, :]
     if gathered.numel() == int(parts.sum()):
-        positions = (offsets.T[:, :, None] + np.arange(wire.HEADER_BYTES)[None, None, :]).reshape(-1)
-        heads = gathered[torch.from_numpy(positions).to(gathered.device)].view(ranks, m, wire.HEADER_BYTES)
-        want = torch.from_numpy(tables.headers[rows.T, expected[None, :]]).to(gathered.device)
-        host.count()
-        if bool((heads == want).all()):
+        # Where each header is and which table header it must be: one upload; the tables are on the device once.
+        t = host.upload(gathered.device, {"start": offsets.T, "header": rows.T * tables.actions + expected[None, :]})
+        headers = tables.on_device(gathered.device)[1].view(-1, wire.HEADER_BYTES)
+        heads = gathered[t["start"][:, None] + torch.arange(wire.HEADER_BYTES, device=gathered.device)]
+        if host.to_host((heads == headers[t["header"]]).all())[()]:
             return kernels.Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
     data = host.to_host(gathered)
     # In buffer order (rank after rank, member after member): the row, the action assumed, the payload's size, and

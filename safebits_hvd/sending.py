@@ -36,7 +36,7 @@ class Codec(Protocol):
                own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
         ...
 
-    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str, action: int | None = None) -> None:
         ...
 
 
@@ -332,13 +332,15 @@ class Sender:
         self.take_screen(members, result)
         payloads: dict[int, Any] = {}
         values = output == kernels.GroupOutput.VALUES
+        sent_at = result.chosen.copy()          # the action each member's payload in hand was made at
 
         def repack(rows: np.ndarray, actions: np.ndarray) -> np.ndarray:
             for k in rows.tolist():
                 index = int(members[k])
                 sent = payloads.get(index, owns[k] if values
                                     else result.buffer[result.offsets[k]:result.offsets[k + 1]])
-                self.path.restore(index, sent, residuals[k], self.names[index])     # e <- e + q
+                self.path.restore(index, sent, residuals[k], self.names[index], int(sent_at[k]))     # e <- e + q
+            sent_at[rows] = actions
             retry = kernels.send_group(kernels.GroupSend(
                 members[rows], [None] * len(rows), [residuals[k] for k in rows], [owns[k] for k in rows],
                 [None] * len(rows), keys[rows], actions, False, False, False, policy.max_distortion,

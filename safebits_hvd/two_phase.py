@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import collectives, host, kernels
+from . import collectives, host, kernels, wire
 from .actions import Action
 from .collectives import CollectivePath, PackedCodec, packed_zeros
 from .memory import ErrorFeedback
@@ -176,9 +176,10 @@ class TwoPhasePath(CollectivePath):
             total += row
         return payloads, total
 
-    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str) -> None:
+    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str, action: int | None = None) -> None:
         for payload, (start, stop) in zip(sent, self.segments[index], strict=True):
-            kernels.decode_add(payload, e[start:stop], name=name)
+            header = None if action is None else wire.header_of(self.menu[action], stop - start)
+            kernels.decode_add(payload, e[start:stop], name=name, header=header)
 
     def zeros(self, index: int, n: int, device: torch.device) -> Any:
         action = self.menu[int(self.cheapest[index])]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import host
 from .actions import LLOYD_MAX_LEVELS, Action, ActionKind, body_bits
 
 __all__ = ["FORMAT_VERSION", "HEADER_BYTES", "Header", "WireFormatError", "header_of", "header_table", "pack_header",
@@ -102,7 +103,7 @@ def parse_header(payload: torch.Tensor | bytes, name: str = "tensor", *, check_l
             raise WireFormatError(f"{name}: a payload is a 1-D uint8 tensor, got {payload.dtype} of shape "
                                   f"{tuple(payload.shape)}")
         size = payload.numel()
-        head = bytes(payload[:HEADER_BYTES].cpu().numpy().tobytes()) if size >= HEADER_BYTES else b""
+        head = host.to_host(payload[:HEADER_BYTES]).tobytes() if size >= HEADER_BYTES else b""
     else:
         size, head = len(payload), bytes(payload[:HEADER_BYTES])
     if size < HEADER_BYTES:

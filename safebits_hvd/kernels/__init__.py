@@ -199,10 +199,15 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, ke
     return payload, stats
 
 
-def _decode(payload: torch.Tensor, out: torch.Tensor, accumulate: bool, name: str, divisor: float = 1.0) -> None:
+def _decode(payload: torch.Tensor, out: torch.Tensor, accumulate: bool, name: str, divisor: float = 1.0,
+            header: wire.Header | None = None) -> None:
     if not isinstance(payload, torch.Tensor):
         raise wire.WireFormatError(f"{name}: a payload is a uint8 tensor, got {type(payload).__name__}")
-    header = wire.parse_header(payload, name)
+    if header is None:
+        header = wire.parse_header(payload, name)
+    elif payload.numel() != header.payload_nbytes:
+        raise wire.WireFormatError(f"{name}: payload has {payload.numel()} bytes, its header says "
+                                   f"{header.payload_nbytes}")
     if header.n != out.numel():
         raise wire.WireFormatError(f"{name}: payload holds {header.n} elements, the tensor has {out.numel()}")
     if payload.device != out.device:
@@ -212,18 +217,21 @@ def _decode(payload: torch.Tensor, out: torch.Tensor, accumulate: bool, name: st
     _backend(out.device).decode(payload, header, out, accumulate, name, divisor)
 
 
-def decode_add(payload: torch.Tensor, out: torch.Tensor, *, name: str = "tensor", divisor: float = 1.0) -> torch.Tensor:
+def decode_add(payload: torch.Tensor, out: torch.Tensor, *, name: str = "tensor", divisor: float = 1.0,
+               header: wire.Header | None = None) -> torch.Tensor:
     """``out += decode(payload)`` in place (elementwise float32 add), then ``out /= divisor`` in the same pass
     unless ``divisor`` is 1 (bitwise the add followed by ``out.div_(divisor)`` on the CPU); returns ``out``.
 
     ``out``: 1-D contiguous float32 with the payload's element count. An invalid payload (truncated or extra
     bytes, unknown version or kind, wrong element count, insane fields, top-k indices out of range) raises
-    :class:`safebits_hvd.wire.WireFormatError` naming ``name``; nothing is added then.
+    :class:`safebits_hvd.wire.WireFormatError` naming ``name``; nothing is added then. ``header``: the payload's
+    header when the caller made the payload and knows it (:func:`~safebits_hvd.wire.header_of`): it is then not
+    read back from the device, only the payload's length is checked against it.
     """
     _check("out", out)
     if isinstance(divisor, bool) or not isinstance(divisor, int | float) or not 0 < divisor < math.inf:
         raise ValueError(f"divisor must be a finite number > 0, got {divisor!r}")
-    _decode(payload, out, True, name, float(divisor))
+    _decode(payload, out, True, name, float(divisor), header)
     return out
 
 
@@ -265,6 +273,15 @@ class GroupTables:
         self._action_of_header: dict[int, dict[bytes, int]] = {}
         # What a backend derives from these tables once (the C backend: their addresses), by backend.
         self.backend_arguments: dict[str, Any] = {}
+        self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """payload_bytes, headers, cost_order and lossless on ``device``: copied once (they never change)."""
+        tables = self._on_device.get(device)
+        if tables is None:
+            tables = self._on_device[device] = tuple(host.to_device(a, device) for a in (
+                self.payload_bytes, self.headers, self.cost_order, self.lossless))
+        return tables
 
     def action_of_header(self, tensor: int, head: bytes) -> int:
         """The menu action whose header for ``tensor`` is ``head``, or -1."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -237,25 +236,11 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
 # a group, on PyTorch's current stream, and the results come back with ONE read (safebits_hvd.host).
 
 _INT_MAX = 2**31 - 1
-_tables_cache: weakref.WeakKeyDictionary[Any, dict[torch.device, tuple[torch.Tensor, ...]]] = (
-    weakref.WeakKeyDictionary())
-
-
 @functools.lru_cache(maxsize=64)
 def _menu_arrays(menu: Menu, device: torch.device) -> tuple[torch.Tensor, ...]:
     """kinds, levels, stochastic, topks, trits of every action (int32 on ``device``): copied once per menu."""
     args = np.array([[int(x) for x in _action_args(a)] for a in menu], dtype=np.int32)
     return tuple(host.to_device(np.ascontiguousarray(args[:, c]), device) for c in range(5))
-
-
-def _device_tables(tables: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """payload_bytes, headers, cost_order, lossless of a :class:`~safebits_hvd.kernels.GroupTables` on ``device``:
-    copied once per tables object (they never change between steps)."""
-    per_device = _tables_cache.setdefault(tables, {})
-    if device not in per_device:
-        per_device[device] = tuple(host.to_device(a, device) for a in (
-            tables.payload_bytes, tables.headers, tables.cost_order, tables.lossless))
-    return per_device[device]
 
 
 def _prefix(sizes: np.ndarray) -> np.ndarray:
@@ -319,7 +304,7 @@ def send_group(request: Any, tables: Any) -> Any:
         r[name] = results[start:start + size]
         start += size
     screen_stats, stats = r["screen"].view(torch.float64), r["stats"].view(torch.float64)
-    payload_bytes, headers, cost_order, lossless = _device_tables(tables, device)
+    payload_bytes, headers, cost_order, lossless = tables.on_device(device)
     menu_args = [_ptr(a) for a in _menu_arrays(tables.menu, device)]
     buckets = int(bucket_off[-1])
     screened = bool(request.do_screen and pair_off[-1])
