@@ -251,7 +251,7 @@ class SafeBitsState(CoreRecords):
         transport = self.core.transport
         assert isinstance(transport, TorchDistributedTransport)
         everyone = transport.finish_gather(handle, f"the allocation digest of step {step}")
-        if not bool((everyone == everyone[0]).all()):
+        if not np.all(everyone == everyone[0]):
             raise SafeBitsConsistencyError(
                 f"ranks disagree on the allocation of step {step} (this rank's digest "
                 f"{self.core.allocation_digest}, chunk_bytes {self.chunk_bytes}); every rank must build "

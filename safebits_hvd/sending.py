@@ -54,11 +54,9 @@ class Escalation(NamedTuple):
 def holds_nonfinite(g: torch.Tensor) -> bool:
     """Whether ``g`` holds NaN or Inf: one read back of its sum, and a second, exact one only if the sum is not
     finite (a finite gradient's sum can overflow to Inf)."""
-    host.count()
-    if math.isfinite(float(g.sum())):
+    if math.isfinite(float(host.to_host(g.sum()))):
         return False
-    host.count()
-    return not bool(torch.isfinite(g).all())
+    return not host.to_host(torch.isfinite(g).all())[()]
 
 
 def escalate(codec: Codec, actions: Menu, index: int, order: list[int], g: torch.Tensor | None,

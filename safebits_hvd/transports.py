@@ -11,6 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from . import host
 from .exchange import DEFAULT_TIMEOUT, check_member, horovod_if_initialized, torch_distributed_group, wait_bounded
 
 
@@ -104,7 +105,7 @@ class _QueuedAllgather:
         body = torch.cat([p.to(device) for p in self.payloads])
         self.payloads = []
         if expected is None:
-            self.lengths = transport.gather_now(lengths.to(device), f"the sizes of {self.names[0]!r}...").numpy()
+            self.lengths = transport.gather_now(lengths.to(device), f"the sizes of {self.names[0]!r}...")
             longest = int(self.lengths.sum(axis=1).max())
             mine = torch.zeros(longest, dtype=torch.uint8, device=device)
             mine[:body.numel()] = body
@@ -169,7 +170,7 @@ class _QueuedAlltoall:
         self.launched = True
         device = transport.device
         splits = torch.tensor(self.splits, dtype=torch.int64, device=device)
-        matrix = transport.gather_now(splits, f"the splits of {self.names[0]!r}").numpy()
+        matrix = transport.gather_now(splits, f"the splits of {self.names[0]!r}")
         self.received_splits = [int(v) for v in matrix[:, transport.rank]]
         self.received = torch.empty(sum(self.received_splits), dtype=torch.uint8, device=device)
         self.work = transport.dist.all_to_all_single(self.received, self.buffer.to(device), self.received_splits,
@@ -241,15 +242,15 @@ class TorchDistributedTransport:
         pieces = [torch.empty_like(values) for _ in range(self.size)]
         return pieces, self.dist.all_gather(pieces, values, group=self.process_group, async_op=True)
 
-    def finish_gather(self, handle: Any, what: str) -> torch.Tensor:
-        """The values of :meth:`start_gather`, stacked in rank order on the CPU (a bounded wait)."""
+    def finish_gather(self, handle: Any, what: str) -> np.ndarray:
+        """The values of :meth:`start_gather`, stacked in rank order, on the host (a bounded wait, one read)."""
         pieces, work = handle
         wait_bounded(work.is_completed, self.timeout, f"SafeBits' exchange of {what} (torch.distributed)")
         work.wait()
-        return torch.stack(pieces).cpu()
+        return host.to_host(torch.stack(pieces))
 
-    def gather_now(self, values: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's ``values`` (same shape everywhere), stacked in rank order on the CPU (a bounded wait)."""
+    def gather_now(self, values: torch.Tensor, what: str) -> np.ndarray:
+        """Every rank's ``values`` (same shape everywhere), in rank order, on the host (a bounded wait, one read)."""
         return self.finish_gather(self.start_gather(values), what)
 
 

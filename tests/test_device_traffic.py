@@ -1,0 +1,204 @@
+"""What a GPU step costs in host-device crossings, proven on the CPU: the CUDA backend's orchestration driven by a
+fake CUDA backend (``tests/fake_cuda.py``), its launches, uploads and reads counted through the public seam
+(``safebits_hvd.host.counting``), for buckets of 1, 62 and 1,000 members. A read, launch or pageable copy added per
+member fails these (docs/DESIGN.md, "The batched step")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import safebits_hvd as sb
+from safebits_hvd import host, kernels
+
+from .fake_cuda import fake_cuda
+from .helpers import random_grads
+
+# The fake's kernels run nothing, so what the CUDA backend reads back under it is uninitialized memory (its values
+# are discarded for the C backend's); slicing by such an offset warns.
+pytestmark = pytest.mark.filterwarnings("ignore:Truncating the start/stop/step of slice")
+
+SEND_LAUNCHES = 8
+"""The send side of a bucket: NaN/Inf check, screen, its sums, choice and layout, staging, packing, its sums,
+gather."""
+
+
+def bucket_of(members: int) -> list[tuple[str, torch.nn.Parameter]]:
+    rng = np.random.default_rng(members)
+    sizes = [70_000] if members == 1 else rng.integers(1, 20_000, members).tolist()
+    return [(f"p{i}", torch.nn.Parameter(torch.zeros(int(n)))) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("members", [1, 62, 1000])
+def test_a_bucket_costs_a_fixed_number_of_launches_uploads_and_reads_whatever_its_member_count(members: int) -> None:
+    """One bucket (``fusion_bytes`` above the model's size), screened exactly (every bucket sampled, so no member
+    re-packs): the send is 8 launches, one pinned upload and ONE read; the receive one header check (one upload,
+    one read), one decode launch and upload, and the step's one read of Horovod's reduced marker; after the first
+    step (which copies the tables to the device once) no pageable copy."""
+    params = bucket_of(members)
+    compressor = sb.SafeBits(params, budget_bits=4.4, collective="allgather", fusion_bytes=1 << 40,
+                             sample_buckets=1 << 20)
+    with fake_cuda() as fake:
+        assert kernels.backend_name("cpu") == "cuda"
+        for step in range(4):
+            random_grads(params, step)
+            fake.runtime.launches.clear()
+            with host.counting() as send:
+                pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+            sent_launches = [name for name, _ in fake.runtime.launches]
+            with host.counting() as receive:
+                for _, ctx in pending:
+                    compressor.decompress(torch.ones(1), ctx)
+            received_launches = [name for name, _ in fake.runtime.launches[len(sent_launches):]]
+            assert compressor.last_step.collective == "allgather"
+            assert send.traffic.reads == 1, (step, send.traffic)
+            assert send.traffic.launches == len(sent_launches) == SEND_LAUNCHES, sent_launches
+            assert send.traffic.pinned_uploads == 1, send.traffic
+            assert receive.traffic.reads <= 2, (step, receive.traffic)
+            assert receive.traffic.launches == len(received_launches) <= 3, received_launches
+            assert "sb_group_decode_kernel" in received_launches
+            assert receive.traffic.pinned_uploads <= 2, receive.traffic
+            if step:
+                assert send.traffic.pageable_uploads == receive.traffic.pageable_uploads == 0, step
+
+
+def test_the_counts_follow_the_fusion_groups() -> None:
+    """The same 62 tensors in groups of at most 64 KiB of gradient: each group pays the bucket's costs once."""
+    params = bucket_of(62)
+    compressor = sb.SafeBits(params, budget_bits=4.4, collective="allgather", fusion_bytes=1 << 16,
+                             sample_buckets=1 << 20)
+    groups = len(sb.collectives.fusion_groups(compressor.numels, (1 << 16) // 4))
+    assert 1 < groups < 62
+    with fake_cuda():
+        for step in range(3):
+            random_grads(params, step)
+            with host.counting() as counted:
+                pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+                for _, ctx in pending:
+                    compressor.decompress(torch.ones(1), ctx)
+            assert counted.traffic.reads <= 2 * groups + 1, counted.traffic
+            assert counted.traffic.launches <= (SEND_LAUNCHES + 3) * groups, counted.traffic
+
+
+def test_fusion_bytes_default_by_device_and_checked() -> None:
+    assert sb.collectives.fusion_bytes_for(torch.device("cpu")) == 4 * sb.collectives.FUSION_ELEMENTS
+    assert sb.collectives.fusion_bytes_for(torch.device("cuda")) == sb.collectives.DEVICE_FUSION_BYTES
+    with pytest.raises(ValueError, match="fusion_bytes"):
+        sb.SafeBits(bucket_of(1), fusion_bytes=-1)
+    with pytest.raises(ValueError, match="fusion_bytes"):
+        sb.SafeBits(bucket_of(1), fusion_bytes=1.5)
+
+
+def test_counting_measures_only_its_block() -> None:
+    with host.counting() as outer:
+        host.count(2)
+        with host.counting() as inner:
+            host.launched(3)
+        host.to_host(torch.zeros(1))
+    assert inner.traffic == host.Traffic(launches=3)
+    assert outer.traffic == host.Traffic(reads=3, launches=3)
+    uploaded = host.upload(torch.device("cpu"), {"a": np.arange(3), "b": np.array([[7, 8]])})
+    assert uploaded["a"].tolist() == [0, 1, 2] and uploaded["b"].tolist() == [7, 8]
+
+
+# ------------------------------------------------------------------------------------------- the static check
+PACKAGE = Path(__file__).resolve().parent.parent / "safebits_hvd"
+SEAM = PACKAGE / "host.py"
+# Modules off the step's hot path, where a read back is the point: checkpoints, the statistics exchange's host copy,
+# the transports' size exchanges, launchers and the CPU/reference kernels (whose tensors are on the host).
+OFF_THE_HOT_PATH = {"checkpoint.py", "exchange.py", "launch.py", "transports.py", "telemetry.py", "elastic.py",
+                    "kernels/reference.py", "kernels/cpu.py", "kernels/resources.py"}
+SYNCING_METHODS = {"cpu", "item", "tolist", "numpy"}
+
+
+def _numpy_annotated(trees: list[ast.AST]) -> tuple[set[str], set[str]]:
+    """Names annotated ``np.ndarray`` (parameters, attributes) and functions that return one, across the package:
+    what the static check takes for NumPy (a tensor is never annotated so)."""
+    names: set[str] = set()
+    functions: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.annotation is not None and \
+                    "np.ndarray" in ast.unparse(node.annotation):
+                names.add(node.arg)
+            elif isinstance(node, ast.AnnAssign) and "np.ndarray" in ast.unparse(node.annotation):
+                target = node.target
+                names.add(target.attr if isinstance(target, ast.Attribute) else ast.unparse(target))
+            elif isinstance(node, ast.FunctionDef) and node.returns is not None and \
+                    ast.unparse(node.returns).startswith("np.ndarray"):
+                functions.add(node.name)
+    return names, functions
+
+
+def _host_syncs(tree: ast.AST, numpy_names: frozenset[str] = frozenset(),
+                numpy_functions: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+    """Calls that read a device tensor back outside the seam: ``x.cpu()``, ``x.numpy()``, and ``t.item()`` or
+    ``t.tolist()`` where ``t`` is not evidently a NumPy array (a name bound from an ``np.`` call or
+    ``host.to_host``, or annotated ``np.ndarray``, or a call of a function that returns one), ``bool(t.all())`` or
+    ``bool(t.any())``, and ``.to(device)`` of a tensor made from host data (``torch.from_numpy``/``torch.tensor``)."""
+    names = set(numpy_names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            source = ast.unparse(node.value.func)
+            if source.startswith(("np.", "host.to_host")) or source.endswith(".astype"):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+
+    def numpy_like(node: ast.AST) -> bool:
+        while isinstance(node, ast.Subscript | ast.Attribute):
+            if isinstance(node, ast.Attribute) and node.attr in names:
+                return True
+            node = node.value
+        if isinstance(node, ast.Call):
+            func = ast.unparse(node.func)
+            if func.startswith(("np.", "host.to_host")) or func.rsplit(".", 1)[-1] in numpy_functions:
+                return True
+            return isinstance(node.func, ast.Attribute) and numpy_like(node.func.value)   # a NumPy array's method
+        return isinstance(node, ast.Name) and node.id in names
+
+    def syncs(call: ast.Call) -> bool:
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr in SYNCING_METHODS and not call.args:
+            return func.attr in ("cpu", "numpy") or not numpy_like(func.value)
+        if isinstance(func, ast.Name) and func.id == "bool" and call.args:
+            inner = call.args[0]
+            return (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+                    and inner.func.attr in ("all", "any") and not numpy_like(inner.func.value))
+        return (isinstance(func, ast.Attribute) and func.attr == "to" and isinstance(func.value, ast.Call)
+                and ast.unparse(func.value.func) in ("torch.from_numpy", "torch.tensor"))
+
+    found = [(node.lineno, ast.unparse(node)) for node in ast.walk(tree) if isinstance(node, ast.Call) and syncs(node)]
+    return found
+
+
+def test_the_hot_path_reads_back_only_through_the_host_seam() -> None:
+    """No ``.cpu()``, ``.item()``, ``.numpy()``, ``.tolist()`` of a tensor, ``bool(tensor.all())`` or ``.to(device)``
+    of a host-made tensor in the step's modules: each would be an uncounted synchronization on a GPU."""
+    trees = {path.relative_to(PACKAGE).as_posix(): ast.parse(path.read_text())
+             for path in sorted(PACKAGE.rglob("*.py"))}
+    names, functions = _numpy_annotated(list(trees.values()))
+    offenders = []
+    for relative, tree in trees.items():
+        if relative == SEAM.name or relative in OFF_THE_HOT_PATH:
+            continue
+        offenders += [f"{relative}:{line}: {code}"
+                      for line, code in _host_syncs(tree, frozenset(names), frozenset(functions))]
+    assert not offenders, "reads back outside safebits_hvd/host.py:\n" + "\n".join(offenders)
+
+
+def test_the_static_check_finds_what_it_forbids() -> None:
+    code = """
+x = t.cpu()
+y = t.item()
+z = bool((a == b).all())
+w = torch.from_numpy(a).to(device)
+v = t.tolist()
+ok = np.arange(3)
+fine = ok.tolist()
+also = host.to_host(t)
+fine2 = also[0].item()
+"""
+    assert [line for line, _ in _host_syncs(ast.parse(code))] == [2, 3, 4, 5, 6]
