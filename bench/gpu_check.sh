@@ -5,7 +5,8 @@
 # the GPU kernel ratios to torch.clone, including the wire pack/decode_add ratios on 16M floats and the group
 # kernels' (send_group, decode_group) with their host reads per group, and the whole SafeBits step on the GPU
 # (1,000 small tensors, ResNet-18's and GPT-2 small's gradients) against torch.clone of the same gradients, with its
-# reads back per step. About 3-6 minutes. Usage: bash bench/gpu_check.sh [folder for the JSON, default results/gpu]
+# reads back, launches and uploads per step (safebits_hvd.host.counting), and each kernel's registers and spills.
+# About 3-6 minutes. Usage: bash bench/gpu_check.sh [folder for the JSON, default results/gpu]
 set -uo pipefail
 OUTDIR=${1:-results/gpu}
 mkdir -p "$OUTDIR"
@@ -20,6 +21,8 @@ if [ ${#need[@]} -gt 0 ]; then echo "installing: ${need[*]}"; $PY -m pip install
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 $PY -c "from safebits_hvd import kernels; print('CPU kernels:', kernels.backend_name('cpu'))"
+echo "== Kernel registers and spills (sm_90, NVRTC + ptxas)"
+$PY -m safebits_hvd.kernels.resources --arch sm_90 || rc_resources=1
 echo "== GPU tests"
 SAFEBITS_REQUIRE_NVRTC=1 timeout 200 $PY -m pytest tests/test_cuda_kernels.py -q --maxfail=5 -p no:cacheprovider
 rc=$?
@@ -37,4 +40,4 @@ echo "== GPU group kernels (time / torch.clone of the group's bytes, host reads)
 SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m bench.suites.bench_group || rc=1
 echo "== GPU kernel ratios (kernel time / torch.clone, same process)"
 SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m bench.suites.bench_kernels
-exit $rc
+exit $(( rc || ${rc_resources:-0} ))

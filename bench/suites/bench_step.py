@@ -170,9 +170,9 @@ def measure_step(benchmark: Any, numel: int | list[int], collective: str,
     compressor, step, grads = make_step(sizes, collective, budget_bits)
     for _ in range(3):
         step()                            # warm: index cache, residuals, samples
-    reads = host.reads()
-    step()
-    reads = host.reads() - reads
+    with host.counting() as counted:
+        step()
+    reads = counted.traffic.reads
     benchmark.pedantic(step, rounds=5, iterations=1)
     seconds = benchmark.stats.stats.median
     clone = median_seconds(synchronized(lambda: [g.clone() for g in grads]), 5)
@@ -181,7 +181,9 @@ def measure_step(benchmark: Any, numel: int | list[int], collective: str,
         "tensors": len(sizes), "numel": sum(sizes), "device": DEVICE,
         "us_per_tensor": round(1e6 * max(seconds - clone, 0.0) / len(sizes), 2),
         "step_vs_clone": round(seconds / clone, 3),
-        "host_reads_per_step": reads,
+        "host_reads_per_step": reads, "launches_per_step": counted.traffic.launches,
+        "pinned_uploads_per_step": counted.traffic.pinned_uploads,
+        "pageable_uploads_per_step": counted.traffic.pageable_uploads,
     })
     record = compressor.last_step
     assert record is not None and len(record.actions) == len(sizes) and record.collective == collective
