@@ -5,7 +5,8 @@
 # the GPU kernel ratios to torch.clone, including the wire pack/decode_add ratios on 16M floats and the group
 # kernels' (send_group, decode_group) with their host reads per group, and the whole SafeBits step on the GPU
 # (1,000 small tensors, ResNet-18's and GPT-2 small's gradients) against torch.clone of the same gradients, with its
-# reads back, launches and uploads per step (safebits_hvd.host.counting), and each kernel's registers and spills.
+# reads back, launches and uploads per step (safebits_hvd.host.counting), each kernel's registers and spills, and a
+# real training step of GPT-2 small and ResNet-50 under DDP on the one GPU with each hook (bench/train_step.py).
 # About 3-6 minutes. Usage: bash bench/gpu_check.sh [folder for the JSON, default results/gpu]
 set -uo pipefail
 OUTDIR=${1:-results/gpu}
@@ -38,6 +39,9 @@ SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m pytest bench/suites/bench_kernels.
   --benchmark-enable -k "quantize_pack_ef or decode_add" --benchmark-columns=min,mean || rc=1
 echo "== GPU group kernels (time / torch.clone of the group's bytes, host reads)"
 SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m bench.suites.bench_group || rc=1
+echo "== One-GPU DDP training step (NCCL, world size 1, bf16 autocast): default, bf16, PowerSGD, SafeBits"
+timeout 240 $PY -m bench.train_step --models gpt2_small resnet50 --steps 8 --warmup 2 --rounds 1 \
+  --json "$OUTDIR/train_step.json" || rc=1
 echo "== GPU kernel ratios (kernel time / torch.clone, same process)"
 SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m bench.suites.bench_kernels
 exit $(( rc || ${rc_resources:-0} ))

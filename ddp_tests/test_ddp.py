@@ -7,11 +7,15 @@ any rank fails the test with the workers' output. Run: ``.venv/bin/python -m pyt
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from bench.train_step import HOOKS
 from safebits_hvd import launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,3 +59,16 @@ def test_example_train_digits_ddp() -> None:
     assert float(epochs[-1][1]) < float(epochs[0][1]), output[-4000:]
     assert float(epochs[-1][2]) > 0.5, output[-4000:]
     assert all(float(e[3]) > 1.0 for e in epochs), output[-4000:]
+
+
+def test_the_one_gpu_training_step_benchmark_runs_every_hook_on_the_cpu() -> None:
+    """``bench/train_step.py`` (the real DDP step of ``bench/gpu_check.sh``) at world size 1 on Gloo with its tiny
+    models: every hook trains, SafeBits' hook runs every step (the script checks it), and each row is printed."""
+    done = subprocess.run([sys.executable, "-m", "bench.train_step", "--tiny", "--steps", "2", "--warmup", "1",
+                           "--rounds", "1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    for model in ("gpt2_small (tiny)", "resnet50 (tiny)"):
+        for hook in HOOKS:
+            assert re.search(rf"^\| {re.escape(model)} \| {re.escape(hook)} \| [\d.]+ \| [\d.]+ \|$", done.stdout,
+                             re.M), (model, hook, done.stdout)

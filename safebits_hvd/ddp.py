@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import host
 from .actions import DEFAULT_MENU, Menu
 from .errors import SafeBitsConsistencyError
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
@@ -34,9 +35,13 @@ from .frontend import CoreRecords, build_core, check_transports
 from .transports import LocalTransport, PayloadTransport, TorchDistributedTransport
 
 CHUNK_BYTES = 1 << 18
-"""Payload bytes (at the allocated actions) after which a bucket's payloads start their allgather, before the rest
-of the bucket is packed: the last bucket's bytes, which nothing else overlaps, then travel while its later tensors
-are still being packed (docs/RESULTS.md 5.3)."""
+"""Payload bytes (at the allocated actions) after which a bucket's payloads start their allgather on the CPU, before
+the rest of the bucket is packed: the last bucket's bytes, which nothing else overlaps, then travel while its later
+tensors are still being packed (docs/RESULTS.md 5.3)."""
+
+DEVICE_CHUNK_BYTES = 1 << 40
+"""The same on a GPU: the whole bucket is one group (its send costs a fixed handful of launches and one read back
+whatever its size, so cutting it would only add reads)."""
 
 
 class _Piece(NamedTuple):
@@ -71,7 +76,9 @@ class SafeBitsState(CoreRecords):
         ``collective="auto"`` two ranks use ``"allgather"`` and more use ``"two_phase"`` (an ``all_to_all``, which
         Gloo and NCCL both have); ``"dense"`` all-reduces the dequantized float32 values.
         chunk_bytes: on the allgather path, the payload bytes (at the allocated actions) after which a bucket's
-            payloads start their collective while the rest of the bucket is still being packed (:data:`CHUNK_BYTES`).
+            payloads start their collective while the rest of the bucket is still being packed; None (default): by
+            the bucket's device, :data:`CHUNK_BYTES` on the CPU, :data:`DEVICE_CHUNK_BYTES` (the whole bucket) on a
+            GPU.
         exchange, transport: the statistics and payload transports; default None: ``torch.distributed`` on
             ``process_group`` when it has several ranks, else local.
 
@@ -92,15 +99,16 @@ class SafeBitsState(CoreRecords):
                  log_path: str | os.PathLike[str] | None = None, *, process_group: Any = None,
                  sample_buckets: int = 16, consistency_check_every: int = 1, nonfinite: str = "propagate",
                  screen: bool = True, name: str = "safebits", max_history: int = 1000, collective: str = "auto",
-                 timeout: float | None = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
+                 timeout: float | None = DEFAULT_TIMEOUT, chunk_bytes: int | None = None,
                  exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
         self.process_group = process_group
         self._group_checked = False
         if not dist.is_available() or dist.is_initialized():
             self._check_group()         # else at the first hook call: a trainer builds the state before the group
         check_transports(exchange, transport)
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                        or chunk_bytes < 1):
+            raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
         self.chunk_bytes = chunk_bytes
         # The factories run at the first step (the core's begin and close), when the group exists.
         def several() -> bool:
@@ -152,6 +160,8 @@ class SafeBitsState(CoreRecords):
             self._check_group()         # the state was built before the process group
         core = self.core
         buffer = bucket.buffer()
+        if self.chunk_bytes is None:
+            self.chunk_bytes = DEVICE_CHUNK_BYTES if buffer.device.type == "cuda" else CHUNK_BYTES
         indices = [self._index_of(p) for p in bucket.parameters()]     # every one known before anything is sent
         numels = [self._numels[i] for i in indices]
         if sum(numels) != buffer.numel():
@@ -238,8 +248,8 @@ class SafeBitsState(CoreRecords):
             return              # one rank, or a custom transport: nothing to compare
         digest = int(core.allocation_digest, 16)
         total = int(core.allgather.allocated_payload_bytes(np.arange(len(core.names))).sum())
-        words = torch.tensor([*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total,
-                              self.chunk_bytes], dtype=torch.int64, device=transport.device)
+        words = host.upload(transport.device, {"words": np.array(
+            [*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total, self.chunk_bytes])})["words"]
         self._allocation_check = (step, transport.start_gather(words))
 
     def _finish_allocation_check(self) -> None:

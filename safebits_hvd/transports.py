@@ -101,11 +101,12 @@ class _QueuedAllgather:
         self.launched = True
         device = transport.device
         count = len(self.payloads)
-        lengths = torch.tensor([p.numel() for p in self.payloads], dtype=torch.int64)
-        body = torch.cat([p.to(device) for p in self.payloads])
+        lengths = np.array([p.numel() for p in self.payloads], dtype=np.int64)
+        body = torch.cat([p.to(device) for p in self.payloads])     # a no-op where payloads are on the group's device
         self.payloads = []
         if expected is None:
-            self.lengths = transport.gather_now(lengths.to(device), f"the sizes of {self.names[0]!r}...")
+            self.lengths = transport.gather_now(host.upload(device, {"lengths": lengths})["lengths"],
+                                                f"the sizes of {self.names[0]!r}...")
             longest = int(self.lengths.sum(axis=1).max())
             mine = torch.zeros(longest, dtype=torch.uint8, device=device)
             mine[:body.numel()] = body
@@ -113,7 +114,7 @@ class _QueuedAllgather:
             self.expected = expected
             head = min(body.numel(), expected)
             mine = torch.zeros(8 * count + expected, dtype=torch.uint8, device=device)
-            mine[:8 * count] = lengths.view(torch.uint8).to(device)
+            mine[:8 * count] = host.upload(device, {"lengths": lengths})["lengths"].view(torch.uint8)
             mine[8 * count:8 * count + head] = body[:head]
             self._rest = body[head:]
         self.received = [torch.empty_like(mine) for _ in range(transport.size)]
@@ -128,7 +129,7 @@ class _QueuedAllgather:
         self.work = None
         if self.expected is not None:
             count, expected = len(self.names), self.expected
-            self.lengths = np.stack([r[:8 * count].cpu().view(torch.int64).numpy() for r in self.received])
+            self.lengths = host.to_host(torch.stack([r[:8 * count] for r in self.received])).view(np.int64)
             totals = self.lengths.sum(axis=1)
             rests = np.maximum(totals - expected, 0)
             heads = [r[8 * count:8 * count + int(t) - int(rest)] for r, t, rest in zip(self.received, totals, rests,
@@ -169,7 +170,7 @@ class _QueuedAlltoall:
         # all_to_all_single needs the sizes this rank receives: every rank's splits first (small).
         self.launched = True
         device = transport.device
-        splits = torch.tensor(self.splits, dtype=torch.int64, device=device)
+        splits = host.upload(device, {"splits": np.array(self.splits, dtype=np.int64)})["splits"]
         matrix = transport.gather_now(splits, f"the splits of {self.names[0]!r}")
         self.received_splits = [int(v) for v in matrix[:, transport.rank]]
         self.received = torch.empty(sum(self.received_splits), dtype=torch.uint8, device=device)

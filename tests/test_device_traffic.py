@@ -110,7 +110,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "safebits_hvd"
 SEAM = PACKAGE / "host.py"
 # Modules off the step's hot path, where a read back is the point: checkpoints, the statistics exchange's host copy,
 # the transports' size exchanges, launchers and the CPU/reference kernels (whose tensors are on the host).
-OFF_THE_HOT_PATH = {"checkpoint.py", "exchange.py", "launch.py", "transports.py", "telemetry.py", "elastic.py",
+OFF_THE_HOT_PATH = {"checkpoint.py", "exchange.py", "launch.py", "telemetry.py", "elastic.py",
                     "kernels/reference.py", "kernels/cpu.py", "kernels/resources.py"}
 SYNCING_METHODS = {"cpu", "item", "tolist", "numpy"}
 
@@ -167,6 +167,8 @@ def _host_syncs(tree: ast.AST, numpy_names: frozenset[str] = frozenset(),
             inner = call.args[0]
             return (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
                     and inner.func.attr in ("all", "any") and not numpy_like(inner.func.value))
+        if ast.unparse(func) in ("torch.tensor", "torch.as_tensor"):
+            return any(k.arg == "device" for k in call.keywords)
         return (isinstance(func, ast.Attribute) and func.attr == "to" and isinstance(func.value, ast.Call)
                 and ast.unparse(func.value.func) in ("torch.from_numpy", "torch.tensor"))
 
@@ -200,5 +202,6 @@ ok = np.arange(3)
 fine = ok.tolist()
 also = host.to_host(t)
 fine2 = also[0].item()
+u = torch.tensor([1, 2], dtype=torch.int64, device=device)
 """
-    assert [line for line, _ in _host_syncs(ast.parse(code))] == [2, 3, 4, 5, 6]
+    assert [line for line, _ in _host_syncs(ast.parse(code))] == [2, 3, 4, 5, 6, 11]
