@@ -1,0 +1,200 @@
+"""The CUDA backend without a GPU: ``kernels/cuda.py`` and the kernels of ``cuda_kernels.cu`` run on the CPU through
+``safebits_hvd.kernels.cuda_emulator`` (the same translation unit compiled as C++, blocks' threads as fibers), bit
+for bit against the C backend: every action's packing pass, decoding and screen, the group send and decode of the
+batched step, and whole compressor steps. The GPU itself runs the same checks in ``tests/test_cuda_kernels.py``."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import safebits_hvd as sb
+from safebits_hvd import actions as A
+from safebits_hvd import kernels as K
+from safebits_hvd import rng
+from safebits_hvd.kernels import cuda, cuda_emulator
+from safebits_hvd.policy import BudgetPolicy
+from safebits_hvd.wire import WireFormatError
+
+from .helpers import random_grads
+from .kernel_cases import bits, make
+from .test_group_kernels import MENU
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler for the CUDA emulation")
+
+KEY = rng.stream_key(5, 9, 2)
+ACTIONS = list(A.ACTIONS.values())
+ODD_ACTIONS = [A.qsgd(3, bucket_size=100), A.ternary(bucket_size=7), A.topk(0.3, bucket_size=10),
+               A.scaled_sign(bucket_size=13), A.qsgd(16, stochastic=False, bucket_size=77),
+               A.lloyd_max(3, bucket_size=7), A.lloyd_max(16, bucket_size=3), A.lloyd_max(64, bucket_size=45)]
+SIZES = [1, 7, 513, 1300]
+GROUP_SIZES = np.array([0, 1, 7, 300, 512, 1000, 1300, 3, 2100], dtype=np.int64)
+GROUP_M = len(GROUP_SIZES)
+
+
+def _close(a: np.ndarray | torch.Tensor, b: np.ndarray | torch.Tensor) -> bool:
+    return np.allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-300, equal_nan=True)
+
+
+def _payload_like(nbytes: int, header: torch.Tensor) -> torch.Tensor:
+    payload = torch.zeros(-(-nbytes // 16) * 16, dtype=torch.uint8)[:nbytes]
+    payload[:16] = header
+    return payload
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("action", ACTIONS + ODD_ACTIONS, ids=lambda a: a.name + f"/{a.bucket_size}")
+def test_every_action_packs_decodes_and_quantizes_as_the_c_backend(n: int, action: A.Action) -> None:
+    g, e = make(n)
+    e_c, sent_c, out_c = e.clone(), torch.empty(n), torch.empty(n)
+    payload_c, stats_c = K.quantize_pack_ef(g, e_c, action, KEY, sent=sent_c)
+    q_stats_c = K.quantize_ef(g, e.clone(), out_c, action, KEY)
+    decoded_c = K.decode_add(payload_c, torch.ones(n), divisor=3.0)
+    with cuda_emulator.emulated():
+        e_u, sent_u = e.clone(), torch.empty(n)
+        payload_u = _payload_like(payload_c.numel(), payload_c[:16])
+        stats_u = cuda.quantize_pack_ef(g, e_u, payload_u, action, KEY, sent_u)
+        out_u, e_q = torch.empty(n), e.clone()
+        q_stats_u = cuda.quantize_ef(g, e_q, out_u, action, KEY)
+        decoded_u = torch.ones(n)
+        header = sb.wire.parse_header(payload_c)
+        cuda.decode(payload_u, header, decoded_u, True, "t", 3.0)
+        values_u = torch.empty(n)
+        cuda.decode(payload_u, header, values_u, False, "t")
+    assert torch.equal(payload_u, payload_c)
+    assert torch.equal(bits(e_u), bits(e_c)) and torch.equal(bits(e_q), bits(e_c))
+    assert torch.equal(bits(sent_u), bits(sent_c)) and torch.equal(bits(out_u), bits(out_c))
+    assert torch.equal(bits(values_u), bits(out_c))
+    assert torch.equal(bits(decoded_u), bits(decoded_c))
+    assert _close(stats_u, stats_c) and _close(q_stats_u, q_stats_c)
+
+
+@pytest.mark.parametrize("n", [513, 1300])
+def test_the_screen_measures_every_action_as_the_c_backend(n: int) -> None:
+    g, e = make(n, seed=1)
+    for buckets in (None, torch.tensor([0, -(-n // 512) - 1])):
+        want = K.screen(g, e, A.DEFAULT_MENU, KEY, buckets)
+        with cuda_emulator.emulated():
+            got = cuda.screen(g, e, A.DEFAULT_MENU, KEY, buckets)
+        assert _close(got, want)
+
+
+def _send(request: K.GroupSend, tables: K.GroupTables, emulated: bool) -> K.GroupSent:
+    if not emulated:
+        return K.send_group(request, tables)
+    with cuda_emulator.emulated():
+        return cuda.send_group(request, tables)
+
+
+@pytest.mark.parametrize("output", list(K.GroupOutput), ids=lambda o: o.name)
+@pytest.mark.parametrize("thresholds", [(0.5, 0.7), (0.02, 0.97)], ids=["loose", "tight"])
+@pytest.mark.parametrize("nan_member", [None, 5])
+def test_the_group_send_is_the_c_backends(output: K.GroupOutput, thresholds: tuple[float, float],
+                                         nan_member: int | None) -> None:
+    """One batched send (NaN/Inf check, screen, choice and layout, staging, packing, gather) through the CUDA
+    backend's orchestration and kernels: payloads, residuals, q and choices bitwise the C backend's; the float64
+    sums equal to rounding (their summation orders differ, docs/DESIGN.md)."""
+    max_distortion, min_cosine = thresholds
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, max_distortion, min_cosine).cost_order)
+    allocated = np.random.RandomState(3).randint(0, len(MENU), GROUP_M)
+    results = []
+    for emulated in (False, True):
+        gradients, residuals, keys = group_case_sized(11, nan_member)
+        samples = [None if -(-int(n) // MENU.bucket_size) <= 2 else torch.tensor([0, 2]) for n in GROUP_SIZES]
+        sents = [torch.full_like(g, 5.0) for g in gradients]
+        result = _send(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
+                                   True, True, True, max_distortion, min_cosine, output), tables, emulated)
+        results.append((result, residuals, sents))
+    (want, want_e, want_q), (got, got_e, got_q) = results
+    assert np.array_equal(got.finite, want.finite) and np.array_equal(got.chosen, want.chosen)
+    assert np.array_equal(got.offsets, want.offsets) and torch.equal(got.buffer, want.buffer)
+    assert _close(got.screen_stats, want.screen_stats) and _close(got.stats, want.stats)
+    for k in range(GROUP_M):
+        assert torch.equal(bits(got_e[k]), bits(want_e[k])), k
+        assert torch.equal(bits(got_q[k]), bits(want_q[k])), k
+
+
+def group_case_sized(seed: int, nan_member: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor], np.ndarray]:
+    """Gradients, residuals and keys of a group at this file's sizes (small: the emulation is slow)."""
+    gradients, residuals = zip(*(make(int(n), seed + k) for k, n in enumerate(GROUP_SIZES)), strict=True)
+    gradients = [g.clone() for g in gradients]
+    if nan_member is not None:
+        gradients[nan_member][3] = float("nan")
+    keys = np.array([rng.stream_key(seed, 1, k) for k in range(GROUP_M)], dtype=np.uint32)
+    return gradients, [e.clone() for e in residuals], keys
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_the_group_decode_is_the_c_backends_and_names_an_invalid_topk_payload(ranks: int) -> None:
+    """Every member's payloads from every rank (misaligned, as slices of a gathered buffer), summed in rank order
+    with a divisor, some members starting from this rank's own values: bitwise the C backend's sum."""
+    tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.5, 0.7).cost_order)
+    actions = np.random.RandomState(ranks).randint(0, len(MENU), (GROUP_M, ranks))
+    actions[:GROUP_M, 0] = np.arange(GROUP_M) % len(MENU)
+    payloads, values = [], []
+    for k, n in enumerate(GROUP_SIZES):
+        member, member_values = [], []
+        for r in range(ranks):
+            g, e = make(int(n), 10 * k + r)
+            sent = torch.empty(int(n))
+            payload, _ = K.quantize_pack_ef(g, e, MENU[int(actions[k, r])], 7, sent=sent)
+            member.append(torch.cat([torch.zeros(1 + r, dtype=torch.uint8), payload])[1 + r:])
+            member_values.append(sent)
+        payloads.append(member)
+        values.append(member_values)
+    own = np.array([(k % (ranks + 1)) - 1 for k in range(GROUP_M)])
+    names = [f"t{k}" for k in range(GROUP_M)]
+    outs = []
+    for emulated in (False, True):
+        out = [values[k][own[k]].clone() if own[k] >= 0 else torch.full((int(n),), 7.0)
+               for k, n in enumerate(GROUP_SIZES)]
+        context = cuda_emulator.as_backend() if emulated else _nothing()
+        with context:
+            K.decode_group(payloads, actions, out, own, tables, np.arange(GROUP_M), names, 3.0)
+        outs.append(out)
+    for k in range(GROUP_M):
+        assert torch.equal(bits(outs[1][k]), bits(outs[0][k])), k
+    topk = next(a for a, action in enumerate(MENU) if action.kind == A.ActionKind.TOPK)
+    k = int(np.flatnonzero(GROUP_SIZES == 2100)[0])
+    bad = K.quantize_pack_ef(*make(2100), MENU[topk], 1)[0]
+    bad[-1] = 255                                          # local indices out of order
+    payloads[k][-1], actions[k, -1] = bad, topk
+    with cuda_emulator.as_backend(), pytest.raises(WireFormatError, match=rf"t{k} \(rank {ranks - 1}\)"):
+        K.decode_group(payloads, actions, [torch.empty(int(n)) for n in GROUP_SIZES], np.full(GROUP_M, -1), tables,
+                       np.arange(GROUP_M), names)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("collective", ["allgather", "dense", "two_phase"])
+def test_a_compressor_step_through_the_cuda_backend_is_the_c_backends(collective: str) -> None:
+    """The whole step (Horovod's order, one process) with every kernel on the emulated CUDA backend: what
+    ``decompress`` returns is bitwise what the C backend's step returns, with the same actions."""
+    sizes = (272, 16, 1300, 3, 600)
+    results = []
+    for emulated in (False, True):
+        params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+        compressor = sb.SafeBits(params, budget_bits=3.0, collective=collective)
+        steps = []
+        context = cuda_emulator.as_backend() if emulated else _nothing()
+        with context:
+            for step in range(3):
+                random_grads(params, step)
+                pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+                received = [compressor.decompress(out, ctx).clone() for out, ctx in pending]
+                steps.append((received, compressor.last_step.actions))
+        results.append(steps)
+    for step, ((want, want_actions), (got, got_actions)) in enumerate(zip(*results, strict=True)):
+        assert got_actions == want_actions, step
+        for k, (a, b) in enumerate(zip(want, got, strict=True)):
+            assert torch.equal(bits(a.contiguous()), bits(b.contiguous())), (step, k)
