@@ -6,11 +6,14 @@ member fails these (docs/DESIGN.md, "The batched step")."""
 from __future__ import annotations
 
 import ast
+import collections
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import safebits_hvd as sb
 from safebits_hvd import host, kernels
@@ -64,6 +67,47 @@ def test_a_bucket_costs_a_fixed_number_of_launches_uploads_and_reads_whatever_it
             assert receive.traffic.pinned_uploads <= 2, receive.traffic
             if step:
                 assert send.traffic.pageable_uploads == receive.traffic.pageable_uploads == 0, step
+
+
+class TorchOps(TorchDispatchMode):
+    """Counts the torch operations that compute (on a GPU, a kernel each): not views, allocations or reads."""
+
+    NOT_KERNELS: ClassVar[frozenset[str]] = frozenset(
+        f"aten.{name}" for name in ("slice", "view", "select", "detach", "alias", "as_strided", "empty",
+                                    "empty_strided", "lift_fresh", "_local_scalar_dense", "unsqueeze", "expand",
+                                    "_reshape_alias", "split", "split_with_sizes", "unbind", "t", "reshape"))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func.overloadpacket)
+        if name not in self.NOT_KERNELS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_torch_operations_of_a_bucket_do_not_grow_with_its_members() -> None:
+    """Besides SafeBits' kernels, the torch operations a step runs on its tensors (each a kernel on a GPU) are the
+    same few for a bucket of 1, 62 or 1,000 members: nothing is done per member on the device."""
+    counts = {}
+    for members in (1, 62, 1000):
+        params = bucket_of(members)
+        compressor = sb.SafeBits(params, budget_bits=4.4, collective="allgather", fusion_bytes=1 << 40,
+                                 sample_buckets=1 << 20)
+        markers = [torch.ones(1) for _ in params]
+        with fake_cuda():
+            for step in range(2):
+                random_grads(params, step)
+                with TorchOps() as send:
+                    pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+                with TorchOps() as receive:
+                    for marker, (_, ctx) in zip(markers, pending, strict=True):
+                        compressor.decompress(marker, ctx)
+        counts[members] = (sum(send.ops.values()), sum(receive.ops.values()))
+        assert max(counts[members]) <= 8, (members, send.ops, receive.ops)
+    assert counts[1] == counts[62] == counts[1000], counts
 
 
 def test_the_counts_follow_the_fusion_groups() -> None:
