@@ -46,8 +46,14 @@ def _payload_like(nbytes: int, header: torch.Tensor) -> torch.Tensor:
     return payload
 
 
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("action", ACTIONS + ODD_ACTIONS, ids=lambda a: a.name + f"/{a.bucket_size}")
+CASES = [(n, action) for n in SIZES for action in ACTIONS + ODD_ACTIONS] + [
+    # buckets longer than the kernels' shared scratch (2,048 float terms): the lane sums go chunk by chunk
+    (9100, A.lloyd_max(8, bucket_size=4500)), (5100, A.lloyd_max(3, bucket_size=2500)),
+    (7000, A.topk(0.05, bucket_size=3000)), (7000, A.scaled_sign(bucket_size=3000))]
+
+
+@pytest.mark.parametrize(("n", "action"), CASES, ids=lambda x: x.name + f"/{x.bucket_size}" if isinstance(
+    x, A.Action) else str(x))
 def test_every_action_packs_decodes_and_quantizes_as_the_c_backend(n: int, action: A.Action) -> None:
     g, e = make(n)
     e_c, sent_c, out_c = e.clone(), torch.empty(n), torch.empty(n)

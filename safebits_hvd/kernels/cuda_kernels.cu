@@ -46,10 +46,16 @@ __device__ __forceinline__ unsigned sb_block_count(unsigned mine, unsigned *sh) 
     return *sh;
 }
 
-/* Block-wide parameters of one bucket [j0, j0 + len) for one action. Every thread returns the same values. */
-__device__ void sb_block_prepare(const float *g, const float *e, int has_g, long long j0, int len, int kind,
-                                 int levels, int trits, int topk, sb_block_params *P, unsigned *sh_u,
-                                 double *sh_lane) {
+/* Block-wide parameters of one bucket [j0, j0 + len) for one action, into S->P. Every thread returns the same
+ * values. The sums that cpu.c takes in SB_SUM_LANES lanes (element i into lane i % SB_SUM_LANES, in index order)
+ * are taken here in the same order by SB_SUM_LANES threads; a Lloyd-Max candidate's error terms (a compare per
+ * threshold each) are computed by the whole block into shared memory first (S->sh, free until sb_block_stats), so
+ * only the additions stay sequential. The top-k ties' cut is found by a scan of per-thread counts instead of one
+ * thread walking the bucket. */
+#define SB_SCRATCH_DOUBLES (4 * SB_THREADS)
+__device__ __forceinline__ void sb_block_prepare(const float *g, const float *e, int has_g, long long j0, int len, int kind,
+                                 int levels, int trits, int topk, sb_shared *S) {
+    sb_block_params *P = &S->P;
     int tid = threadIdx.x;
     if (kind == SB_QUANT) {
         sb_u32 mk = 0;
@@ -58,11 +64,11 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
             mk = k > mk ? k : mk;
         }
         __syncthreads();
-        if (tid == 0) *sh_u = 0;
+        if (tid == 0) S->u = 0;
         __syncthreads();
-        atomicMax(sh_u, mk);
+        atomicMax(&S->u, mk);
         __syncthreads();
-        if (tid == 0) P->scale = sb_u2f(*sh_u);
+        if (tid == 0) P->scale = sb_u2f(S->u);
     } else if (kind == SB_SIGN || kind == SB_LLOYD_MAX) { /* the lane-ordered sums of cpu.c's sb_lane_sum */
         int square = kind == SB_LLOYD_MAX;
         if (tid < SB_SUM_LANES) {
@@ -71,30 +77,34 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
                 double x = (double)sb_load(g, e, has_g, j0 + i);
                 acc += square ? x * x : (x < 0.0 ? -x : x);
             }
-            sh_lane[tid] = acc;
+            S->lane[tid] = acc;
         }
         __syncthreads();
         if (tid == 0) {
-            double total = sh_lane[0];
-            for (int l = 1; l < SB_SUM_LANES; l++) total += sh_lane[l];
+            double total = S->lane[0];
+            for (int l = 1; l < SB_SUM_LANES; l++) total += S->lane[l];
             P->scale = square ? sb_lm_scale(total, len) : (float)(total / (double)len);
         }
         if (square) { /* LLOYD_MAX: the candidate rms * factor with the least squared error, as cpu.c's
-                       * sb_lm_best_scale (lane-ordered sums, the first on a tie) */
+                       * sb_lm_best_scale (lane-ordered float32 sums, the first on a tie) */
             __syncthreads();
-            float rms = P->scale, best = rms * sb_lm_factor[0], best_err = 0.0f;
+            float rms = P->scale, best = rms * sb_lm_factor[0], best_err = 0.0f, *errs = (float *)S->sh;
             for (int f = 0; f < SB_LM_NFACTORS; f++) {
-                float scale = rms * sb_lm_factor[f];
-                if (tid < SB_SUM_LANES) {
-                    float acc = 0.0f;
-                    for (int i = tid; i < len; i += SB_SUM_LANES)
-                        acc += sb_lm_err2(sb_load(g, e, has_g, j0 + i), scale, levels);
-                    sh_lane[tid] = (double)acc; /* exact: read back as the float32 it was */
+                float scale = rms * sb_lm_factor[f], lane_err = 0.0f;
+                for (int c0 = 0; c0 < len; c0 += 2 * SB_SCRATCH_DOUBLES) {
+                    int clen = len - c0 < 2 * SB_SCRATCH_DOUBLES ? len - c0 : 2 * SB_SCRATCH_DOUBLES;
+                    __syncthreads();
+                    for (int i = tid; i < clen; i += blockDim.x)
+                        errs[i] = sb_lm_err2(sb_load(g, e, has_g, j0 + c0 + i), scale, levels);
+                    __syncthreads();
+                    if (tid < SB_SUM_LANES)
+                        for (int i = tid; i < clen; i += SB_SUM_LANES) lane_err += errs[i];
                 }
+                if (tid < SB_SUM_LANES) S->lane[tid] = (double)lane_err; /* exact: read back as the float32 */
                 __syncthreads();
                 if (tid == 0) {
-                    float err = (float)sh_lane[0];
-                    for (int l = 1; l < SB_SUM_LANES; l++) err += (float)sh_lane[l];
+                    float err = (float)S->lane[0];
+                    for (int l = 1; l < SB_SUM_LANES; l++) err += (float)S->lane[l];
                     if (f == 0 || err < best_err) {
                         best = scale;
                         best_err = err;
@@ -114,23 +124,37 @@ __device__ void sb_block_prepare(const float *g, const float *e, int has_g, long
                 sb_u32 cand = t | (1u << bit);
                 unsigned c = 0;
                 for (int i = tid; i < len; i += blockDim.x) c += sb_abs_key(sb_load(g, e, has_g, j0 + i)) >= cand;
-                if (sb_block_count(c, sh_u) >= (unsigned)kk) t = cand;
+                if (sb_block_count(c, &S->u) >= (unsigned)kk) t = cand;
             }
             unsigned c = 0;
             for (int i = tid; i < len; i += blockDim.x) c += sb_abs_key(sb_load(g, e, has_g, j0 + i)) > t;
-            unsigned gt = sb_block_count(c, sh_u);
+            int eq_left = kk - (int)sb_block_count(c, &S->u); /* >= 1: t is the kk-th largest key */
+            /* The cut: the eq_left-th element equal to t in index order. Each thread counts them in its own
+             * contiguous range; an exclusive scan of the counts tells the one thread whose range holds it. */
+            int per = (len + (int)blockDim.x - 1) / (int)blockDim.x, lo = tid * per;
+            int hi = lo + per < len ? lo + per : len, mine = 0;
+            for (int i = lo; i < hi; i++) mine += sb_abs_key(sb_load(g, e, has_g, j0 + i)) == t;
+            S->scan[tid] = mine;
+            __syncthreads();
             if (tid == 0) {
-                int eq_left = kk - (int)gt;
-                long long cut = -1;
-                for (int i = 0; i < len && eq_left > 0; i++)
-                    if (sb_abs_key(sb_load(g, e, has_g, j0 + i)) == t) {
-                        cut = i;
-                        eq_left--;
-                    }
+                int before = 0;
+                for (int k = 0; k < (int)blockDim.x; k++) {
+                    int count = S->scan[k];
+                    S->scan[k] = before;
+                    before += count;
+                }
                 P->all = 0;
                 P->thresh = t;
-                P->cut = cut;
+                P->cut = -1;
             }
+            __syncthreads();
+            int before = S->scan[tid];
+            if (before < eq_left && eq_left <= before + mine)
+                for (int i = lo, seen = before; i < hi; i++)
+                    if (sb_abs_key(sb_load(g, e, has_g, j0 + i)) == t && ++seen == eq_left) {
+                        P->cut = i;
+                        break;
+                    }
         }
     }
     __syncthreads();
@@ -194,12 +218,12 @@ __device__ void sb_block_stats(double a0, double a1, double a2, double a3, doubl
 
 /* Bucket b quantized by one action: its four sums into dst[0 .. 3] and, with out, q into out and the residual
  * v - q into e (the screen passes no out and writes nothing: e is read only then). */
-__device__ void sb_quantize_bucket(const float *g, float *e, float *out, int has_g, long long n, int bucket,
+__device__ __forceinline__ void sb_quantize_bucket(const float *g, float *e, float *out, int has_g, long long n, int bucket,
                                    long long b, int kind, int levels, int stochastic, int topk, int trits,
                                    unsigned int key, double *dst, sb_shared *S) {
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
-    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &S->P, &S->u, S->lane);
+    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, S);
     double a[4] = {0.0, 0.0, 0.0, 0.0};
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
         long long j = j0 + i;
@@ -223,7 +247,7 @@ sb_quantize_ef_kernel(const float *g, float *e, float *out, int has_g, long long
 }
 
 /* The screen of bucket b for one action: its four sums into dst[0 .. 3], nothing written. */
-__device__ void sb_screen_bucket(const float *g, const float *e, int has_g, long long n, int bucket, long long b,
+__device__ __forceinline__ void sb_screen_bucket(const float *g, const float *e, int has_g, long long n, int bucket, long long b,
                                  int kind, int levels, int stochastic, int topk, int trits, unsigned int key,
                                  double *dst, sb_shared *S) {
     sb_quantize_bucket(g, (float *)e, nullptr, has_g, n, bucket, b, kind, levels, stochastic, topk, trits, key, dst,
@@ -316,7 +340,7 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
     long long j0 = b * (long long)bucket;
     int len = (int)((n - j0) < bucket ? (n - j0) : bucket);
     sb_layout L = sb_body_layout(n, bucket, kind, levels, topk, trits);
-    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, &S->P, &S->u, S->lane);
+    sb_block_prepare(g, e, has_g, j0, len, kind, levels, trits, topk, S);
     if (threadIdx.x == 0 && sb_has_scales(kind))
         ((float *)(payload + L.scales_off))[b] = S->P.scale; /* 0 for a zero QUANT bucket */
     float s = (float)levels;
