@@ -119,12 +119,30 @@ __device__ __forceinline__ void sb_block_prepare(const float *g, const float *e,
         if (kk >= len) {
             if (tid == 0) P->all = 1;
         } else {
-            sb_u32 t = 0;
-            for (int bit = 30; bit >= 0; bit--) {
-                sb_u32 cand = t | (1u << bit);
-                unsigned c = 0;
-                for (int i = tid; i < len; i += blockDim.x) c += sb_abs_key(sb_load(g, e, has_g, j0 + i)) >= cand;
-                if (sb_block_count(c, &S->u) >= (unsigned)kk) t = cand;
+            /* t = the kk-th largest key (cpu.c: a bitwise search of the greatest t with kk keys >= t, the same
+             * integer), by radix selection a byte at a time: a histogram of the next byte among the keys that share
+             * the bytes chosen so far, then the bin that holds the kk-th largest. Four passes, not 31. */
+            sb_u32 t = 0, mask = 0;
+            int need = kk;
+            for (int shift = 24; shift >= 0; shift -= 8) {
+                for (int d = tid; d < 256; d += blockDim.x) S->scan[d] = 0;
+                __syncthreads();
+                for (int i = tid; i < len; i += blockDim.x) {
+                    sb_u32 k = sb_abs_key(sb_load(g, e, has_g, j0 + i));
+                    if ((k & mask) == t) atomicAdd(&S->scan[(k >> shift) & 255u], 1);
+                }
+                __syncthreads();
+                if (tid == 0) {
+                    int d = 255, above = 0;
+                    while (d > 0 && above + S->scan[d] < need) above += S->scan[d--];
+                    S->u = (unsigned)d;
+                    S->scan[0] = need - above; /* read below, after the barrier, before the next clearing */
+                }
+                __syncthreads();
+                t |= S->u << shift;
+                mask |= 255u << shift;
+                need = S->scan[0];
+                __syncthreads();
             }
             unsigned c = 0;
             for (int i = tid; i < len; i += blockDim.x) c += sb_abs_key(sb_load(g, e, has_g, j0 + i)) > t;
