@@ -31,6 +31,8 @@ struct sb_shared {
     double lane[SB_SUM_LANES];
     double sh[4 * SB_THREADS];
     int scan[SB_THREADS];
+    long long code_word; /* sb_codes_begin: the first 32-bit payload word of the bucket's codes */
+    int code_words;      /* and how many there are (0: written with global atomics) */
 };
 
 __device__ __forceinline__ float sb_load(const float *g, const float *e, int has_g, long long j) {
@@ -334,6 +336,68 @@ __device__ __forceinline__ void sb_put_code_atomic(unsigned char *base, long lon
     else sb_put_bits_atomic(base, off * 8 + j * cb, w, cb);
 }
 
+/* A bucket's codes assembled in shared memory (S->sh, free between sb_block_prepare and sb_block_stats) with
+ * shared atomics, then written out: the words wholly inside the bucket's bit range with plain stores, the (at most
+ * two) words it shares with its neighbours with global atomics into the zeroed body. A bucket whose codes do not fit
+ * the scratch writes each code with global atomics as before (S->code_words = 0). Where they start and how many
+ * there are live in shared memory, not in registers. Every thread of the block calls begin and end. */
+__device__ __forceinline__ void sb_codes_begin(const sb_layout *L, long long j0, int len, int cb, int trits,
+                                               sb_shared *S) {
+    if (threadIdx.x == 0) {
+        long long lo_bit, hi_bit;
+        if (trits) {
+            lo_bit = (L->codes_off + j0 / 5) * 8;
+            hi_bit = (L->codes_off + (j0 + len - 1) / 5 + 1) * 8;
+        } else {
+            lo_bit = L->codes_off * 8 + j0 * cb;
+            hi_bit = lo_bit + (long long)len * cb;
+        }
+        int words = (int)(((hi_bit + 31) >> 5) - (lo_bit >> 5));
+        S->code_word = lo_bit >> 5;
+        S->code_words = words <= 2 * SB_SCRATCH_DOUBLES ? words : 0;
+    }
+    __syncthreads();
+    unsigned *words = (unsigned *)S->sh;
+    for (int w = threadIdx.x; w < S->code_words; w += blockDim.x) words[w] = 0u;
+    __syncthreads();
+}
+
+/* Element j's code word w: 5 trits per byte, or cb bits, at byte `off` of the codes section. */
+__device__ __forceinline__ void sb_put_code(const sb_shared *S, unsigned char *base, long long off, long long j,
+                                            sb_u32 w, int cb, int trits) {
+    if (!w) return;
+    if (!S->code_words) {
+        sb_put_code_atomic(base, off, j, w, cb, trits);
+        return;
+    }
+    unsigned *words = (unsigned *)S->sh;
+    if (trits) {
+        long long byte = off + j / 5;
+        atomicAdd(words + (int)((byte >> 2) - S->code_word), (w * sb_pow3((int)(j % 5))) << (8 * (int)(byte & 3)));
+        return;
+    }
+    long long bit = off * 8 + j * cb;
+    int sh = (int)(bit & 31), k = (int)((bit >> 5) - S->code_word);
+    unsigned long long x = (unsigned long long)w << sh;
+    atomicOr(words + k, (unsigned)x);
+    if (sh + cb > 32) atomicOr(words + k + 1, (unsigned)(x >> 32));
+}
+
+__device__ __forceinline__ void sb_codes_end(sb_shared *S, unsigned char *base, int trits) {
+    __syncthreads();
+    int n = S->code_words;
+    const unsigned *words = (const unsigned *)S->sh;
+    unsigned *out = (unsigned *)base + S->code_word;
+    for (int w = threadIdx.x; w < n; w += blockDim.x) {
+        unsigned x = words[w];
+        if (w > 0 && w < n - 1) out[w] = x; /* wholly this bucket's */
+        else if (x) {
+            if (trits) atomicAdd(out + w, x); /* a byte's trits never carry: at most 242 */
+            else atomicOr(out + w, x);
+        }
+    }
+}
+
 /* Exclusive block-wide prefix sum of one flag per thread; *total gets the sum. sh: SB_THREADS ints. */
 __device__ int sb_block_exclusive_scan(int flag, int *sh, int *total) {
     int tid = threadIdx.x;
@@ -363,6 +427,8 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
         ((float *)(payload + L.scales_off))[b] = S->P.scale; /* 0 for a zero QUANT bucket */
     float s = (float)levels;
     int cb = L.code_bits;
+    int coded = kind == SB_QUANT || kind == SB_LLOYD_MAX || kind == SB_SIGN;
+    if (coded) sb_codes_begin(&L, j0, len, kind == SB_SIGN ? 1 : cb, kind == SB_SIGN ? 0 : trits, S);
     double a[4] = {0.0, 0.0, 0.0, 0.0};
     long long kept_before = 0; /* TOPK: kept entries of this bucket at lower local indices (uniform) */
     /* every thread runs the same number of iterations: the TOPK scan is a block-wide operation */
@@ -396,7 +462,7 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
                     sb_u32 neg = sb_quant_sign(v, c, trits);
                     q = sb_quant_value(c, neg, S->P.scale, s);
                     sb_u32 w = sb_quant_word(c, neg, cb, trits);
-                    sb_put_code_atomic(payload, L.codes_off, j, w, cb, trits);
+                    sb_put_code(S, payload, L.codes_off, j, w, cb, trits);
                 }
                 break;
             case SB_LLOYD_MAX: {
@@ -404,13 +470,13 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
                 sb_u32 neg = sb_quant_sign(v, c, trits);
                 q = sb_lm_value(c, neg, S->P.scale, levels);
                 sb_u32 w = sb_quant_word(c, neg, cb, trits);
-                sb_put_code_atomic(payload, L.codes_off, j, w, cb, trits);
+                sb_put_code(S, payload, L.codes_off, j, w, cb, trits);
                 break;
             }
             case SB_SIGN: {
                 sb_u32 code = sb_sign_code(v);
                 q = sb_sign_value(code, S->P.scale);
-                sb_put_bits_atomic(payload, L.codes_off * 8 + j, code, 1);
+                sb_put_code(S, payload, L.codes_off, j, code, 1, 0);
                 break;
             }
             case SB_TOPK:
@@ -442,6 +508,7 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
             sb_accumulate(q, v, a);
         }
     }
+    if (coded) sb_codes_end(S, payload, kind == SB_SIGN ? 0 : trits);
     sb_block_stats(a[0], a[1], a[2], a[3], S->sh, dst);
 }
 
