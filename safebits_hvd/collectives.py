@@ -173,7 +173,7 @@ class DensePath(CollectivePath):
     def add_unchanged(self, numels: np.ndarray) -> None:
         """Tensors of these sizes go on as they are (a pass-through step's bucket): count their bytes at once, as
         :meth:`add` would one by one."""
-        self.wire_bytes += int(self._ring_bytes(numels).sum())
+        self.wire_bytes += int(np.sum(self._ring_bytes(numels)))
 
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
                own: torch.Tensor | None) -> tuple[Any, np.ndarray]:

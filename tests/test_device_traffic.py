@@ -157,12 +157,49 @@ SEAM = PACKAGE / "host.py"
 OFF_THE_HOT_PATH = {"checkpoint.py", "exchange.py", "launch.py", "telemetry.py", "elastic.py",
                     "kernels/reference.py", "kernels/cpu.py", "kernels/resources.py"}
 SYNCING_METHODS = {"cpu", "item", "tolist", "numpy"}
+REDUCTIONS = {"all", "any", "min", "max", "sum", "mean", "norm", "prod"}
+
+
+def _numpy_like(node: ast.AST, names: set[str], functions: set[str] | frozenset[str]) -> bool:
+    """Whether ``node`` evidently holds NumPy values: ``np.`` calls, ``host.to_host``, calls of functions that
+    return ``np.ndarray``, names and attributes known to hold NumPy values, and what is built from them
+    (subscripts, methods, arithmetic, comparisons). Tensors in the package are never such names."""
+    while isinstance(node, ast.Subscript | ast.Attribute | ast.UnaryOp):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            return True
+        node = node.operand if isinstance(node, ast.UnaryOp) else node.value
+    if isinstance(node, ast.BinOp):
+        return _numpy_like(node.left, names, functions) or _numpy_like(node.right, names, functions)
+    if isinstance(node, ast.Compare):
+        return any(_numpy_like(x, names, functions) for x in (node.left, *node.comparators))
+    if isinstance(node, ast.Call):
+        func = ast.unparse(node.func)
+        if func.startswith(("np.", "host.to_host")) or func.rsplit(".", 1)[-1] in functions:
+            return True
+        return isinstance(node.func, ast.Attribute) and _numpy_like(node.func.value, names, functions)
+    return isinstance(node, ast.Name) and node.id in names
+
+
+def _bind(assignments: list[ast.Assign], names: set[str], functions: frozenset[str], local: bool) -> None:
+    """Add to ``names`` the targets of ``assignments`` bound to NumPy values, to a fixed point: attributes
+    (``self.x = ...``), and plain names too when ``local``."""
+    while True:
+        before = len(names)
+        for node in assignments:
+            if _numpy_like(node.value, names, functions):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute):
+                        names.add(target.attr)
+                    elif local and isinstance(target, ast.Name):
+                        names.add(target.id)
+        if len(names) == before:
+            return
 
 
 def _numpy_annotated(trees: list[ast.AST]) -> tuple[set[str], set[str]]:
-    """Names annotated ``np.ndarray`` (parameters, attributes) and functions that return one, across the package:
-    what the static check takes for NumPy (a tensor is never annotated so)."""
-    names: set[str] = set()
+    """Names annotated ``np.ndarray`` (parameters, attributes), attributes bound to NumPy values, and functions
+    that return one, across the package: what the static check takes for NumPy."""
+    names: set[str] = {"np"}
     functions: set[str] = set()
     for tree in trees:
         for node in ast.walk(tree):
@@ -175,42 +212,31 @@ def _numpy_annotated(trees: list[ast.AST]) -> tuple[set[str], set[str]]:
             elif isinstance(node, ast.FunctionDef) and node.returns is not None and \
                     ast.unparse(node.returns).startswith("np.ndarray"):
                 functions.add(node.name)
+    _bind([n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Assign)], names, frozenset(functions),
+          local=False)
     return names, functions
 
 
-def _host_syncs(tree: ast.AST, numpy_names: frozenset[str] = frozenset(),
+def _host_syncs(tree: ast.AST, numpy_names: frozenset[str] = frozenset({"np"}),
                 numpy_functions: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
-    """Calls that read a device tensor back outside the seam: ``x.cpu()``, ``x.numpy()``, and ``t.item()`` or
-    ``t.tolist()`` where ``t`` is not evidently a NumPy array (a name bound from an ``np.`` call or
-    ``host.to_host``, or annotated ``np.ndarray``, or a call of a function that returns one), ``bool(t.all())`` or
-    ``bool(t.any())``, and ``.to(device)`` of a tensor made from host data (``torch.from_numpy``/``torch.tensor``)."""
+    """Calls that read a device tensor back outside the seam: ``x.cpu()``, ``x.numpy()``, ``t.item()`` or
+    ``t.tolist()`` of a tensor, ``bool``/``int``/``float`` of a tensor's reduction (``t.all()``, ``t.max()``,
+    ``t.sum()``...), a host-made tensor's ``.to(device)`` and ``torch.tensor(..., device=)``; "a tensor" is
+    what :func:`_numpy_like` cannot show to be NumPy."""
     names = set(numpy_names)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            source = ast.unparse(node.value.func)
-            if source.startswith(("np.", "host.to_host")) or source.endswith(".astype"):
-                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    _bind([n for n in ast.walk(tree) if isinstance(n, ast.Assign)], names, numpy_functions, local=True)
 
     def numpy_like(node: ast.AST) -> bool:
-        while isinstance(node, ast.Subscript | ast.Attribute):
-            if isinstance(node, ast.Attribute) and node.attr in names:
-                return True
-            node = node.value
-        if isinstance(node, ast.Call):
-            func = ast.unparse(node.func)
-            if func.startswith(("np.", "host.to_host")) or func.rsplit(".", 1)[-1] in numpy_functions:
-                return True
-            return isinstance(node.func, ast.Attribute) and numpy_like(node.func.value)   # a NumPy array's method
-        return isinstance(node, ast.Name) and node.id in names
+        return _numpy_like(node, names, numpy_functions)
 
     def syncs(call: ast.Call) -> bool:
         func = call.func
         if isinstance(func, ast.Attribute) and func.attr in SYNCING_METHODS and not call.args:
             return func.attr in ("cpu", "numpy") or not numpy_like(func.value)
-        if isinstance(func, ast.Name) and func.id == "bool" and call.args:
-            inner = call.args[0]
+        if isinstance(func, ast.Name) and func.id in ("bool", "int", "float") and call.args:
+            inner = call.args[0]      # bool(t.all()), int(t.max()), float(t.sum()): a tensor's reduction read back
             return (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
-                    and inner.func.attr in ("all", "any") and not numpy_like(inner.func.value))
+                    and inner.func.attr in REDUCTIONS and not numpy_like(inner.func.value))
         if ast.unparse(func) in ("torch.tensor", "torch.as_tensor"):
             return any(k.arg == "device" for k in call.keywords)
         return (isinstance(func, ast.Attribute) and func.attr == "to" and isinstance(func.value, ast.Call)
@@ -247,5 +273,7 @@ fine = ok.tolist()
 also = host.to_host(t)
 fine2 = also[0].item()
 u = torch.tensor([1, 2], dtype=torch.int64, device=device)
+i = int(buckets.max())
+f = float(np.abs(ok).max())
 """
-    assert [line for line, _ in _host_syncs(ast.parse(code))] == [2, 3, 4, 5, 6, 11]
+    assert [line for line, _ in _host_syncs(ast.parse(code))] == [2, 3, 4, 5, 6, 11, 12]

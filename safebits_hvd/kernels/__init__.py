@@ -128,9 +128,10 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
             raise TypeError("buckets must be a 1-D int64 tensor of bucket indices (or None)")
         nb = -(-e.numel() // menu.bucket_size)
         buckets = buckets.to(e.device).contiguous()
-        if buckets.numel() and (int(buckets.min()) < 0 or int(buckets.max()) >= nb):
-            raise ValueError(f"bucket indices must be in [0, {nb}), got range "
-                             f"[{int(buckets.min())}, {int(buckets.max())}]")
+        if buckets.numel():
+            low, high = host.to_host(torch.stack((buckets.min(), buckets.max()))).tolist()
+            if low < 0 or high >= nb:
+                raise ValueError(f"bucket indices must be in [0, {nb}), got range [{low}, {high}]")
     return _backend(e.device).screen(g, e, menu, int(key), buckets)
 
 
