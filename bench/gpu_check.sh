@@ -4,7 +4,8 @@
 # to the C ones, decode/decode_add; the group kernels of the batched step against the per-tensor ones), then prints
 # the GPU kernel ratios to torch.clone, including the wire pack/decode_add ratios on 16M floats and the group
 # kernels' (send_group, decode_group) with their host reads per group, and the whole SafeBits step on the GPU
-# (1,000 small tensors, ResNet-18's and GPT-2 small's gradients) against torch.clone of the same gradients, with its
+# (1,000 small tensors; ResNet-18's, ResNet-50's and GPT-2 small's gradients as on 2 ranks, host and step time apart)
+# against torch.clone of the same gradients, with its
 # reads back, launches and uploads per step (safebits_hvd.host.counting), each kernel's registers and spills, and a
 # real training step of GPT-2 small and ResNet-50 under DDP on the one GPU with each hook (bench/train_step.py).
 # About 3-6 minutes. Usage: bash bench/gpu_check.sh [folder for the JSON, default results/gpu]

@@ -33,6 +33,7 @@ import torch
 import safebits_hvd as sb
 from bench.suites import model_shapes
 from safebits_hvd import collectives, host, kernels
+from safebits_hvd.transports import LocalTransport
 
 TENSORS = 1000
 DEVICE = os.environ.get("SAFEBITS_BENCH_DEVICE", "cpu")
@@ -49,13 +50,29 @@ def synchronized(fn: Any) -> Any:
         fn()
         torch.cuda.synchronize()
 
+    call.__wrapped__ = fn         # type: ignore[attr-defined]
     return call
 
 
-def make_step(sizes: list[int], collective: str = "allgather",
-              budget_bits: float = 4.4) -> tuple[Any, Any, list[torch.Tensor]]:
+class MirrorTransport(LocalTransport):
+    """One process standing for ``size`` ranks that all sent this rank's bytes: an allgather returns the payload
+    ``size`` times, so every member is decoded from ``size`` payloads, in rank order, as on ``size`` ranks."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
+        return payload.repeat(self.size)
+
+
+def make_step(sizes: list[int], collective: str = "allgather", budget_bits: float = 4.4,
+              ranks: int = 1) -> tuple[Any, Any, list[torch.Tensor]]:
+    """The step's compressor, the step (every compress in backward's order, then every decompress) and the
+    gradients; ``ranks`` > 1: each allgather brings ``ranks`` copies of this rank's payloads (:class:`MirrorTransport`),
+    all decoded."""
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n, device=DEVICE))) for i, n in enumerate(sizes)]
-    compressor = sb.SafeBits(params, budget_bits=budget_bits, collective=collective)
+    compressor = sb.SafeBits(params, budget_bits=budget_bits, collective=collective,
+                             transport=MirrorTransport(ranks) if ranks > 1 else None)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen).to(DEVICE) for n in sizes]
 
@@ -94,13 +111,14 @@ def test_thousand_tensor_dense_step(benchmark: Any, numel: int) -> None:
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("model", ["resnet18", "gpt2_small"])
+@pytest.mark.parametrize("model", ["resnet18", "resnet50", "gpt2_small"])
 def test_model_step(benchmark: Any, model: str) -> None:
     """One step of a model's gradients (its parameter shapes, ``bench.suites.model_shapes``) at 4.4 bits on the
-    allgather path; ``fp16_vs_clone``: the casts ``Compression.fp16`` makes of the same gradients (to float16 and
-    back), for scale."""
+    allgather path, as on 2 ranks (a second rank's payloads decoded too: :class:`MirrorTransport`);
+    ``fp16_vs_clone``: the casts ``Compression.fp16`` makes of the same gradients (to float16 and back), for
+    scale."""
     sizes = [model_shapes.numel(shape) for _, shape in model_shapes.MODELS[model]()]
-    compressor, reads = measure_step(benchmark, sizes, "allgather")
+    compressor, reads = measure_step(benchmark, sizes, "allgather", ranks=2)
     grads = [torch.randn(n).to(DEVICE) for n in sizes]
     fp16 = median_seconds(synchronized(lambda: [g.half().float() for g in grads]), 5)
     clone = median_seconds(synchronized(lambda: [g.clone() for g in grads]), 5)
@@ -162,12 +180,15 @@ def test_sending_a_group_of_thousand_tensors(benchmark: Any, numel: int) -> None
 
 
 def measure_step(benchmark: Any, numel: int | list[int], collective: str,
-                 budget_bits: float = 4.4) -> tuple[Any, int]:
-    """Time the step of 1,000 tensors of ``numel`` elements (or of tensors of the sizes listed) on ``collective``;
-    returns the compressor and the reads back of one step."""
+                 budget_bits: float = 4.4, ranks: int = 1) -> tuple[Any, int]:
+    """Time the step of 1,000 tensors of ``numel`` elements (or of tensors of the sizes listed) on ``collective``
+    (``ranks``: see :func:`make_step`); returns the compressor and the reads back of one step. ``host_ms``: the
+    step's calls until they return, without waiting for the device at the end (the rest of ``step_ms`` is device
+    work the host did not wait for inside the step)."""
     torch.set_num_threads(1)
     sizes = numel if isinstance(numel, list) else [numel] * TENSORS
-    compressor, step, grads = make_step(sizes, collective, budget_bits)
+    compressor, step, grads = make_step(sizes, collective, budget_bits, ranks)
+    unsynchronized = getattr(step, "__wrapped__", step)
     for _ in range(3):
         step()                            # warm: index cache, residuals, samples
     with host.counting() as counted:
@@ -175,10 +196,17 @@ def measure_step(benchmark: Any, numel: int | list[int], collective: str,
     reads = counted.traffic.reads
     benchmark.pedantic(step, rounds=5, iterations=1)
     seconds = benchmark.stats.stats.median
+    host_seconds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        unsynchronized()
+        host_seconds.append(time.perf_counter() - start)
+        synchronized(lambda: None)()
     clone = median_seconds(synchronized(lambda: [g.clone() for g in grads]), 5)
     # What the step itself does beyond setting the gradients (a clone each, timed alongside).
     benchmark.extra_info.update({
-        "tensors": len(sizes), "numel": sum(sizes), "device": DEVICE,
+        "tensors": len(sizes), "numel": sum(sizes), "device": DEVICE, "ranks": ranks,
+        "step_ms": round(1e3 * seconds, 3), "host_ms": round(1e3 * statistics.median(host_seconds), 3),
         "us_per_tensor": round(1e6 * max(seconds - clone, 0.0) / len(sizes), 2),
         "step_vs_clone": round(seconds / clone, 3),
         "host_reads_per_step": reads, "launches_per_step": counted.traffic.launches,
