@@ -110,6 +110,59 @@ def test_the_torch_operations_of_a_bucket_do_not_grow_with_its_members() -> None
     assert counts[1] == counts[62] == counts[1000], counts
 
 
+class ManyTensors(torch.nn.Module):
+    """A model of the listed parameters, each used by forward (so DDP reduces every one)."""
+
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList([p for _, p in params])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(w * x).sum() for w in self.weights]).sum()
+
+
+@pytest.mark.parametrize("members", [1, 62, 1000])
+def test_a_ddp_bucket_costs_one_read_to_send_and_one_to_receive_whatever_its_member_count(members: int) -> None:
+    """The DDP hook under the fake CUDA backend (world size 1 on Gloo: DDP still hands every bucket to the hook),
+    whole buckets as one group (``chunk_bytes`` as on a GPU): each bucket DDP hands over costs one read to send and
+    one to receive, at most 11 launches and 3 pinned uploads, and nothing pageable after the first step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from safebits_hvd import ddp as sbddp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        params = bucket_of(members)
+        model = ManyTensors(params)
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=1024)
+        state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=4.4, collective="allgather",
+                                    chunk_bytes=sbddp.DEVICE_CHUNK_BYTES, sample_buckets=1 << 20)
+        buckets = []
+
+        def hook(state, bucket):      # unannotated: DDP checks a hook's annotations against its own classes
+            buckets.append(bucket.index())
+            return sbddp.safebits_hook(state, bucket)
+
+        wrapped.register_comm_hook(state, hook)
+        x = torch.ones(1)
+        with fake_cuda():
+            for step in range(3):
+                buckets.clear()
+                with host.counting() as counted:
+                    wrapped(x).backward()
+                assert state.last_step.collective == "allgather" and state.step == step + 1
+                traffic, count = counted.traffic, len(buckets)
+                assert 1 <= count <= 2, buckets          # DDP's small first bucket, then the rest
+                assert traffic.reads == 2 * count, (step, traffic, count)
+                assert traffic.launches <= (SEND_LAUNCHES + 3) * count, traffic
+                assert traffic.pinned_uploads <= 3 * count, traffic
+                if step:
+                    assert traffic.pageable_uploads == 0, traffic
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_counts_follow_the_fusion_groups() -> None:
     """The same 62 tensors in groups of at most 64 KiB of gradient: each group pays the bucket's costs once."""
     params = bucket_of(62)
