@@ -8,8 +8,9 @@
 # against torch.clone of the same gradients, with its
 # reads back, launches and uploads per step (safebits_hvd.host.counting), each kernel's registers and spills, and a
 # real training step of GPT-2 small and ResNet-50 under DDP on the one GPU with each hook (bench/train_step.py).
-# Each part has its own timeout (together under 8 minutes of work on an H200 is the aim; not yet timed with the
-# train step and ResNet-50 added). Usage: bash bench/gpu_check.sh [folder for the JSON, default results/gpu]
+# Each part has its own timeout, 8 minutes in all (the parts ran in 20, 14 and 7 s on an H200 before the train
+# step and ResNet-50 were added: results/gpu/). Usage: bash bench/gpu_check.sh [folder for the JSON, default
+# results/gpu]
 set -uo pipefail
 OUTDIR=${1:-results/gpu}
 mkdir -p "$OUTDIR"
@@ -27,23 +28,23 @@ $PY -c "from safebits_hvd import kernels; print('CPU kernels:', kernels.backend_
 echo "== Kernel registers and spills (sm_90, NVRTC + ptxas)"
 $PY -m safebits_hvd.kernels.resources --arch sm_90 || rc_resources=1
 echo "== GPU tests"
-SAFEBITS_REQUIRE_NVRTC=1 timeout 200 $PY -m pytest tests/test_cuda_kernels.py -q --maxfail=5 -p no:cacheprovider
+SAFEBITS_REQUIRE_NVRTC=1 timeout 120 $PY -m pytest tests/test_cuda_kernels.py -q --maxfail=5 -p no:cacheprovider
 rc=$?
 echo "== GPU step (the whole step in one process: step time / torch.clone of its gradients, reads back per step)"
-SAFEBITS_BENCH_DEVICE=cuda timeout 150 $PY -m pytest bench/suites/bench_step.py -q -p no:cacheprovider \
+SAFEBITS_BENCH_DEVICE=cuda timeout 90 $PY -m pytest bench/suites/bench_step.py -q -p no:cacheprovider \
   --benchmark-enable -k "thousand_tensor_step or model_step or pass_through" --benchmark-columns=min,median \
   --benchmark-json="$OUTDIR/gpu_step.json" || rc=1
 $PY -c "import json, sys
 for b in json.load(open(sys.argv[1]))['benchmarks']:
     print(b['name'], f\"{b['stats']['median'] * 1e3:.3f} ms\", b['extra_info'])" "$OUTDIR/gpu_step.json" || rc=1
 echo "== GPU wire benchmarks (pytest-benchmark: pack and decode_add of 16M floats)"
-SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m pytest bench/suites/bench_kernels.py -q -p no:cacheprovider \
+SAFEBITS_BENCH_DEVICE=cuda timeout 50 $PY -m pytest bench/suites/bench_kernels.py -q -p no:cacheprovider \
   --benchmark-enable -k "quantize_pack_ef or decode_add" --benchmark-columns=min,mean || rc=1
 echo "== GPU group kernels (time / torch.clone of the group's bytes, host reads)"
-SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m bench.suites.bench_group || rc=1
+SAFEBITS_BENCH_DEVICE=cuda timeout 50 $PY -m bench.suites.bench_group || rc=1
 echo "== One-GPU DDP training step (NCCL, world size 1, bf16 autocast): default, bf16, PowerSGD, SafeBits"
-timeout 240 $PY -m bench.train_step --models gpt2_small resnet50 --steps 8 --warmup 2 --rounds 1 \
+timeout 120 $PY -m bench.train_step --models gpt2_small resnet50 --steps 8 --warmup 2 --rounds 1 \
   --json "$OUTDIR/train_step.json" || rc=1
 echo "== GPU kernel ratios (kernel time / torch.clone, same process)"
-SAFEBITS_BENCH_DEVICE=cuda timeout 120 $PY -m bench.suites.bench_kernels
+SAFEBITS_BENCH_DEVICE=cuda timeout 50 $PY -m bench.suites.bench_kernels
 exit $(( rc || ${rc_resources:-0} ))
