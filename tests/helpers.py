@@ -1,7 +1,10 @@
-"""Shared helpers of the unit tests: a model of many tensors and a one-process driver of SafeBits."""
+"""Shared helpers of the unit tests: a model of many tensors, a one-process driver of SafeBits, and the NVRTC gate."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 import safebits_hvd as sb
@@ -38,3 +41,17 @@ def run_steps(compressor: sb.SafeBits, params, steps: int, seed: int = 1, captur
             compressor.decompress(sent, ctx)
         log.append(record)
     return log
+
+
+def need_nvrtc() -> None:
+    """Skip the calling test when CuPy's NVRTC is not usable; with ``SAFEBITS_REQUIRE_NVRTC=1`` (``make test``, CI)
+    fail it instead, so a missing compiler never passes silently."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception:
+        if os.environ.get("SAFEBITS_REQUIRE_NVRTC") == "1":
+            pytest.fail("SAFEBITS_REQUIRE_NVRTC=1 but CuPy/NVRTC is not usable "
+                        "(pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12)")
+        pytest.skip("CuPy/NVRTC not installed")

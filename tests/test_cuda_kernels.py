@@ -5,8 +5,6 @@ With ``SAFEBITS_REQUIRE_NVRTC=1`` a missing CuPy/NVRTC or a compile error FAILS 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,34 +17,20 @@ from safebits_hvd.kernels import cuda
 from safebits_hvd.policy import BudgetPolicy
 from safebits_hvd.wire import WireFormatError
 
-from .helpers import random_grads
+from .helpers import need_nvrtc, random_grads
 from .kernel_cases import bits, make
 from .test_group_kernels import MENU, group_case
 from .test_group_kernels import SIZES as GROUP_SIZES
 
-REQUIRE_NVRTC = os.environ.get("SAFEBITS_REQUIRE_NVRTC") == "1"
 KEY = rng.stream_key(5, 9, 2)
 GROUP_KERNELS = ("sb_group_finite_kernel", "sb_group_screen_kernel", "sb_segment_sum_kernel", "sb_group_choose_kernel",
                  "sb_group_stage_kernel", "sb_group_pack_kernel", "sb_gather_kernel", "sb_group_check_topk_kernel",
                  "sb_group_decode_kernel")
 
 
-def _nvrtc_available() -> bool:
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc.getVersion()
-    except Exception:
-        return False
-    return True
-
 
 def test_nvrtc_compiles_cuda_source():
-    if not _nvrtc_available():
-        if REQUIRE_NVRTC:
-            pytest.fail("SAFEBITS_REQUIRE_NVRTC=1 but CuPy/NVRTC is not usable "
-                        "(pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12)")
-        pytest.skip("CuPy/NVRTC not installed")
+    need_nvrtc()
     ptx = cuda.compile_nvrtc()
     for kernel in ("sb_quantize_ef_kernel", "sb_screen_kernel", "sb_quantize_pack_ef_kernel", "sb_decode_kernel",
                    "sb_check_topk_kernel", *GROUP_KERNELS):

@@ -5,17 +5,12 @@ With ``SAFEBITS_REQUIRE_NVRTC=1`` a missing CuPy/NVRTC FAILS instead of skipping
 
 from __future__ import annotations
 
-import os
-import re
-
 import pytest
 
-from safebits_hvd.kernels import resources
+from safebits_hvd.kernels import cuda_emulator, resources
 from safebits_hvd.kernels.resources import KernelResources
-from safebits_hvd.kernels.source import HERE
 
-REQUIRE_NVRTC = os.environ.get("SAFEBITS_REQUIRE_NVRTC") == "1"
-KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(')
+from .helpers import need_nvrtc
 
 CANNED_LOG = """\
 ptxas info    : 0 bytes gmem
@@ -34,15 +29,6 @@ ptxas info    : Compile time = 3.115 ms
 """
 
 
-def _nvrtc_available() -> bool:
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc.getVersion()
-    except Exception:
-        return False
-    return True
-
 
 def test_parse_ptxas_log():
     parsed = resources.parse_ptxas_log(CANNED_LOG)
@@ -55,12 +41,8 @@ def test_parse_ptxas_log():
 
 
 def test_every_kernel_reported_and_none_spills():
-    if not _nvrtc_available():
-        if REQUIRE_NVRTC:
-            pytest.fail("SAFEBITS_REQUIRE_NVRTC=1 but CuPy/NVRTC is not usable "
-                        "(pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12)")
-        pytest.skip("CuPy/NVRTC not installed")
-    declared = set(KERNEL.findall((HERE / "cuda_kernels.cu").read_text()))
+    need_nvrtc()
+    declared = set(cuda_emulator.kernels())          # every kernel cuda_kernels.cu declares
     assert len(declared) >= 14, declared
     found = resources.kernel_resources("sm_90")
     table = resources.report("sm_90", found)
@@ -81,8 +63,7 @@ def test_main_exits_1_when_a_kernel_spills(monkeypatch, capsys):
 
 
 def test_compile_error_raises_with_log(monkeypatch):
-    if not _nvrtc_available():
-        pytest.skip("CuPy/NVRTC not installed")
+    need_nvrtc()
     monkeypatch.setattr(resources.cuda, "cuda_source", lambda: "__global__ void k() { undeclared_name; }\n")
     with pytest.raises(RuntimeError, match="undeclared_name"):
         resources.kernel_resources("sm_90")
