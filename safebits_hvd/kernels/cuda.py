@@ -25,6 +25,8 @@ NAME = "cuda"
 """The backend's name (:func:`safebits_hvd.kernels.backend_name`)."""
 
 THREADS = 256
+GATHER_CHUNK = 4096
+"""Bytes per block of ``sb_gather_kernel`` (``SB_GATHER_CHUNK``)."""
 NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true",
                  "--prec-sqrt=true")
 """No FMA contraction, IEEE division, no flush-to-zero: float results bit-identical to the C backend."""
@@ -286,6 +288,7 @@ def send_group(request: Any, tables: Any) -> Any:
     # Each member packs into a 16-byte-aligned staging payload (the kernels' word-wide writes need it), then one
     # gather lays the payloads out back to back.
     stage_off = _prefix(-(-largest // 16) * 16)
+    gather_off = _prefix(-(-largest // GATHER_CHUNK) * (request.output == GroupOutput.PAYLOAD))
     stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
     buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
     # One upload of what changes per step: addresses, keys, the allocation, the layout; and m zeros, the NaN/Inf
@@ -294,7 +297,8 @@ def send_group(request: Any, tables: Any) -> Any:
         g=addresses(request.grads), e=addresses(request.residuals), sent=addresses(request.sents),
         sample=addresses(samples), n=numels, key=np.asarray(request.keys, dtype=np.uint32),
         allocated=np.asarray(request.allocated), tensor=members, bucket_off=bucket_off, pair_off=pair_off,
-        stage_off=stage_off, stage_addr=stage.data_ptr() + stage_off[:-1], bad=np.zeros(m, dtype=np.int64)))
+        stage_off=stage_off, stage_addr=stage.data_ptr() + stage_off[:-1], bad=np.zeros(m, dtype=np.int64),
+        gather_off=gather_off))
     # Everything read back, in one int64 tensor: chosen (-1: NaN/Inf), offsets, then the float64 sums; every word
     # is written by a kernel below, or not read (the sums of a pass that did not run are zeros on the host).
     spans = {"chosen": m, "offsets": m + 1, "screen": m * nact * 4, "stats": m * 4}
@@ -338,10 +342,10 @@ def send_group(request: Any, tables: Any) -> Any:
                         _ptr(t["key"]), _ptr(r["chosen"]), _ptr(t["stage_addr"]), np.int32(bucket), *menu_args,
                         _ptr(part)))
                 launch("sb_segment_sum_kernel", m, (_ptr(part), _ptr(t["bucket_off"]), np.int32(1), _ptr(stats)))
-            if request.output == GroupOutput.PAYLOAD:
-                launch("sb_gather_kernel", _grid(capacity),
-                       (np.int32(m), _ptr(r["offsets"]), _ptr(r["offsets"]), np.int32(0), _ptr(t["stage_addr"]),
-                        _ptr(buffer), np.int64(capacity)))
+            if request.output == GroupOutput.PAYLOAD and gather_off[-1]:
+                launch("sb_gather_kernel", int(gather_off[-1]),
+                       (np.int32(m), _ptr(t["gather_off"]), _ptr(r["offsets"]), _ptr(r["offsets"]), np.int32(0),
+                        _ptr(t["stage_addr"]), _ptr(buffer)))
     data = host.to_host(results)                 # the group's one device-to-host synchronization
     values: dict[str, np.ndarray] = {}
     start = 0
@@ -375,6 +379,7 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
     stage_off = _prefix(-(-sizes[moved] // 16) * 16)
     stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
     source = addr[moved]
+    gather_off = _prefix(-(-sizes[moved] // GATHER_CHUNK))
     addr = addr.copy()
     addr[moved] = stage.data_ptr() + stage_off[:-1]
     kinds = np.array([int(a.kind) for a in menu], dtype=np.int64)
@@ -384,14 +389,15 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
     check_off = _prefix(-(-slot_numels[checked] // bucket))
     bucket_off = _prefix(-(-numels // bucket))
     t = host.upload(device, dict(
-        stage_off=stage_off, sizes=sizes[moved], source=source, check_off=check_off, checked=checked,
+        stage_off=stage_off, sizes=sizes[moved], source=source, gather_off=gather_off, check_off=check_off,
+        checked=checked,
         checked_addr=addr[checked], checked_n=slot_numels[checked], checked_topk=topk_of[actions[checked]],
         bucket_off=bucket_off, outs=addresses(outs), n=numels, own=own, addr=addr, actions=actions))
     with _launcher(device) as launch:
         if moved.any():
-            launch("sb_gather_kernel", _grid(int(stage_off[-1])),
-                   (np.int32(int(moved.sum())), _ptr(t["stage_off"]), _ptr(t["sizes"]), np.int32(1), _ptr(t["source"]),
-                    _ptr(stage), np.int64(stage_off[-1])))
+            launch("sb_gather_kernel", int(gather_off[-1]),
+                   (np.int32(int(moved.sum())), _ptr(t["gather_off"]), _ptr(t["stage_off"]), _ptr(t["sizes"]),
+                    np.int32(1), _ptr(t["source"]), _ptr(stage)))
         if len(checked):
             bad = torch.full((1,), _INT_MAX, dtype=torch.int32, device=device)
             launch("sb_group_check_topk_kernel", _grid(int(check_off[-1])),

@@ -797,17 +797,22 @@ sb_group_pack_kernel(int m, const long long *bucket_off, const long long *gp, co
                    (unsigned int)keys[k], blockIdx.x - bucket_off[k], dst, &S);
 }
 
-/* dst[y] = byte y - dst_off[k] of segment k (from address src_addr[k]) for y < dst_off[m], where segment k is
- * [dst_off[k], dst_off[k + 1]); with has_len, only its first len[k] bytes (the rest is padding). One thread per
- * byte of dst, up to `total`: the staging payloads into the back-to-back buffer (send), misaligned gathered
- * payloads into an aligned stage (decode). */
-extern "C" __global__ void sb_gather_kernel(int m, const long long *dst_off, const long long *len, int has_len,
-                                            const long long *src_addr, unsigned char *dst, long long total) {
-    long long y = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (y >= total || y >= dst_off[m]) return;
-    int k = sb_segment_of(dst_off, m, y);
-    long long local = y - dst_off[k];
-    if (!has_len || local < len[k]) dst[y] = ((const unsigned char *)src_addr[k])[local];
+/* Segments copied back to back: segment k (len[k] bytes with has_len, else dst_off[k + 1] - dst_off[k]) from
+ * address src_addr[k] to dst + dst_off[k], in chunks of SB_GATHER_CHUNK bytes, one block per chunk: chunk_off[k]
+ * is the first chunk of segment k, counted by the host from a bound of its length (its largest payload), so a
+ * block looks its segment up once and its threads copy bytes without a search. The staging payloads into the
+ * back-to-back buffer (send), misaligned gathered payloads into an aligned stage (decode). */
+#define SB_GATHER_CHUNK 4096
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_gather_kernel(int m, const long long *chunk_off, const long long *dst_off, const long long *len, int has_len,
+                 const long long *src_addr, unsigned char *dst) {
+    int k = sb_segment_of(chunk_off, m, blockIdx.x);
+    long long size = has_len ? len[k] : dst_off[k + 1] - dst_off[k];
+    long long lo = (blockIdx.x - chunk_off[k]) * (long long)SB_GATHER_CHUNK;
+    long long hi = lo + SB_GATHER_CHUNK < size ? lo + SB_GATHER_CHUNK : size;
+    const unsigned char *src = (const unsigned char *)src_addr[k];
+    unsigned char *out = dst + dst_off[k];
+    for (long long y = lo + threadIdx.x; y < hi; y += blockDim.x) out[y] = src[y];
 }
 
 /* The top-k payloads of a gathered group: *bad = the lowest slot id (member * ranks + rank) of a payload with a
