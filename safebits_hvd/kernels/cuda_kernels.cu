@@ -33,6 +33,7 @@ struct sb_shared {
     int scan[SB_THREADS];
     long long code_word; /* sb_codes_begin: the first 32-bit payload word of the bucket's codes */
     int code_words;      /* and how many there are (0: written with global atomics) */
+    int code_shared;     /* bit 0: the first word is shared with the previous bucket; bit 1: the last, the next */
 };
 
 __device__ __forceinline__ float sb_load(const float *g, const float *e, int has_g, long long j) {
@@ -337,24 +338,34 @@ __device__ __forceinline__ void sb_put_code_atomic(unsigned char *base, long lon
 }
 
 /* A bucket's codes assembled in shared memory (S->sh, free between sb_block_prepare and sb_block_stats) with
- * shared atomics, then written out: the words wholly inside the bucket's bit range with plain stores, the (at most
- * two) words it shares with its neighbours with global atomics into the zeroed body. A bucket whose codes do not fit
- * the scratch writes each code with global atomics as before (S->code_words = 0). Where they start and how many
- * there are live in shared memory, not in registers. Every thread of the block calls begin and end. */
+ * shared atomics, then written out with plain stores, except the (at most two) words it shares with its
+ * neighbours' codes, which take global atomics into the zeroed body: a first word that does not start at the
+ * bucket's first code, a last word the bucket's codes do not fill. With the default geometry (codes of whole 32-bit
+ * words per bucket) only a tensor's last, partial bucket can have one. A bucket whose codes do not fit the scratch writes each code with
+ * global atomics as before (S->code_words = 0). Where they start, how many there are and which ends are shared live
+ * in shared memory, not in registers. Every thread of the block calls begin and end. */
 __device__ __forceinline__ void sb_codes_begin(const sb_layout *L, long long j0, int len, int cb, int trits,
                                                sb_shared *S) {
     if (threadIdx.x == 0) {
         long long lo_bit, hi_bit;
-        if (trits) {
+        int lo_shared, hi_shared;
+        if (trits) { /* 5 per byte: a byte is shared when the bucket does not start (end) on a multiple of 5 */
             lo_bit = (L->codes_off + j0 / 5) * 8;
             hi_bit = (L->codes_off + (j0 + len - 1) / 5 + 1) * 8;
+            lo_shared = (lo_bit & 31) != 0 || j0 % 5 != 0;
+            hi_shared = (hi_bit & 31) != 0 || (j0 + len) % 5 != 0;
         } else {
             lo_bit = L->codes_off * 8 + j0 * cb;
             hi_bit = lo_bit + (long long)len * cb;
+            lo_shared = (lo_bit & 31) != 0;
+            hi_shared = (hi_bit & 31) != 0;
         }
         int words = (int)(((hi_bit + 31) >> 5) - (lo_bit >> 5));
         S->code_word = lo_bit >> 5;
         S->code_words = words <= 2 * SB_SCRATCH_DOUBLES ? words : 0;
+        /* A last word that is not whole is shared even in the tensor's last bucket: past the payload's end may lie
+         * another tensor's bytes (a caller's buffer), which a plain store would overwrite. */
+        S->code_shared = lo_shared | hi_shared << 1;
     }
     __syncthreads();
     unsigned *words = (unsigned *)S->sh;
@@ -385,12 +396,12 @@ __device__ __forceinline__ void sb_put_code(const sb_shared *S, unsigned char *b
 
 __device__ __forceinline__ void sb_codes_end(sb_shared *S, unsigned char *base, int trits) {
     __syncthreads();
-    int n = S->code_words;
+    int n = S->code_words, shared = S->code_shared;
     const unsigned *words = (const unsigned *)S->sh;
     unsigned *out = (unsigned *)base + S->code_word;
     for (int w = threadIdx.x; w < n; w += blockDim.x) {
         unsigned x = words[w];
-        if (w > 0 && w < n - 1) out[w] = x; /* wholly this bucket's */
+        if (!(w == 0 && (shared & 1)) && !(w == n - 1 && (shared & 2))) out[w] = x; /* wholly this bucket's */
         else if (x) {
             if (trits) atomicAdd(out + w, x); /* a byte's trits never carry: at most 242 */
             else atomicOr(out + w, x);
