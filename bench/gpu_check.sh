@@ -8,9 +8,8 @@
 # against torch.clone of the same gradients, with its
 # reads back, launches and uploads per step (safebits_hvd.host.counting), each kernel's registers and spills, and a
 # real training step of GPT-2 small and ResNet-50 under DDP on the one GPU with each hook (bench/train_step.py).
-# Each part has its own timeout, 8 minutes in all (the parts ran in 20, 14 and 7 s on an H200 before the train
-# step and ResNet-50 were added: results/gpu/). Usage: bash bench/gpu_check.sh [folder for the JSON, default
-# results/gpu]
+# Each part has its own timeout, 8 minutes in all (installing what is missing aside; the earlier runs' times are in
+# results/gpu/). Usage: bash bench/gpu_check.sh [folder for the JSON, default results/gpu]
 set -uo pipefail
 OUTDIR=${1:-results/gpu}
 mkdir -p "$OUTDIR"
@@ -26,9 +25,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 $PY -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 $PY -c "from safebits_hvd import kernels; print('CPU kernels:', kernels.backend_name('cpu'))"
 echo "== Kernel registers and spills (sm_90, NVRTC + ptxas)"
-$PY -m safebits_hvd.kernels.resources --arch sm_90 || rc_resources=1
+timeout 30 $PY -m safebits_hvd.kernels.resources --arch sm_90 || rc_resources=1
 echo "== GPU tests"
-SAFEBITS_REQUIRE_NVRTC=1 timeout 120 $PY -m pytest tests/test_cuda_kernels.py -q --maxfail=5 -p no:cacheprovider
+SAFEBITS_REQUIRE_NVRTC=1 timeout 100 $PY -m pytest tests/test_cuda_kernels.py -q --maxfail=5 -p no:cacheprovider
 rc=$?
 echo "== GPU step (the whole step in one process: step time / torch.clone of its gradients, reads back per step)"
 SAFEBITS_BENCH_DEVICE=cuda timeout 90 $PY -m pytest bench/suites/bench_step.py -q -p no:cacheprovider \
@@ -43,7 +42,7 @@ SAFEBITS_BENCH_DEVICE=cuda timeout 50 $PY -m pytest bench/suites/bench_kernels.p
 echo "== GPU group kernels (time / torch.clone of the group's bytes, host reads)"
 SAFEBITS_BENCH_DEVICE=cuda timeout 50 $PY -m bench.suites.bench_group || rc=1
 echo "== One-GPU DDP training step (NCCL, world size 1, bf16 autocast): default, bf16, PowerSGD, SafeBits"
-timeout 120 $PY -m bench.train_step --models gpt2_small resnet50 --steps 8 --warmup 2 --rounds 1 \
+timeout 100 $PY -m bench.train_step --models gpt2_small resnet50 --steps 8 --warmup 2 --rounds 1 \
   --json "$OUTDIR/train_step.json" || rc=1
 echo "== GPU kernel ratios (kernel time / torch.clone, same process)"
 SAFEBITS_BENCH_DEVICE=cuda timeout 50 $PY -m bench.suites.bench_kernels

@@ -456,6 +456,8 @@ class AllgatherPath(PackedCodec, CollectivePath):
         totals = []
         for index, out in zip(indices, outs, strict=True):
             group = int(self.group_of[index])
+            if group < 0:        # nothing was registered this run: the groups are not even made
+                raise RuntimeError(f"{self.names[index]!r} was not sent at step {self.step}")
             decoded = self._decoded.get(group)
             if decoded is None:
                 decoded = self._decode(group, divisor)

@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from . import host
 from .errors import SafeBitsConsistencyError, SafeBitsTimeoutError
 
 DEFAULT_TIMEOUT = 600.0
@@ -167,11 +168,12 @@ class HorovodExchange(_RankExchange):
         self.timeout = timeout
 
     def _max_now(self, values: np.ndarray) -> np.ndarray:
-        tensor = torch.from_numpy(values)
+        tensor = torch.from_numpy(values)          # shares the vector's memory: the in-place op writes into it
         handle = self._hvd.allreduce_async_(tensor, op=self._hvd.Max, name=f"{self.name}.length",
                                             process_set=self.process_set)
         wait_bounded(lambda: self._hvd.poll(handle), self.timeout, f"SafeBits' statistics exchange {self.name!r}")
-        return self._hvd.synchronize(handle).numpy()
+        self._hvd.synchronize(handle)
+        return values
 
     def _start(self, values: np.ndarray) -> Any:
         tensor = torch.from_numpy(values)          # shares the vector's memory: the in-place op writes into it
@@ -237,18 +239,20 @@ class TorchDistributedExchange(_RankExchange):
         self.process_group = process_group
         self.timeout = timeout
 
-    def _reduce(self, values: np.ndarray) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        host = torch.from_numpy(values)           # shares the vector's memory
-        tensor = host if self.device.type == "cpu" else host.to(self.device)
+    def _reduce(self, values: np.ndarray) -> tuple[Any, torch.Tensor, np.ndarray]:
+        if self.device.type == "cpu":
+            tensor = torch.from_numpy(values)     # shares the vector's memory: reduced in place
+        else:                                     # one pinned, non-blocking copy (the seam): float64 bits as int64
+            tensor = host.upload(self.device, {"values": values.view(np.int64)})["values"].view(torch.float64)
         work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-        return work, tensor, host
+        return work, tensor, values
 
-    def _complete(self, handle: tuple[Any, torch.Tensor, torch.Tensor]) -> None:
-        work, tensor, host = handle
+    def _complete(self, handle: tuple[Any, torch.Tensor, np.ndarray]) -> None:
+        work, tensor, values = handle
         wait_bounded(work.is_completed, self.timeout, "SafeBits' statistics exchange (torch.distributed)")
         work.wait()                               # raises the collective's own error, if any
-        if tensor.data_ptr() != host.data_ptr():
-            host.copy_(tensor.cpu())
+        if self.device.type != "cpu":
+            np.copyto(values, host.to_host(tensor))
 
     def _max_now(self, values: np.ndarray) -> np.ndarray:
         self._complete(self._reduce(values))

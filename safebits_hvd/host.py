@@ -14,6 +14,7 @@ counting tests and ``bench/gpu_check.sh`` read.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -99,7 +100,7 @@ class _PinnedSlot:
         self.memory = torch.empty(elements, dtype=torch.int64, pin_memory=True)
         self.event: Any = None
 
-    def free(self) -> bool:
+    def is_free(self) -> bool:
         return self.event is None or self.event.query()
 
 
@@ -108,12 +109,13 @@ _PINNED_SLOTS = 8
 all are in flight does it wait for the oldest (never, unless the host runs this far ahead of the device)."""
 
 _pinned: dict[torch.device, list[_PinnedSlot]] = {}
+_pinned_lock = threading.Lock()       # autograd may run hooks on more than one thread
 
 
 def _pinned_slot(device: torch.device, elements: int) -> _PinnedSlot:
     slots = _pinned.setdefault(device, [])
     for k, slot in enumerate(slots):
-        if slot.free():
+        if slot.is_free():
             if slot.memory.numel() < elements:
                 slots[k] = slot = _PinnedSlot(max(elements, 2 * slot.memory.numel()))
             slots.append(slots.pop(k))          # most recently used last: the oldest in flight comes first
@@ -139,15 +141,16 @@ def upload(device: torch.device, columns: dict[str, np.ndarray]) -> dict[str, to
     if device.type != "cuda":
         table = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64))
     else:
-        slot = _pinned_slot(device, total)
-        host_view = slot.memory[:total].numpy()
-        start = 0
-        for column in flat:
-            host_view[start:start + column.size] = column
-            start += column.size
-        table = slot.memory[:total].to(device, non_blocking=True)
-        slot.event = torch.cuda.Event()
-        slot.event.record(torch.cuda.current_stream(device))
+        with _pinned_lock:
+            slot = _pinned_slot(device, total)
+            host_view = slot.memory[:total].numpy()
+            start = 0
+            for column in flat:
+                host_view[start:start + column.size] = column
+                start += column.size
+            table = slot.memory[:total].to(device, non_blocking=True)
+            slot.event = torch.cuda.Event()
+            slot.event.record(torch.cuda.current_stream(device))
     views, start = {}, 0
     for name, column in zip(columns, flat, strict=True):
         views[name] = table[start:start + column.size]

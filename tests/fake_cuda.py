@@ -10,21 +10,18 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from safebits_hvd import kernels
 from safebits_hvd.kernels import cpu, cuda
+from safebits_hvd.kernels.cuda_emulator import HostRuntime
 
 
-class RecordingRuntime(cuda.Runtime):
-    """Takes CPU tensors' addresses and records each launch's kernel name and grid; runs nothing."""
+class RecordingRuntime(HostRuntime):
+    """Records each launch's kernel name and grid on CPU tensors; runs nothing."""
 
     def __init__(self) -> None:
         self.launches: list[tuple[str, int]] = []
-
-    def address(self, t: torch.Tensor) -> np.uint64:
-        return np.uint64(t.data_ptr())
 
     @contextlib.contextmanager
     def launcher(self, device: torch.device) -> Iterator[cuda.Launch]:

@@ -5,7 +5,10 @@ batched step, and whole compressor steps. The GPU itself runs the same checks in
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -92,8 +95,27 @@ def test_the_screen_measures_every_action_as_the_c_backend(n: int) -> None:
 def _send(request: K.GroupSend, tables: K.GroupTables, emulated: bool) -> K.GroupSent:
     if not emulated:
         return K.send_group(request, tables)
-    with cuda_emulator.emulated():
+    with cuda_emulator.emulated(), recycled_memory():
         return cuda.send_group(request, tables)
+
+
+@contextlib.contextmanager
+def recycled_memory() -> Iterator[None]:
+    """``torch.empty`` returns memory full of 0xFF bytes (NaN as float64, -1 as integers), as a GPU's recycled
+    memory may be: a kernel that reads a word nobody wrote then gives other results than the C backend."""
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = real(*args, **kwargs)
+        if t.is_contiguous() and t.numel():
+            t.view(torch.uint8).fill_(0xFF)
+        return t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
 
 
 @pytest.mark.parametrize("output", list(K.GroupOutput), ids=lambda o: o.name)
@@ -122,6 +144,23 @@ def test_the_group_send_is_the_c_backends(output: K.GroupOutput, thresholds: tup
     for k in range(GROUP_M):
         assert torch.equal(bits(got_e[k]), bits(want_e[k])), k
         assert torch.equal(bits(got_q[k]), bits(want_q[k])), k
+
+
+def test_a_group_of_empty_members_sends_the_allocated_actions() -> None:
+    """No member has an element: nothing is screened, and the choice is the allocation's (the C backend's), not
+    what uninitialized sums would say."""
+    sizes = np.array([0, 0, 0], dtype=np.int64)
+    tables = K.GroupTables(MENU, sizes, BudgetPolicy(MENU, sizes, 0.5, 0.7).cost_order)
+    allocated = np.array([0, 3, len(MENU) - 1])
+    results = []
+    for emulated in (False, True):
+        empty = [torch.empty(0) for _ in sizes]
+        request = K.GroupSend(np.arange(3), empty, [torch.empty(0) for _ in sizes], [None] * 3, [None] * 3,
+                              np.arange(3, dtype=np.uint32), allocated, True, True, True, 0.5, 0.7)
+        results.append(_send(request, tables, emulated))
+    assert np.array_equal(results[1].chosen, results[0].chosen) and np.array_equal(results[0].chosen, allocated)
+    assert np.array_equal(results[1].offsets, results[0].offsets) and torch.equal(results[1].buffer,
+                                                                                   results[0].buffer)
 
 
 def group_case_sized(seed: int, nan_member: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor], np.ndarray]:
@@ -159,7 +198,7 @@ def test_the_group_decode_is_the_c_backends_and_names_an_invalid_topk_payload(ra
         out = [values[k][own[k]].clone() if own[k] >= 0 else torch.full((int(n),), 7.0)
                for k, n in enumerate(GROUP_SIZES)]
         context = cuda_emulator.as_backend() if emulated else _nothing()
-        with context:
+        with context, recycled_memory() if emulated else _nothing():
             K.decode_group(payloads, actions, out, own, tables, np.arange(GROUP_M), names, 3.0)
         outs.append(out)
     for k in range(GROUP_M):
@@ -193,7 +232,7 @@ def test_a_compressor_step_through_the_cuda_backend_is_the_c_backends(collective
         compressor = sb.SafeBits(params, budget_bits=3.0, collective=collective)
         steps = []
         context = cuda_emulator.as_backend() if emulated else _nothing()
-        with context:
+        with context, recycled_memory() if emulated else _nothing():
             for step in range(3):
                 random_grads(params, step)
                 pending = [compressor.compress(p.grad) for _, p in reversed(params)]

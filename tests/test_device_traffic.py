@@ -207,9 +207,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "safebits_hvd"
 SEAM = PACKAGE / "host.py"
 # Modules off the step's hot path, where a read back is the point: checkpoints, the statistics exchange's host copy,
 # the transports' size exchanges, launchers and the CPU/reference kernels (whose tensors are on the host).
-OFF_THE_HOT_PATH = {"checkpoint.py", "exchange.py", "launch.py", "telemetry.py", "elastic.py",
+OFF_THE_HOT_PATH = {"checkpoint.py", "launch.py", "telemetry.py", "elastic.py",
                     "kernels/reference.py", "kernels/cpu.py", "kernels/resources.py"}
 SYNCING_METHODS = {"cpu", "item", "tolist", "numpy"}
+HOST_MAKERS = {"torch.from_numpy", "torch.frombuffer", "torch.tensor", "torch.as_tensor"}
 REDUCTIONS = {"all", "any", "min", "max", "sum", "mean", "norm", "prod"}
 
 
@@ -282,6 +283,17 @@ def _host_syncs(tree: ast.AST, numpy_names: frozenset[str] = frozenset({"np"}),
     def numpy_like(node: ast.AST) -> bool:
         return _numpy_like(node, names, numpy_functions)
 
+    def host_made(node: ast.AST) -> bool:
+        """A tensor made from host data (its copy to a device is a pageable, synchronizing one)."""
+        if isinstance(node, ast.Name):
+            return node.id in host_tensors
+        return isinstance(node, ast.Call) and ast.unparse(node.func) in HOST_MAKERS and not any(
+            k.arg == "device" for k in node.keywords)
+
+    host_tensors: set[str] = set()
+    host_tensors.update(t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and host_made(node.value)
+                        for t in node.targets if isinstance(t, ast.Name))
+
     def syncs(call: ast.Call) -> bool:
         func = call.func
         if isinstance(func, ast.Attribute) and func.attr in SYNCING_METHODS and not call.args:
@@ -292,8 +304,9 @@ def _host_syncs(tree: ast.AST, numpy_names: frozenset[str] = frozenset({"np"}),
                     and inner.func.attr in REDUCTIONS and not numpy_like(inner.func.value))
         if ast.unparse(func) in ("torch.tensor", "torch.as_tensor"):
             return any(k.arg == "device" for k in call.keywords)
-        return (isinstance(func, ast.Attribute) and func.attr == "to" and isinstance(func.value, ast.Call)
-                and ast.unparse(func.value.func) in ("torch.from_numpy", "torch.tensor"))
+        if isinstance(func, ast.Attribute) and func.attr == "copy_" and call.args:
+            return host_made(call.args[0])        # x.copy_(host tensor): to a device tensor, a pageable copy
+        return isinstance(func, ast.Attribute) and func.attr == "to" and host_made(func.value)
 
     found = [(node.lineno, ast.unparse(node)) for node in ast.walk(tree) if isinstance(node, ast.Call) and syncs(node)]
     return found
@@ -328,5 +341,8 @@ fine2 = also[0].item()
 u = torch.tensor([1, 2], dtype=torch.int64, device=device)
 i = int(buckets.max())
 f = float(np.abs(ok).max())
+head = torch.frombuffer(raw, dtype=torch.uint8)
+payload[:16].copy_(head)
+moved = head.to(device)
 """
-    assert [line for line, _ in _host_syncs(ast.parse(code))] == [2, 3, 4, 5, 6, 11, 12]
+    assert [line for line, _ in _host_syncs(ast.parse(code))] == [2, 3, 4, 5, 6, 11, 12, 15, 16]

@@ -194,8 +194,9 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, ke
         raise ValueError(f"payload must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {e.device}")
     elif payload.data_ptr() % PAYLOAD_ALIGN:
         raise ValueError(f"payload must be {PAYLOAD_ALIGN}-byte aligned")
-    head = torch.frombuffer(bytearray(wire.pack_header(header)), dtype=torch.uint8)
-    payload[:wire.HEADER_BYTES].copy_(head)
+    # The header through the seam: on a GPU a pageable copy would wait for the device.
+    head = np.frombuffer(wire.pack_header(header), dtype=np.int64)
+    payload[:wire.HEADER_BYTES].copy_(host.upload(payload.device, {"header": head})["header"].view(torch.uint8))
     stats = _backend(e.device).quantize_pack_ef(g, e, payload, action, int(key), sent)
     return payload, stats
 
@@ -368,7 +369,7 @@ def send_group(request: GroupSend, tables: GroupTables) -> GroupSent:
 
 
 def _send_group_loop(request: GroupSend, tables: GroupTables, device: torch.device) -> GroupSent:
-    """:func:`send_group` through the per-tensor kernels (the reference and CUDA backends)."""
+    """:func:`send_group` through the per-tensor kernels (the reference backend)."""
     m, nact = len(request.members), tables.actions
     finite = np.ones(m, dtype=bool)
     screen_stats = np.zeros((m, nact, 4))

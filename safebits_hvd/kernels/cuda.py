@@ -26,7 +26,7 @@ NAME = "cuda"
 
 THREADS = 256
 GATHER_CHUNK = 4096
-"""Bytes per block of ``sb_gather_kernel`` (``SB_GATHER_CHUNK``)."""
+"""Bytes per block of ``sb_gather_kernel`` (its ``chunk`` argument)."""
 NVRTC_OPTIONS = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true",
                  "--prec-sqrt=true")
 """No FMA contraction, IEEE division, no flush-to-zero: float results bit-identical to the C backend."""
@@ -238,6 +238,8 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
 # a group, on PyTorch's current stream, and the results come back with ONE read (safebits_hvd.host).
 
 _INT_MAX = 2**31 - 1
+
+
 @functools.lru_cache(maxsize=64)
 def _menu_arrays(menu: Menu, device: torch.device) -> tuple[torch.Tensor, ...]:
     """kinds, levels, stochastic, topks, trits of every action (int32 on ``device``): copied once per menu."""
@@ -324,10 +326,11 @@ def send_group(request: Any, tables: Any) -> Any:
                     _ptr(t["key"]), _ptr(t["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _ptr(part)))
             launch("sb_segment_sum_kernel", m * nact, (_ptr(part), _ptr(t["pair_off"]), np.int32(nact),
                                                        _ptr(screen_stats)))
-        # The choice and the layout (offsets: a prefix sum of the chosen payloads' bytes), one block.
+        # The choice and the layout (offsets: a prefix sum of the chosen payloads' bytes), one block. It chooses by
+        # the screen only when the screen ran (a group of empty members has no sums: the allocated actions, as C).
         launch("sb_group_choose_kernel", 1,
                (np.int32(m), _ptr(t["tensor"]), _ptr(t["allocated"]), _ptr(t["bad"]), _ptr(screen_stats),
-                np.int32(request.do_screen and request.screen_enabled), np.int32(nact), _ptr(cost_order),
+                np.int32(screened and request.screen_enabled), np.int32(nact), _ptr(cost_order),
                 _ptr(lossless), np.int32(tables.lossless_index), np.float64(request.max_distortion),
                 np.float64(request.min_cosine), _ptr(payload_bytes),
                 np.int32(request.output == GroupOutput.PAYLOAD), _ptr(r["chosen"]), _ptr(r["offsets"])))
@@ -344,8 +347,8 @@ def send_group(request: Any, tables: Any) -> Any:
                 launch("sb_segment_sum_kernel", m, (_ptr(part), _ptr(t["bucket_off"]), np.int32(1), _ptr(stats)))
             if request.output == GroupOutput.PAYLOAD and gather_off[-1]:
                 launch("sb_gather_kernel", int(gather_off[-1]),
-                       (np.int32(m), _ptr(t["gather_off"]), _ptr(r["offsets"]), _ptr(r["offsets"]), np.int32(0),
-                        _ptr(t["stage_addr"]), _ptr(buffer)))
+                       (np.int32(m), _ptr(t["gather_off"]), np.int64(GATHER_CHUNK), _ptr(r["offsets"]),
+                        _ptr(r["offsets"]), np.int32(0), _ptr(t["stage_addr"]), _ptr(buffer)))
     data = host.to_host(results)                 # the group's one device-to-host synchronization
     values: dict[str, np.ndarray] = {}
     start = 0
@@ -396,8 +399,8 @@ def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np
     with _launcher(device) as launch:
         if moved.any():
             launch("sb_gather_kernel", int(gather_off[-1]),
-                   (np.int32(int(moved.sum())), _ptr(t["gather_off"]), _ptr(t["stage_off"]), _ptr(t["sizes"]),
-                    np.int32(1), _ptr(t["source"]), _ptr(stage)))
+                   (np.int32(int(np.sum(moved))), _ptr(t["gather_off"]), np.int64(GATHER_CHUNK), _ptr(t["stage_off"]),
+                    _ptr(t["sizes"]), np.int32(1), _ptr(t["source"]), _ptr(stage)))
         if len(checked):
             bad = torch.full((1,), _INT_MAX, dtype=torch.int32, device=device)
             launch("sb_group_check_topk_kernel", _grid(int(check_off[-1])),

@@ -90,18 +90,22 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-class EmulatedRuntime(cuda.Runtime):
-    """Launches the emulated kernels on CPU tensors (their addresses as the device addresses); counts nothing
-    itself (``cuda.py`` counts its launches through ``safebits_hvd.host``)."""
+class HostRuntime(cuda.Runtime):
+    """A runtime whose "device" is the host: CPU tensors' addresses stand for device addresses."""
+
+    def address(self, t: torch.Tensor) -> np.uint64:
+        if t.device.type != "cpu":
+            raise TypeError(f"this runtime takes CPU tensors, got one on {t.device}")
+        return np.uint64(t.data_ptr())
+
+
+class EmulatedRuntime(HostRuntime):
+    """Launches the emulated kernels on CPU tensors; counts nothing itself (``cuda.py`` counts its launches through
+    ``safebits_hvd.host``)."""
 
     def __init__(self) -> None:
         self.lib = library()
         self.launches: list[tuple[str, int]] = []
-
-    def address(self, t: torch.Tensor) -> np.uint64:
-        if t.device.type != "cpu":
-            raise TypeError(f"the emulated CUDA kernels take CPU tensors, got one on {t.device}")
-        return np.uint64(t.data_ptr())
 
     @contextlib.contextmanager
     def launcher(self, device: torch.device) -> Iterator[cuda.Launch]:

@@ -6,13 +6,14 @@
  * that decide outputs are computed exactly as in cpu.c: the QUANT scale is an integer max of |v| keys, the SIGN
  * scale, the LLOYD_MAX RMS and its candidates' errors are summed by SB_SUM_LANES threads each walking its lane in
  * element order, the TOPK threshold (the kk-th
- * largest key) is found by a bitwise radix search with integer counts and ties are kept lowest index first.
+ * largest key) is found by radix selection a byte at a time with integer counts, and ties are kept lowest index
+ * first.
  * Statistics: per-block float64 tree reductions into a per-bucket scratch array that the host sums.
  *
  * Packed wire format (safebits_hvd/wire.py): sb_quantize_pack_ef_kernel computes exactly what
- * sb_quantize_ef_kernel does and writes the codes into a payload whose body the host zeroed: bit-packed codes
- * with 32-bit atomicOr (trits with atomicAdd of digit * 3^i: a byte never exceeds 242, so no carry) on words
- * counted from the 16-byte-aligned payload start. sb_decode_kernel reads them back (one block per bucket).
+ * sb_quantize_ef_kernel does and writes the codes into a payload whose body the host zeroed: a bucket's bit-packed
+ * codes (trits: digit * 3^i added, a byte never exceeds 242, so no carry) assembled in shared memory, then stored
+ * as 32-bit words counted from the 16-byte-aligned payload start (sb_codes_begin). sb_decode_kernel reads them back (one block per bucket).
  */
 #define SB_THREADS 256
 
@@ -149,7 +150,7 @@ __device__ __forceinline__ void sb_block_prepare(const float *g, const float *e,
             }
             unsigned c = 0;
             for (int i = tid; i < len; i += blockDim.x) c += sb_abs_key(sb_load(g, e, has_g, j0 + i)) > t;
-            int eq_left = kk - (int)sb_block_count(c, &S->u); /* >= 1: t is the kk-th largest key */
+            int eq_left = kk - (int)sb_block_count(c, &S->u); /* >= 1 when kk >= 1: t is the kk-th largest key */
             /* The cut: the eq_left-th element equal to t in index order. Each thread counts them in its own
              * contiguous range; an exclusive scan of the counts tells the one thread whose range holds it. */
             int per = (len + (int)blockDim.x - 1) / (int)blockDim.x, lo = tid * per;
@@ -809,18 +810,17 @@ sb_group_pack_kernel(int m, const long long *bucket_off, const long long *gp, co
 }
 
 /* Segments copied back to back: segment k (len[k] bytes with has_len, else dst_off[k + 1] - dst_off[k]) from
- * address src_addr[k] to dst + dst_off[k], in chunks of SB_GATHER_CHUNK bytes, one block per chunk: chunk_off[k]
- * is the first chunk of segment k, counted by the host from a bound of its length (its largest payload), so a
- * block looks its segment up once and its threads copy bytes without a search. The staging payloads into the
- * back-to-back buffer (send), misaligned gathered payloads into an aligned stage (decode). */
-#define SB_GATHER_CHUNK 4096
+ * address src_addr[k] to dst + dst_off[k], in chunks of `chunk` bytes, one block per chunk: chunk_off[k] is the
+ * first chunk of segment k, counted by the host with the same `chunk` from a bound of its length (its largest
+ * payload), so a block looks its segment up once and its threads copy bytes without a search. The staging payloads
+ * into the back-to-back buffer (send), misaligned gathered payloads into an aligned stage (decode). */
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
-sb_gather_kernel(int m, const long long *chunk_off, const long long *dst_off, const long long *len, int has_len,
-                 const long long *src_addr, unsigned char *dst) {
+sb_gather_kernel(int m, const long long *chunk_off, long long chunk, const long long *dst_off, const long long *len,
+                 int has_len, const long long *src_addr, unsigned char *dst) {
     int k = sb_segment_of(chunk_off, m, blockIdx.x);
     long long size = has_len ? len[k] : dst_off[k + 1] - dst_off[k];
-    long long lo = (blockIdx.x - chunk_off[k]) * (long long)SB_GATHER_CHUNK;
-    long long hi = lo + SB_GATHER_CHUNK < size ? lo + SB_GATHER_CHUNK : size;
+    long long lo = (blockIdx.x - chunk_off[k]) * chunk;
+    long long hi = lo + chunk < size ? lo + chunk : size;
     const unsigned char *src = (const unsigned char *)src_addr[k];
     unsigned char *out = dst + dst_off[k];
     for (long long y = lo + threadIdx.x; y < hi; y += blockDim.x) out[y] = src[y];
