@@ -41,13 +41,14 @@ def test_a_bucket_costs_a_fixed_number_of_launches_uploads_and_reads_whatever_it
     """One bucket (``fusion_bytes`` above the model's size), screened exactly (every bucket sampled, so no member
     re-packs): the send is 8 launches, one pinned upload and ONE read; the receive one header check (one upload,
     one read), one decode launch and upload, and the step's one read of Horovod's reduced marker; after the first
-    step (which copies the tables to the device once) no pageable copy."""
+    step (which copies the tables to the device once) no pageable copy. A step that makes the bucket's plan (the
+    first, and the first screened) uploads its layout once more."""
     params = bucket_of(members)
     compressor = sb.SafeBits(params, budget_bits=4.4, collective="allgather", fusion_bytes=1 << 40,
                              sample_buckets=1 << 20)
     with fake_cuda() as fake:
         assert kernels.backend_name("cpu") == "cuda"
-        for step in range(4):
+        for step in range(5):
             random_grads(params, step)
             fake.runtime.launches.clear()
             with host.counting() as send:
@@ -60,7 +61,7 @@ def test_a_bucket_costs_a_fixed_number_of_launches_uploads_and_reads_whatever_it
             assert compressor.last_step.collective == "allgather"
             assert send.traffic.reads == 1, (step, send.traffic)
             assert send.traffic.launches == len(sent_launches) == SEND_LAUNCHES, sent_launches
-            assert send.traffic.pinned_uploads == 1, send.traffic
+            assert send.traffic.pinned_uploads == 1 if step >= 2 else send.traffic.pinned_uploads <= 2, step
             assert receive.traffic.reads <= 2, (step, receive.traffic)
             assert receive.traffic.launches == len(received_launches) <= 3, received_launches
             assert "sb_group_decode_kernel" in received_launches
@@ -125,7 +126,8 @@ class ManyTensors(torch.nn.Module):
 def test_a_ddp_bucket_costs_one_read_to_send_and_one_to_receive_whatever_its_member_count(members: int) -> None:
     """The DDP hook under the fake CUDA backend (world size 1 on Gloo: DDP still hands every bucket to the hook),
     whole buckets as one group (``chunk_bytes`` as on a GPU): each bucket DDP hands over costs one read to send and
-    one to receive, at most 11 launches and 3 pinned uploads, and nothing pageable after the first step."""
+    one to receive, at most 11 launches and 3 pinned uploads once its plan is made (the first steps make it), and
+    nothing pageable after the first step."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -147,7 +149,7 @@ def test_a_ddp_bucket_costs_one_read_to_send_and_one_to_receive_whatever_its_mem
         wrapped.register_comm_hook(state, hook)
         x = torch.ones(1)
         with fake_cuda():
-            for step in range(3):
+            for step in range(4):
                 buckets.clear()
                 with host.counting() as counted:
                     wrapped(x).backward()
@@ -156,7 +158,7 @@ def test_a_ddp_bucket_costs_one_read_to_send_and_one_to_receive_whatever_its_mem
                 assert 1 <= count <= 2, buckets          # DDP's small first bucket, then the rest
                 assert traffic.reads == 2 * count, (step, traffic, count)
                 assert traffic.launches <= (SEND_LAUNCHES + 3) * count, traffic
-                assert traffic.pinned_uploads <= 3 * count, traffic
+                assert traffic.pinned_uploads <= (3 if step >= 2 else 4) * count, (step, traffic)
                 if step:
                     assert traffic.pageable_uploads == 0, traffic
     finally:

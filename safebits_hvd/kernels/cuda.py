@@ -258,6 +258,71 @@ def _grid(threads: int) -> int:
     return -(-threads // THREADS)
 
 
+class _Plan(NamedTuple):
+    """What a group's send needs that changes only with its layout (its members, their residuals and samples, what
+    it writes), built once and kept (docs/DESIGN.md, "Host and device"): the layout's host arrays, the staging
+    memory, and the layout's columns on the device. ``held``: the residual and sample lists whose identity keys the
+    plan (kept alive, so that no other list takes their ``id``)."""
+
+    held: tuple
+    bucket_off: np.ndarray
+    pair_off: np.ndarray
+    largest: np.ndarray
+    capacity: int
+    stage_off: np.ndarray
+    gather_off: np.ndarray
+    stage: torch.Tensor
+    layout: dict[str, torch.Tensor]
+
+
+_PLANS = 64
+"""Plans kept: each holds its group's staging memory on the device."""
+_plans: dict[tuple, _Plan] = {}
+
+
+def _plan_of(request: Any, tables: Any, members: np.ndarray, device: torch.device) -> _Plan:
+    """The plan of ``request``'s layout: kept when its residuals and samples are the core's lists of the group
+    (``kernels.TensorList``, the same objects step after step while the residuals stay where they are), else made
+    for this call. The staging memory is reused step after step on one stream, so the stream is part of the key."""
+    from . import GroupOutput, TensorList
+
+    key = None
+    if isinstance(request.residuals, TensorList) and isinstance(request.samples, TensorList):
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (id(tables), id(request.residuals), id(request.samples), device, stream, int(request.output),
+               bool(request.do_screen), members.tobytes())
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan
+    bucket = tables.menu.bucket_size
+    numels = tables.numels[members]
+    bucket_off = _prefix(-(-numels // bucket))
+    # The core keeps its samples on the device (a host one would be copied here, synchronously).
+    samples = [None if s is None else s.to(device=device, dtype=torch.int64).contiguous() for s in request.samples]
+    pairs = np.array([0 if not request.do_screen else -(-int(n) // bucket) if s is None else s.numel()
+                      for n, s in zip(numels, samples, strict=True)], dtype=np.int64)
+    pair_off = _prefix(pairs)
+    # SCREEN: nothing staged. VALUES packs into the stage as PAYLOAD does and drops it there (the q it writes is
+    # the same; one kernel serves both), so only PAYLOAD has a buffer.
+    largest = tables.largest_payload_bytes[members] * (request.output != GroupOutput.SCREEN)
+    capacity = int(largest.sum()) if request.output == GroupOutput.PAYLOAD else 0
+    # Each member packs into a 16-byte-aligned staging payload (the kernels' word-wide writes need it), then one
+    # gather lays the payloads out back to back.
+    stage_off = _prefix(-(-largest // 16) * 16)
+    gather_off = _prefix(-(-largest // GATHER_CHUNK) * (request.output == GroupOutput.PAYLOAD))
+    stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
+    layout = host.upload(device, dict(
+        e=addresses(request.residuals), sample=addresses(samples), n=numels, tensor=members, bucket_off=bucket_off,
+        pair_off=pair_off, stage_off=stage_off, stage_addr=stage.data_ptr() + stage_off[:-1], gather_off=gather_off))
+    plan = _Plan((request.residuals, request.samples, samples), bucket_off, pair_off, largest, capacity, stage_off,
+                 gather_off, stage, layout)
+    if key is not None:
+        if len(_plans) >= _PLANS:
+            del _plans[next(iter(_plans))]         # the oldest
+        _plans[key] = plan
+    return plan
+
+
 def send_group(request: Any, tables: Any) -> Any:
     """:func:`safebits_hvd.kernels.send_group` on the GPU: the NaN/Inf check, the screen, the choice of the first
     action, the layout and the packing pass of every member, one launch each with no synchronization in between,
@@ -276,31 +341,16 @@ def send_group(request: Any, tables: Any) -> Any:
         return GroupSent(torch.empty(0, dtype=torch.uint8, device=device), np.ones(0, dtype=bool),
                          np.zeros((0, nact, 4)), np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64),
                          np.zeros((0, 4)))
-    numels = tables.numels[members]
-    bucket_off = _prefix(-(-numels // bucket))
-    # The core keeps its samples on the device (a host one would be copied here, synchronously).
-    samples = [None if s is None else s.to(device=device, dtype=torch.int64).contiguous() for s in request.samples]
-    pairs = np.array([0 if not request.do_screen else -(-int(n) // bucket) if s is None else s.numel()
-                      for n, s in zip(numels, samples, strict=True)], dtype=np.int64)
-    pair_off = _prefix(pairs)
-    # SCREEN: nothing staged. VALUES packs into the stage as PAYLOAD does and drops it there (the q it writes is
-    # the same; one kernel serves both), so only PAYLOAD has a buffer.
-    largest = tables.largest_payload_bytes[members] * (request.output != GroupOutput.SCREEN)
-    capacity = int(largest.sum()) if request.output == GroupOutput.PAYLOAD else 0
-    # Each member packs into a 16-byte-aligned staging payload (the kernels' word-wide writes need it), then one
-    # gather lays the payloads out back to back.
-    stage_off = _prefix(-(-largest // 16) * 16)
-    gather_off = _prefix(-(-largest // GATHER_CHUNK) * (request.output == GroupOutput.PAYLOAD))
-    stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
+    plan = _plan_of(request, tables, members, device)
+    capacity, stage_off, gather_off = plan.capacity, plan.stage_off, plan.gather_off
+    bucket_off, pair_off = plan.bucket_off, plan.pair_off
     buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
-    # One upload of what changes per step: addresses, keys, the allocation, the layout; and m zeros, the NaN/Inf
-    # flags the check sets (so no launch zeroes them).
-    t = host.upload(device, dict(
-        g=addresses(request.grads), e=addresses(request.residuals), sent=addresses(request.sents),
-        sample=addresses(samples), n=numels, key=np.asarray(request.keys, dtype=np.uint32),
-        allocated=np.asarray(request.allocated), tensor=members, bucket_off=bucket_off, pair_off=pair_off,
-        stage_off=stage_off, stage_addr=stage.data_ptr() + stage_off[:-1], bad=np.zeros(m, dtype=np.int64),
-        gather_off=gather_off))
+    # One upload of what changes per step (gradients and where q goes, keys, the allocation) and m zeros, the NaN/Inf
+    # flags the check sets (so no launch zeroes them); the layout is the plan's, on the device since it was made.
+    t = dict(plan.layout)
+    t.update(host.upload(device, dict(
+        g=addresses(request.grads), sent=addresses(request.sents), key=np.asarray(request.keys, dtype=np.uint32),
+        allocated=np.asarray(request.allocated), bad=np.zeros(m, dtype=np.int64))))
     # Everything read back, in one int64 tensor: chosen (-1: NaN/Inf), offsets, then the float64 sums; every word
     # is written by a kernel below, or not read (the sums of a pass that did not run are zeros on the host).
     spans = {"chosen": m, "offsets": m + 1, "screen": m * nact * 4, "stats": m * 4}
@@ -337,7 +387,7 @@ def send_group(request: Any, tables: Any) -> Any:
         if request.output != GroupOutput.SCREEN:
             launch("sb_group_stage_kernel", _grid(int(stage_off[-1]) // 16),
                    (np.int32(m), _ptr(t["stage_off"]), _ptr(t["tensor"]), _ptr(r["chosen"]), np.int32(nact),
-                    _ptr(payload_bytes), _ptr(headers), _ptr(stage)))
+                    _ptr(payload_bytes), _ptr(headers), _ptr(plan.stage)))
             if buckets:
                 part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
                 launch("sb_group_pack_kernel", buckets,
