@@ -16,11 +16,11 @@
   one quantization); two-phase from 3 ranks on.
 
 Many small tensors must not each pay a collective's latency. The allgather path gathers tensors in fusion groups
-(:class:`AllgatherPath`): consecutive tensors, in the order backward produces them, of up to
-:data:`FUSION_ELEMENTS` elements together (a larger tensor alone), one allgather per group started as soon as its
-last member is sent. Horovod's own fusion did not help here: a rank's per-tensor allgathers reach Horovod's cycle one
-by one, each waiting for the Python of the next tensor's send. Alltoalls never fuse, so the two-phase path batches
-every tensor of the step into one alltoall and one allgather.
+(:class:`AllgatherPath`): consecutive tensors, in the order backward produces them, of up to ``fusion_bytes`` of
+float32 gradient together (a larger tensor alone; by device, :func:`fusion_bytes_for`), one allgather per group
+started as soon as its last member is sent. Horovod's own fusion did not help here: a rank's per-tensor allgathers
+reach Horovod's cycle one by one, each waiting for the Python of the next tensor's send. Alltoalls never fuse, so
+the two-phase path batches every tensor of the step into one alltoall and one allgather.
 """
 
 from __future__ import annotations
