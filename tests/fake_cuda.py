@@ -40,33 +40,15 @@ class FakeCuda:
     def __init__(self) -> None:
         self.runtime = RecordingRuntime()
 
-    def _issue(self, function: Any, *args: Any) -> Any:
-        with cuda.use_runtime(self.runtime):
-            return function(*args)
+    def __getattr__(self, name: str) -> Any:
+        issued, computed = getattr(cuda, name), getattr(cpu, name)
 
-    def screen(self, *args: Any) -> torch.Tensor:
-        self._issue(cuda.screen, *args)
-        return cpu.screen(*args)
+        def call(*args: Any) -> Any:
+            with cuda.use_runtime(self.runtime):
+                issued(*args)
+            return computed(*args)
 
-    def quantize_ef(self, *args: Any) -> torch.Tensor:
-        self._issue(cuda.quantize_ef, *args)
-        return cpu.quantize_ef(*args)
-
-    def quantize_pack_ef(self, *args: Any) -> torch.Tensor:
-        self._issue(cuda.quantize_pack_ef, *args)
-        return cpu.quantize_pack_ef(*args)
-
-    def decode(self, *args: Any) -> None:
-        self._issue(cuda.decode, *args)
-        cpu.decode(*args)
-
-    def send_group(self, request: Any, tables: Any) -> Any:
-        self._issue(cuda.send_group, request, tables)
-        return cpu.send_group(request, tables)
-
-    def decode_group(self, *args: Any) -> int:
-        self._issue(cuda.decode_group, *args)
-        return cpu.decode_group(*args)
+        return call
 
 
 @contextlib.contextmanager

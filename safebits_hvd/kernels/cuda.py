@@ -254,6 +254,12 @@ def _prefix(sizes: np.ndarray) -> np.ndarray:
     return out
 
 
+def _split(flat: Any, spans: dict[str, int]) -> dict[str, Any]:
+    """Consecutive slices of ``flat`` (a tensor or an array), one per name, of the sizes ``spans`` lists."""
+    bounds = _prefix(np.fromiter(spans.values(), dtype=np.int64, count=len(spans)))
+    return {name: flat[int(lo):int(hi)] for name, lo, hi in zip(spans, bounds[:-1], bounds[1:], strict=True)}
+
+
 def _grid(threads: int) -> int:
     return -(-threads // THREADS)
 
@@ -355,10 +361,7 @@ def send_group(request: Any, tables: Any) -> Any:
     # is written by a kernel below, or not read (the sums of a pass that did not run are zeros on the host).
     spans = {"chosen": m, "offsets": m + 1, "screen": m * nact * 4, "stats": m * 4}
     results = torch.empty(sum(spans.values()), dtype=torch.int64, device=device)
-    r, start = {}, 0
-    for name, size in spans.items():
-        r[name] = results[start:start + size]
-        start += size
+    r = _split(results, spans)
     screen_stats, stats = r["screen"].view(torch.float64), r["stats"].view(torch.float64)
     payload_bytes, headers, cost_order, lossless = tables.on_device(device)
     menu_args = [_ptr(a) for a in _menu_arrays(tables.menu, device)]
@@ -399,12 +402,7 @@ def send_group(request: Any, tables: Any) -> Any:
                 launch("sb_gather_kernel", int(gather_off[-1]),
                        (np.int32(m), _ptr(t["gather_off"]), np.int64(GATHER_CHUNK), _ptr(r["offsets"]),
                         _ptr(r["offsets"]), np.int32(0), _ptr(t["stage_addr"]), _ptr(buffer)))
-    data = host.to_host(results)                 # the group's one device-to-host synchronization
-    values: dict[str, np.ndarray] = {}
-    start = 0
-    for name, size in spans.items():
-        values[name] = data[start:start + size]
-        start += size
+    values = _split(host.to_host(results), spans)         # the group's one device-to-host synchronization
     chosen = values["chosen"].copy()
     offsets = values["offsets"].copy() if request.output == GroupOutput.PAYLOAD else np.zeros(m + 1, dtype=np.int64)
     screen_host = values["screen"].view(np.float64).reshape(m, nact, 4) if screened else np.zeros((m, nact, 4))
