@@ -36,20 +36,24 @@ from . import tasks
 HOOKS = ("default", "bf16_compress", "powersgd_rank4", "safebits@4.4", "safebits@auto")
 
 
-def build(model: str, tiny: bool, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
-    """The model and a function of one step's loss on a fixed synthetic batch."""
+Loss = Callable[[torch.nn.Module], torch.Tensor]
+"""One step's loss on a fixed synthetic batch, through the model given (the DDP wrapper, so that its hook runs)."""
+
+
+def build(model: str, tiny: bool, device: torch.device) -> tuple[torch.nn.Module, Loss]:
+    """The model and its :data:`Loss`."""
     gen = torch.Generator().manual_seed(0)
     if model == "gpt2_small":
         if tiny:
             cfg = tasks.GPTConfig(layers=2, width=64, heads=2, vocab=512, context=32, mlp=256)
             net: torch.nn.Module = tasks.GPT2(cfg)
             ids = tasks.token_batch(2, gen, cfg).to(device)
-            return net.to(device), lambda: tasks.next_token_loss(wrapped(net), ids)
+            return net.to(device), lambda wrapped: tasks.next_token_loss(wrapped, ids)
         from transformers import GPT2Config, GPT2LMHeadModel
 
         net = GPT2LMHeadModel(GPT2Config())           # 124M parameters, GPT-2 small's shape
         ids = torch.randint(50257, (8, 1024), generator=gen).to(device)
-        return net.to(device), lambda: wrapped(net)(input_ids=ids, labels=ids).loss
+        return net.to(device), lambda wrapped: wrapped(input_ids=ids, labels=ids).loss
     if model == "resnet50":
         if tiny:
             net = tasks.ResNet18()
@@ -60,16 +64,8 @@ def build(model: str, tiny: bool, device: torch.device) -> tuple[torch.nn.Module
             net = torchvision.models.resnet50()
             x, y = torch.randn(64, 3, 224, 224, generator=gen), torch.randint(1000, (64,), generator=gen)
         x, y = x.to(device), y.to(device)
-        return net.to(device), lambda: F.cross_entropy(wrapped(net)(x), y)
+        return net.to(device), lambda wrapped: F.cross_entropy(wrapped(x), y)
     raise ValueError(f"unknown model {model!r}")
-
-
-_wrapper: dict[int, torch.nn.Module] = {}
-
-
-def wrapped(net: torch.nn.Module) -> torch.nn.Module:
-    """The DDP wrapper in use for ``net`` (the loss functions call the wrapper, so its hook runs)."""
-    return _wrapper[id(net)]
 
 
 def register(model: DistributedDataParallel, hook: str) -> Any:
@@ -91,11 +87,10 @@ def register(model: DistributedDataParallel, hook: str) -> Any:
     return state
 
 
-def time_steps(net: torch.nn.Module, loss_of: Callable[[], torch.Tensor], device: torch.device, hook: str,
+def time_steps(net: torch.nn.Module, loss_of: Loss, device: torch.device, hook: str,
                steps: int, warmup: int) -> list[float]:
     """Seconds of each timed step of ``net`` wrapped in DDP with ``hook`` (a fresh wrapper and optimizer)."""
     model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
-    _wrapper[id(net)] = model
     state = register(model, hook)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -106,7 +101,7 @@ def time_steps(net: torch.nn.Module, loss_of: Callable[[], torch.Tensor], device
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         with autocast:
-            loss = loss_of()
+            loss = loss_of(model)
         loss.backward()
         optimizer.step()
         sync(device)
