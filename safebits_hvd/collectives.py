@@ -203,8 +203,8 @@ runs (with 1,000 small tensors, 2^16 gave the shortest step of 2^12, 2^14, 2^16 
 
 DEVICE_FUSION_BYTES = 64 << 20
 """Float32 gradient bytes per fusion group on a GPU: a group's send is a fixed handful of launches and one read back
-whatever its member count, so groups are as large as memory allows (CGX fuses 64 MB); ResNet-18's gradients are one
-group, GPT-2 small's eight."""
+whatever its member count, so groups are large (their staging memory bounds them); ResNet-18's gradients are one
+group, GPT-2 small's seven (docs/RESULTS.md 5.5)."""
 
 
 def fusion_bytes_for(device: torch.device) -> int:
