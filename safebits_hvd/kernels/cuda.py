@@ -37,25 +37,32 @@ def cuda_source() -> str:
     return translation_unit("cuda_kernels.cu")
 
 
-def compile_nvrtc(arch: str = "compute_80") -> str:
-    """Compile :func:`cuda_source` with NVRTC (no GPU needed) and return the PTX.
-
-    Raises ImportError when CuPy/NVRTC is not installed and RuntimeError (with the NVRTC log) on a
-    compile error.
-    """
+@contextlib.contextmanager
+def nvrtc_compiled(*options: str) -> Iterator[Any]:
+    """:func:`cuda_source` compiled by NVRTC (no GPU needed) with :data:`NVRTC_OPTIONS` and ``options``: the NVRTC
+    program, alive until the block ends. Raises ImportError when CuPy/NVRTC is not installed and RuntimeError (with
+    the NVRTC log) on a compile error."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(cuda_source(), "safebits_cuda_kernels.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"--gpu-architecture={arch}"])
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *options])
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog)
             raise RuntimeError(f"NVRTC failed to compile the SafeBits CUDA kernels: {exc}\n{log}") from exc
-        ptx = nvrtc.getPTX(prog)
-        return ptx.decode() if isinstance(ptx, bytes) else ptx
+        yield prog
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def compile_nvrtc(arch: str = "compute_80") -> str:
+    """:func:`cuda_source` compiled to PTX for ``arch`` (:func:`nvrtc_compiled`)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    with nvrtc_compiled(f"--gpu-architecture={arch}") as prog:
+        ptx = nvrtc.getPTX(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
 class _Stream(NamedTuple):

@@ -61,16 +61,8 @@ def kernel_resources(arch: str = "sm_90") -> dict[str, KernelResources]:
     reported nothing (a ``compute_`` arch stops at PTX and runs no ptxas)."""
     from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(cuda.cuda_source(), "safebits_cuda_kernels.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, [*cuda.NVRTC_OPTIONS, f"--gpu-architecture={arch}", "--ptxas-options=-v"])
-        except nvrtc.NVRTCError as exc:
-            log = nvrtc.getProgramLog(prog)
-            raise RuntimeError(f"NVRTC failed to compile the SafeBits CUDA kernels: {exc}\n{log}") from exc
+    with cuda.nvrtc_compiled(f"--gpu-architecture={arch}", "--ptxas-options=-v") as prog:
         log = nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
     resources = parse_ptxas_log(log.decode() if isinstance(log, bytes) else log)
     if not resources:
         raise RuntimeError(f"no ptxas report in the NVRTC log for {arch}:\n{log}")
