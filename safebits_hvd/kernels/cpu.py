@@ -70,22 +70,27 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install cc/gcc)")
-    src = source()
-    flags = (*CFLAGS, *extra_flags)
+    return build_cached(source(), cc, (*CFLAGS, *extra_flags), "safebits_cpu.c", "", "the SafeBits CPU kernels")
+
+
+def build_cached(src: str, cc: str, flags: tuple[str, ...], filename: str, prefix: str, what: str) -> Path:
+    """``src`` (written to ``filename``) compiled by ``cc`` with ``flags`` into a shared object in :func:`cache_dir`,
+    named ``prefix`` and the hash of all three, unless it is there already; RuntimeError with the compiler's
+    message on failure. Built in a temporary folder and moved in whole, so a concurrent build never sees half."""
     digest = hashlib.sha256("\0".join([src, cc, *flags]).encode()).hexdigest()
     out_dir = cache_dir()
-    target = out_dir / f"{digest}.so"
+    target = out_dir / f"{prefix}{digest}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
-        c_path = Path(tmp) / "safebits_cpu.c"
-        c_path.write_text(src)
-        so_tmp = Path(tmp) / f"{digest}.so"
-        proc = subprocess.run([cc, *flags, "-o", str(so_tmp), str(c_path)], capture_output=True, text=True)
+        path = Path(tmp) / filename
+        path.write_text(src)
+        built = Path(tmp) / target.name
+        proc = subprocess.run([cc, *flags, "-o", str(built), str(path)], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling the SafeBits CPU kernels with {cc} failed:\n{proc.stderr}")
-        os.replace(so_tmp, target)
+            raise RuntimeError(f"compiling {what} with {cc} failed:\n{proc.stderr[-4000:]}")
+        os.replace(built, target)
     return target
 
 

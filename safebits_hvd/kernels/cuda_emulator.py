@@ -12,11 +12,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import re
 import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,19 +66,8 @@ def library() -> ctypes.CDLL:
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (c++ or g++): the CUDA emulation needs one")
-    src = source()
-    digest = hashlib.sha256("\0".join([src, compiler, *CXXFLAGS]).encode()).hexdigest()
-    target = cpu.cache_dir() / f"cuda-emulator-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-            path = Path(tmp) / "safebits_cuda_emulated.cpp"
-            path.write_text(src)
-            built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *CXXFLAGS, "-o", str(built), str(path)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"compiling the CUDA emulation failed:\n{proc.stderr[-4000:]}")
-            built.replace(target)
+    target = cpu.build_cached(source(), compiler, CXXFLAGS, "safebits_cuda_emulated.cpp", "cuda-emulator-",
+                              "the CUDA emulation")
     lib = ctypes.CDLL(str(target))
     for name, params in kernels().items():
         function = getattr(lib, f"emu_{name}")
