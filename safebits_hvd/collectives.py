@@ -140,6 +140,12 @@ class CollectivePath:
         (bitwise the same on every rank), divided by ``divisor``, into ``outs[k]`` if given (written over)."""
         raise RuntimeError(f"the {self.name} path has no reduced sum of its own: the front end's allreduce makes it")
 
+    def expect_at_close(self, value: torch.Tensor, bits: int, what: str) -> None:
+        """Raise ``ValueError(what)`` unless the float32 scalar ``value`` has the float32 bits ``bits`` (a signed
+        int32): now, or, on a path that checks what it received once per step, then."""
+        if int(host.to_host(value.reshape(1).view(torch.int32))[0]) != bits:
+            raise ValueError(what)
+
 
 class DensePath(CollectivePath):
     """The dequantized float32 values through the front end's allreduce (Horovod's, or DDP's bucket all_reduce):
@@ -252,10 +258,11 @@ class AllgatherPath(PackedCodec, CollectivePath):
     the whole group in one batched pass (:meth:`.sending.Sender.send_group`) and hands the payloads, back to back in
     member order, to :meth:`start`. A front end that batches itself (the DDP hook, per chunk of a bucket) makes
     its own groups for the step (:meth:`group_together`). On the receiving side the first member asked for decodes
-    the whole group (:func:`.kernels.decode_group`): member ``k`` summed over the ``P`` gathered parts in rank
+    the whole group (:func:`.kernels.receive_group`): member ``k`` summed over the ``P`` gathered parts in rank
     order, so the sum is bitwise the same everywhere. The gathered headers are checked in one comparison against
-    those of the allocated actions, which every rank knows (:meth:`_split`); only when some rank sent another
-    action (it escalated) are they read one by one.
+    those of the allocated actions, which every rank knows; only when some rank sent another action (it
+    escalated) are they read one by one. On a GPU this happens on the device, and what it found wrong is read
+    back once for the whole step, when its last group has been decoded (:meth:`_check_received`).
     """
 
     name = "allgather"
@@ -321,8 +328,13 @@ class AllgatherPath(PackedCodec, CollectivePath):
         # Member index -> the tensor the send pass wrote this rank's own q into: the sum starts from it instead of
         # decoding this rank's payload again (see reduced_sums).
         self._own: dict[int, torch.Tensor] = {}
-        # group -> (divisor, member index -> reduced sum, the gathered payloads, their actions [member, rank])
-        self._decoded: dict[int, tuple[float, dict[int, torch.Tensor], kernels.Gathered, np.ndarray]] = {}
+        # group -> (divisor, member index -> reduced sum, the gathered buffer)
+        self._decoded: dict[int, tuple[float, dict[int, torch.Tensor], torch.Tensor]] = {}
+        # What the device decoded without a read back, checked when the step closes (_check_received): its
+        # verdicts (kernels.receive_group's error, two int32 per group) and, for the error message, the group.
+        self._verdicts: list[torch.Tensor] = []
+        self._unverified: list[int] = []
+        self._marker: tuple[torch.Tensor, int, str] | None = None     # expect_at_close
 
     def begin(self, step: int, transport: PayloadTransport) -> None:
         """A new step: collectives of the last one that nobody waited for are completed and dropped."""
@@ -432,15 +444,6 @@ class AllgatherPath(PackedCodec, CollectivePath):
         return buffer[int(offsets[member]):int(offsets[member + 1])]
 
     # -- the receive side
-    def _split(self, gathered: torch.Tensor, group: int, ranks: int) -> tuple[kernels.Gathered, np.ndarray]:
-        """Where each gathered payload of ``group`` starts ``[member, rank]``, and its menu action
-        (:func:`locate_payloads`)."""
-        members = self._members[group]
-        rows = np.repeat(members[:, None], ranks, axis=1)
-        return locate_payloads(gathered, rows, self._expected[group], self.tables,
-                               [self.names[i] for i in members.tolist()],
-                               f"{self.collective_name} group {group} step {self.step}")
-
     def reduced_sums(self, indices: list[int], step: int, outs: list[torch.Tensor | None],
                      divisor: float) -> list[torch.Tensor]:
         """The first member of a group asked for decodes the whole group, into each member's ``own`` tensor when it
@@ -461,26 +464,21 @@ class AllgatherPath(PackedCodec, CollectivePath):
             decoded = self._decoded.get(group)
             if decoded is None:
                 decoded = self._decode(group, divisor)
-            decoded_divisor, sums, payloads, actions = decoded
+            decoded_divisor, sums, gathered = decoded
             total = sums[index]
-            if divisor != decoded_divisor:       # another op than the group's first member's: decode this one again
-                member = int(self.member_of[index])
-                total = torch.empty_like(total)
-                one = kernels.Gathered(payloads.buffer, payloads.offsets[member:member + 1])
-                kernels.decode_group(one, actions[member:member + 1], [total], np.array([-1]), self.tables,
-                                     self._members[group][member:member + 1], [self.names[index]], divisor)
+            if divisor != decoded_divisor:       # another op than the group's first member's: decode them again
+                again = [torch.empty_like(sums[i]) for i in self._members[group].tolist()]
+                self._receive(group, gathered, again, np.full(len(again), -1, dtype=np.int64), divisor)
+                total = again[int(self.member_of[index])]
             totals.append(total if out is None or out is total else out.copy_(total))
         return totals
 
-    def _decode(self, group: int, divisor: float) -> tuple[float, dict[int, torch.Tensor], kernels.Gathered,
-                                                          np.ndarray]:
+    def _decode(self, group: int, divisor: float) -> tuple[float, dict[int, torch.Tensor], torch.Tensor]:
         """Wait for the group's allgather and decode every member's sum over ranks (see :meth:`reduced_sums`)."""
         if group not in self._handles:
             raise RuntimeError(f"the group of {self.names[self.groups[group][0]]!r} was not sent at step {self.step}")
-        tables = self.tables
         gathered = self.transport.wait(self._handles.pop(group))
-        ranks, me = self.transport.size, self.transport.rank
-        payloads, actions = self._split(gathered, group, ranks)
+        me = self.transport.rank
         members = self._members[group]
         outs, own = [], np.full(len(members), -1, dtype=np.int64)
         for k, member in enumerate(members.tolist()):
@@ -488,122 +486,53 @@ class AllgatherPath(PackedCodec, CollectivePath):
             if target is not None and me <= 1:
                 own[k] = me
             outs.append(target if target is not None else
-                        torch.empty(int(tables.numels[member]), dtype=torch.float32, device=gathered.device))
-        names = [self.names[i] for i in members.tolist()]
-        kernels.decode_group(payloads, actions, outs, own, tables, members, names, divisor)
-        decoded = self._decoded[group] = (divisor, dict(zip(members.tolist(), outs, strict=True)), payloads, actions)
+                        torch.empty(int(self.tables.numels[member]), dtype=torch.float32, device=gathered.device))
+        self._receive(group, gathered, outs, own, divisor)
+        decoded = self._decoded[group] = (divisor, dict(zip(members.tolist(), outs, strict=True)), gathered)
         return decoded
 
+    def _receive(self, group: int, gathered: torch.Tensor, outs: list[torch.Tensor], own: np.ndarray,
+                 divisor: float) -> None:
+        rows, names, what = self._received_as(group)
+        verdict = torch.full((2,), kernels.NO_ERROR, dtype=torch.int32, device=gathered.device)
+        if kernels.receive_group(gathered, rows, self._expected[group], outs, own, self.tables, names, what,
+                                 divisor, verdict):
+            self._verdicts.append(verdict)
+            self._unverified.append(group)
+        if not self._handles and not self._registered:      # the step's last group: every sum is made
+            self._check_received()
 
-def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray, tables: kernels.GroupTables,
-                    names: list[str], what: str) -> tuple[kernels.Gathered, np.ndarray]:
-    """Where each payload of a gathered buffer starts ``[member, rank]``, and its menu action: rank ``r``'s part
-    holds, member after member, the payload of table row ``rows[k, r]`` (``names[k]``), expected at action
-    ``expected[k]`` (what every rank allocated). Fast path: if every rank sent the expected actions, the buffer
-    has exactly their length and their headers at the offsets they imply; one comparison of all those headers
-    proves it (by induction over payloads: each header fixes where the next payload starts), one read back. Else
-    the buffer is read back once and the same comparison finds, in buffer order, the first payload that is not at
-    its assumed action (a rank escalated it, or the buffer is corrupt); its header says its action (one of its
-    row's menu actions, else :class:`~.wire.WireFormatError` names what is wrong), which moves every later
-    payload, and the comparison goes on from there."""
-    m, ranks = rows.shape
-    sizes = tables.payload_bytes[rows, expected[:, None]]                       # [member, rank]
-    starts = np.zeros_like(sizes)
-    starts[1:] = np.cumsum(sizes[:-1], axis=0)
-    parts = sizes.sum(axis=0)
-    part_start = np.concatenate([[0], np.cumsum(parts)[:-1]]).astype(np.int64)
-    offsets = starts + part_start[None, :]
-    if gathered.numel() == int(parts.sum()):
-        # Where each header is and which table header it must be: one upload; the tables are on the device once.
-        t = host.upload(gathered.device, {"start": offsets.T, "header": rows.T * tables.actions + expected[None, :]})
-        headers = tables.on_device(gathered.device)[1].view(-1, wire.HEADER_BYTES)
-        heads = gathered[t["start"][:, None] + torch.arange(wire.HEADER_BYTES, device=gathered.device)]
-        if host.to_host((heads == headers[t["header"]]).all())[()]:
-            return kernels.Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
-    data = host.to_host(gathered)
-    # In buffer order (rank after rank, member after member): the row, the action assumed, the payload's size, and
-    # where it starts if no payload before it differs (the fast path's offsets; the bytes the payloads that did
-    # differ add: `shift`).
-    order_rows = np.ascontiguousarray(rows.T).reshape(-1)
-    order_actions = np.repeat(expected[None, :], ranks, axis=0).reshape(-1)
-    order_sizes = np.ascontiguousarray(sizes.T).reshape(-1)
-    assumed = np.ascontiguousarray(offsets.T).reshape(-1)
-    total, shift, proven, window, differed = order_rows.size, 0, 0, 64, 0
+    def _received_as(self, group: int) -> tuple[np.ndarray, list[str], str]:
+        """The gathered buffer's table rows ``[member, rank]``, the members' names, and what it is, for errors."""
+        members = self._members[group]
+        return (np.repeat(members[:, None], self.transport.size, axis=1), [self.names[i] for i in members.tolist()],
+                f"{self.collective_name} group {group} step {self.step}")
 
-    def read_header(slot: int, offset: int) -> int:
-        """The action of payload ``slot`` from its header at ``offset`` (every payload before it is proven)."""
-        k, r = slot % m, slot // m
-        if data.size - offset < wire.HEADER_BYTES:
-            if slot > 0 and offset > data.size:           # the payload before it runs past the end
-                _truncated(data.size, offset - int(order_sizes[slot - 1]), slot - 1, order_sizes, m, names)
-            raise wire.WireFormatError(f"{names[k]} (rank {r}): truncated payload: {data.size - offset} bytes "
-                                       f"left, a header alone is {wire.HEADER_BYTES}")
-        action = tables.action_of_header(int(order_rows[slot]), data[offset:offset + wire.HEADER_BYTES].tobytes())
-        if action < 0:
-            wire.parse_header(gathered[offset:offset + wire.HEADER_BYTES], f"{names[k]} (rank {r})",
-                              check_length=False)     # names what is wrong, if the header itself is
-            raise wire.WireFormatError(f"{names[k]} (rank {r}): the payload is not one of this tensor's menu "
-                                       f"actions")
-        return action
+    def expect_at_close(self, value: torch.Tensor, bits: int, what: str) -> None:
+        self._marker = (value, bits, what)       # checked by _check_received, in its one read back
 
-    while proven < total:      # the payloads before `proven` are where and what they are taken to be
-        if differed * 16 > proven + 64:
-            # One payload in 16 differs: reading each header in turn costs less than a window's comparison per
-            # payload that differs.
-            offset, lookup, payload_bytes = int(assumed[proven]) + shift, tables.action_of_header, tables.payload_bytes
-            for slot, row in enumerate(order_rows[proven:].tolist(), proven):
-                action = lookup(row, data[offset:offset + wire.HEADER_BYTES].tobytes())
-                if action < 0 or offset + wire.HEADER_BYTES > data.size:
-                    action = read_header(slot, offset)        # raises the error that says what is wrong
-                order_actions[slot] = action
-                order_sizes[slot] = size = int(payload_bytes[row, action])
-                offset += size
-            break
-        # A window of payloads at a time, doubling while all match.
-        stop = min(proven + window, total)
-        slot = proven + _first_mismatch(data, order_rows[proven:stop], order_actions[proven:stop],
-                                        assumed[proven:stop] + shift, tables)
-        if slot == stop:
-            proven, window = stop, 2 * window
-            continue
-        action = read_header(slot, int(assumed[slot]) + shift)
-        size = int(tables.payload_bytes[order_rows[slot], action])
-        shift += size - int(order_sizes[slot])
-        differed += 1
-        order_actions[slot], order_sizes[slot] = action, size
-        proven, window = slot + 1, 64
-    offsets = np.concatenate([[0], np.cumsum(order_sizes)[:-1]]).astype(np.int64)
-    end = int(offsets[-1] + order_sizes[-1]) if total else 0
-    if end > data.size:                       # every header fits: only the last payload can run past the end
-        _truncated(data.size, int(offsets[-1]), total - 1, order_sizes, m, names)
-    if end != data.size:
-        raise wire.WireFormatError(f"{what}: {data.size - end} bytes after {ranks * m} payloads")
-    return (kernels.Gathered(gathered, np.ascontiguousarray(offsets.reshape(ranks, m).T)),
-            np.ascontiguousarray(order_actions.reshape(ranks, m).T))
+    def _check_received(self) -> None:
+        """Once the step's last group is decoded: the verdicts of every group decoded on the device (and the value
+        of :meth:`expect_at_close`), read back at once; a group that was not what it should be raises
+        :class:`~.wire.WireFormatError` naming the tensor and rank, as the host would have when decoding it."""
+        if not self._verdicts and self._marker is None:
+            return
+        checked = list(self._verdicts)
+        if self._marker is not None:
+            checked.append(self._marker[0].reshape(1).view(torch.int32))
+        values = host.to_host(torch.cat(checked))
+        unverified, marker = self._unverified, self._marker
+        self._verdicts, self._unverified, self._marker = [], [], None
+        if marker is not None and int(values[-1]) != marker[1]:
+            raise ValueError(marker[2])
+        for k, group in enumerate(unverified):
+            verdict = values[2 * k:2 * k + 2]
+            if (verdict != kernels.NO_ERROR).any():
+                rows, names, what = self._received_as(group)
+                kernels.raise_received_error(verdict, self._decoded[group][2], rows, self._expected[group],
+                                             self.tables, names, what)
 
 
-def _truncated(length: int, offset: int, slot: int, sizes: np.ndarray, m: int, names: list[str]) -> None:
-    """Raise the error of the payload ``slot`` (buffer order; at ``offset``) that runs past the end of a gathered
-    buffer of ``length`` bytes."""
-    raise wire.WireFormatError(f"{names[slot % m]} (rank {slot // m}): truncated payload: {length - offset} bytes "
-                               f"left, expected {int(sizes[slot])}")
-
-
-def _first_mismatch(data: np.ndarray, rows: np.ndarray, actions: np.ndarray, offsets: np.ndarray,
-                    tables: kernels.GroupTables) -> int:
-    """How many of the payloads assumed at ``offsets`` (buffer order) have, one after the other, their assumed
-    action's header there: the index of the first that does not (or whose header would not fit), else their
-    count."""
-    fits = offsets + wire.HEADER_BYTES <= data.size
-    count = int(fits.size if fits.all() else np.argmin(fits))
-    if count == 0:
-        return 0
-    heads = data[offsets[:count, None] + np.arange(wire.HEADER_BYTES)[None, :]]
-    same = (heads == tables.headers[rows[:count], actions[:count]]).all(axis=1)
-    return int(count if same.all() else np.argmin(same))
-
-
-# ---------------------------------------------------------------------------------------------- encoding
 def segment_bounds(n: int, bucket_size: int, ranks: int) -> list[tuple[int, int]]:
     """Two-phase: ``ranks`` element ranges of a tensor of ``n`` elements, cut at bucket boundaries (some may be
     empty), so every segment quantizes exactly as the same buckets of the whole tensor would."""

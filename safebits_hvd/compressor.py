@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from . import host
@@ -87,6 +88,7 @@ class CoreCompressor(CoreRecords, Compressor):
         self.total_elements = core.total_elements
         self._index = GradientIndex(params)
         self._op_factor = (-1, 1.0)      # (step, what Horovod's op did to the marker at that step)
+        self._known_factor: tuple[int, float, int] | None = None     # (ranks, factor, the marker's float32 bits)
         # The packed paths' markers: one float32 element per tensor, views of one buffer per device made once and
         # refilled with 1 by one call per step (a new tensor per compress costs microseconds). Horovod reduces each
         # view in place, and every marker of a step is reduced before the next step's first compress.
@@ -120,6 +122,23 @@ class CoreCompressor(CoreRecords, Compressor):
         ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, wire, flat, tensor)
         return self._marker(index, tensor.device, began), ctx
 
+    def _reduction_factor(self, marker: torch.Tensor, ranks: int, ctx: Context) -> float:
+        """:func:`op_factor` of the step's first reduced marker. Horovod reduces every tensor of an optimizer with
+        the same op, so the marker is read back only at the first step of a world; later steps take the factor
+        then found, the path checking that their marker has the same bits when the step closes (on a GPU within
+        the step's one read back of what it received)."""
+        known = self._known_factor
+        if known is None or known[0] != ranks:
+            value = host.to_host(marker.reshape(-1)[:1])
+            known = self._known_factor = (ranks, op_factor(torch.from_numpy(value), ranks),
+                                          int(value.view(np.int32)[0]))
+        else:
+            self.core.paths[ctx.collective].expect_at_close(
+                marker, known[2], f"Horovod reduced step {ctx.step}'s tensors with another op than earlier steps' "
+                f"(its marker came back with other bits); SafeBits' packed collectives take one op per optimizer "
+                f"(collective='dense' mixes them)")
+        return known[1]
+
     def _marker(self, index: int, device: torch.device, refill: bool) -> torch.Tensor:
         """Tensor ``index``'s marker (a float32 1) on ``device``; ``refill``: the step's first compress."""
         markers = self._markers.get(device)
@@ -136,11 +155,8 @@ class CoreCompressor(CoreRecords, Compressor):
         core = self.core
         if ctx.collective != "dense":
             ranks = core.transport.size if core.transport is not None else 1
-            # The marker is read once per step (one read back to the host): Horovod reduces every tensor of an
-            # optimizer with the same op.
             if self._op_factor[0] != ctx.step:
-                host.count()
-                self._op_factor = (ctx.step, op_factor(tensor, ranks))
+                self._op_factor = (ctx.step, self._reduction_factor(tensor, ranks, ctx))
             factor = self._op_factor[1]
             # Average (factor 1): the division by the rank count rides on the last payload's decode.
             total = core.reduced_sums([ctx.index], ctx.step, ctx.collective, [ctx.gradient],

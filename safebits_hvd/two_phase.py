@@ -207,7 +207,7 @@ class TwoPhasePath(CollectivePath):
     # ------------------------------------------------------------------ the second hop
     def finish(self) -> None:
         """The second phase of the pending step (see the module docstring), batched over every tensor: the owned
-        segments located in the alltoall's buffer (:func:`.collectives.locate_payloads`, one read back) and summed
+        segments located in the alltoall's buffer (:func:`.kernels.locate_payloads`, one read back) and summed
         over ranks in rank order in one call; re-encoded in one pass (:meth:`_second_hop`); the owners' payloads
         located in the allgather's buffer and decoded in one call."""
         assert self._pending is not None and self.segment_tables is not None
@@ -219,7 +219,7 @@ class TwoPhasePath(CollectivePath):
         names = list(self.names)
         received, _ = self.transport.wait(handle)
         mine = np.repeat((indices * ranks + rank)[:, None], ranks, axis=1)          # [tensor, source rank]
-        first_hop, actions = collectives.locate_payloads(received, mine, allocation, tables, names,
+        first_hop, actions = kernels.locate_payloads(received, mine, allocation, tables, names,
                                                          f"{self.collective_name} step {step} alltoall")
         # Each sum starts from zeros and adds every rank in rank order (own = ranks: nothing written first).
         totals = [torch.zeros(stop - start, dtype=torch.float32, device=received.device)
@@ -231,7 +231,7 @@ class TwoPhasePath(CollectivePath):
         gathered = self.transport.wait(self.transport.start_allgather(f"{self.collective_name}.two_phase.allgather",
                                                                       mine_bytes))
         owners = indices[:, None] * ranks + np.arange(ranks)[None, :]              # [tensor, owner]
-        second_hop, actions = collectives.locate_payloads(gathered, owners, allocation, tables, names,
+        second_hop, actions = kernels.locate_payloads(gathered, owners, allocation, tables, names,
                                                           f"{self.collective_name} step {step} allgather")
         results = [torch.zeros(int(n), dtype=torch.float32, device=gathered.device) for n in self.numels]
         # Every (tensor, owner) pair is a member of one rank: its segment of the result, added into zeros.

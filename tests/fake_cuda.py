@@ -50,6 +50,18 @@ class FakeCuda:
 
         return call
 
+    def receive_group(self, gathered: torch.Tensor, rows: Any, expected: Any, outs: list[torch.Tensor], own: Any,
+                      tables: kernels.GroupTables, divisor: float, error: torch.Tensor) -> None:
+        """Issued as the CUDA backend issues it; the values from the payloads located on the host (from the CPU
+        tensor's own bytes: not a crossing) and decoded by the C backend."""
+        with cuda.use_runtime(self.runtime):
+            cuda.receive_group(gathered, rows, expected, outs, own, tables, divisor, error)
+        names = [f"member {k}" for k in range(len(outs))]
+        with kernels.use_backend(cpu):
+            payloads, actions = kernels.locate_payloads(gathered, rows, expected, tables, names, "a group",
+                                                        data=gathered.numpy())
+            kernels.decode_group(payloads, actions, outs, own, tables, rows[:, 0], names, divisor)
+
 
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[FakeCuda]:

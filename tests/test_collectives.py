@@ -364,17 +364,17 @@ def test_payloads_are_located_whichever_members_escalated_on_whichever_rank(esca
     rows = np.repeat(np.arange(len(sizes))[:, None], 2, axis=1)
     names = [f"t{k}" for k in range(len(sizes))]
     reads = host.reads()
-    located, actions = collectives.locate_payloads(gathered, rows, expected, tables, names, "group 0")
+    located, actions = kernels.locate_payloads(gathered, rows, expected, tables, names, "group 0")
     assert np.array_equal(located.offsets, offsets) and np.array_equal(actions, sent)
     assert host.reads() - reads == 1 if escalated == 0 else host.reads() - reads <= 2
     # A corrupt header after the escalated ones is named; so is a buffer cut short, or one with bytes left over.
     corrupt = gathered.clone()
     corrupt[int(offsets[37, 1]) + 3] ^= 0x40
     with pytest.raises(wire.WireFormatError, match=r"t37 \(rank 1\)"):
-        collectives.locate_payloads(corrupt, rows, expected, tables, names, "group 0")
+        kernels.locate_payloads(corrupt, rows, expected, tables, names, "group 0")
     with pytest.raises(wire.WireFormatError, match=r"t59 \(rank 1\): truncated payload: \d+ bytes left, expected"):
-        collectives.locate_payloads(gathered[:-1], rows, expected, tables, names, "group 0")
+        kernels.locate_payloads(gathered[:-1], rows, expected, tables, names, "group 0")
     with pytest.raises(wire.WireFormatError, match=r"t59 \(rank 1\): truncated payload: 4 bytes left, a header"):
-        collectives.locate_payloads(gathered[:int(offsets[59, 1]) + 4], rows, expected, tables, names, "group 0")
+        kernels.locate_payloads(gathered[:int(offsets[59, 1]) + 4], rows, expected, tables, names, "group 0")
     with pytest.raises(wire.WireFormatError, match="group 0: 5 bytes after 120 payloads"):
-        collectives.locate_payloads(torch.cat([gathered, gathered[:5]]), rows, expected, tables, names, "group 0")
+        kernels.locate_payloads(torch.cat([gathered, gathered[:5]]), rows, expected, tables, names, "group 0")

@@ -213,6 +213,58 @@ def test_the_group_decode_is_the_c_backends_and_names_an_invalid_topk_payload(ra
                        np.arange(GROUP_M), names)
 
 
+@pytest.mark.parametrize("escalated", [0, 3, 40])
+def test_a_gathered_group_is_located_and_decoded_on_the_device_and_what_is_wrong_named_at_close(
+        escalated: int) -> None:
+    """``receive_group`` on the device (the locate and decode kernels, no read back) against the host's: with any
+    number of payloads escalated, the same sums bitwise; with a corrupt header, a buffer cut short or too long, or
+    invalid top-k indices, nothing decoded (top-k: the step fails) and, from the verdict read at the step's
+    close, the very error the host raises when it decodes."""
+    from .test_collectives import _gathered_group
+
+    menu = sb.DEFAULT_MENU
+    gen = np.random.default_rng(escalated)
+    sizes = [int(n) for n in gen.integers(1, 1500, 30)]
+    tables = K.GroupTables(menu, np.array(sizes), BudgetPolicy(menu, np.array(sizes), 0.5, 0.7).cost_order)
+    topk = next(a for a, action in enumerate(menu) if action.kind == A.ActionKind.TOPK)
+    expected = gen.integers(0, len(menu), len(sizes))
+    expected[7] = topk
+    sent = np.repeat(expected[:, None], 2, axis=1)
+    slots = gen.choice(np.flatnonzero(np.arange(sent.size) // 2 != 7), escalated, replace=False)
+    sent.reshape(-1)[slots] = (sent.reshape(-1)[slots] + gen.integers(1, len(menu), escalated)) % len(menu)
+    gathered, offsets = _gathered_group(sizes, sent, escalated)
+    rows = np.repeat(np.arange(len(sizes))[:, None], 2, axis=1)
+    names, own = [f"t{k}" for k in range(len(sizes))], np.array([k % 3 - 1 for k in range(len(sizes))])
+
+    def receive(buffer: torch.Tensor, emulated: bool) -> tuple[list[torch.Tensor], torch.Tensor, bool]:
+        outs = [torch.full((n,), 7.0) for n in sizes]
+        verdict = torch.full((2,), K.NO_ERROR, dtype=torch.int32)
+        with cuda_emulator.as_backend() if emulated else _nothing():
+            deferred = K.receive_group(buffer, rows, expected, outs, own, tables, names, "group 0", 2.0, verdict)
+        return outs, verdict, deferred
+
+    (on_host, _, deferred), (on_device, verdict, deferred_there) = receive(gathered, False), receive(gathered, True)
+    assert not deferred and deferred_there and np.all(verdict.numpy() == K.NO_ERROR)
+    for k, (a, b) in enumerate(zip(on_host, on_device, strict=True)):
+        assert torch.equal(bits(a), bits(b)), k
+    header = gathered.clone()
+    header[int(offsets[21, 1]) + 3] ^= 0x40
+    topk_codes = gathered.clone()
+    topk_codes[int(offsets[7, 1] + tables.payload_bytes[7, topk]) - 1] = 255    # local indices out of order
+    for name, buffer in {"header": header, "cut short": gathered[:-1], "too long": torch.cat([gathered, gathered[:5]]),
+                         "top-k": topk_codes}.items():
+        with pytest.raises(WireFormatError) as when_decoded:
+            receive(buffer, False)
+        outs, verdict, _ = receive(buffer, True)
+        found = verdict.numpy()
+        assert np.any(found != K.NO_ERROR), name
+        if found[0] != K.NO_ERROR:
+            assert all(torch.all(out == 7.0) for out in outs), name        # not located: nothing decoded
+        with pytest.raises(WireFormatError) as at_close:
+            K.raise_received_error(found, buffer, rows, expected, tables, names, "group 0")
+        assert str(at_close.value) == str(when_decoded.value), name
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None

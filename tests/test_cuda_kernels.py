@@ -24,7 +24,7 @@ from .test_group_kernels import SIZES as GROUP_SIZES
 
 KEY = rng.stream_key(5, 9, 2)
 GROUP_KERNELS = ("sb_group_finite_kernel", "sb_group_screen_kernel", "sb_segment_sum_kernel", "sb_group_choose_kernel",
-                 "sb_group_stage_kernel", "sb_group_pack_kernel", "sb_gather_kernel", "sb_group_check_topk_kernel",
+                 "sb_group_stage_kernel", "sb_group_pack_kernel", "sb_gather_kernel", "sb_group_locate_kernel",
                  "sb_group_decode_kernel")
 
 

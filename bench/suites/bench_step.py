@@ -9,7 +9,7 @@ the dense path (each tensor a group of one, its values only), for comparison;
 ``test_thousand_tensor_pass_through_step``: a pass-through step (32 bits).
 ``test_sending_a_group_of_thousand_tensors``: the batched send pass of one such group alone (``kernels.send_group``).
 ``test_locating_a_gathered_group``: where each payload of a gathered group of 1,000 members from 2 ranks starts
-(``collectives.locate_payloads``), when every rank sent what was allocated and when some escalated.
+(``kernels.locate_payloads``), when every rank sent what was allocated and when some escalated.
 
 ``SAFEBITS_BENCH_DEVICE=cuda`` runs the step tests on a GPU (parameters, gradients and residuals on the device; every
 timed call ends with ``torch.cuda.synchronize``).
@@ -32,7 +32,7 @@ import torch
 
 import safebits_hvd as sb
 from bench.suites import model_shapes
-from safebits_hvd import collectives, host, kernels
+from safebits_hvd import host, kernels
 from safebits_hvd.transports import LocalTransport
 
 TENSORS = 1000
@@ -151,7 +151,7 @@ def test_locating_a_gathered_group(benchmark: Any, escalated: int) -> None:
     gathered = torch.cat([payloads[int(a)] for a in sent.T.reshape(-1)])
     rows = np.repeat(np.arange(TENSORS)[:, None], 2, axis=1)
     names = [f"p{k}" for k in range(TENSORS)]
-    located = benchmark.pedantic(collectives.locate_payloads, args=(gathered, rows, expected, tables, names, "group"),
+    located = benchmark.pedantic(kernels.locate_payloads, args=(gathered, rows, expected, tables, names, "group"),
                                  rounds=20, iterations=1, warmup_rounds=1)
     assert np.array_equal(located[1], sent)
     benchmark.extra_info.update({"payloads": sent.size, "escalated": escalated,

@@ -443,8 +443,7 @@ def decode_group(payloads: list[list[torch.Tensor]] | Gathered, actions: np.ndar
         bad = backend.decode_group(flat, body_bytes, actions.reshape(-1), outs, tables.numels[members], own, ranks,
                                    tables.menu, float(divisor))
         if bad >= 0:
-            k, r = divmod(bad, ranks)
-            raise wire.WireFormatError(f"{names[k]} (rank {r}): top-k indices out of range or not ascending")
+            _raise_invalid_topk(bad, ranks, names)
         return
     for k, out in enumerate(outs):
         added = [r for r in range(ranks) if r != own[k]] if own[k] >= 0 else list(range(1, ranks))
@@ -454,3 +453,154 @@ def decode_group(payloads: list[list[torch.Tensor]] | Gathered, actions: np.ndar
             decode_add(payloads[k][r], out, name=f"{names[k]} (rank {r})", divisor=divisor if r == added[-1] else 1.0)
         if not added and divisor != 1.0:
             out.div_(divisor)
+
+def receive_group(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray, outs: list[torch.Tensor],
+                  own: np.ndarray, tables: GroupTables, names: list[str], what: str, divisor: float,
+                  error: torch.Tensor) -> bool:
+    """A gathered group's payloads located (:func:`locate_payloads`: ``rows``, ``expected``, ``names``, ``what``
+    as there) and decoded into ``outs`` (:func:`decode_group`: ``own``, ``divisor``). On the CPU backends the
+    payloads are located on the host and a bad buffer raises :class:`~.wire.WireFormatError` now; returns False.
+    On CUDA both happen on the device without a read back, the verdicts written into ``error`` (two int32 filled
+    with ``2**31 - 1``: ``error[0]`` not located, ``error[1]`` the lowest ``member * ranks + rank`` with invalid
+    top-k indices); returns True, and the caller reads ``error`` when the step closes
+    (:func:`raise_received_error`)."""
+    backend = _backend(gathered.device)
+    if backend.NAME == "cuda":
+        backend.receive_group(gathered, rows, expected, outs, own, tables, float(divisor), error)
+        return True
+    payloads, actions = locate_payloads(gathered, rows, expected, tables, names, what)
+    decode_group(payloads, actions, outs, own, tables, rows[:, 0], names, divisor)
+    return False
+
+
+NO_ERROR = 2**31 - 1
+"""What :func:`receive_group`'s ``error`` holds where nothing was wrong."""
+
+
+def raise_received_error(verdict: np.ndarray, gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray,
+                         tables: GroupTables, names: list[str], what: str) -> None:
+    """Raise what :func:`receive_group` found wrong on the device (``verdict``: its ``error``, read back), named as
+    the host names it: a group not located is located again on the host, which says where and why."""
+    if verdict[0] != NO_ERROR:
+        locate_payloads(gathered, rows, expected, tables, names, what)
+        raise wire.WireFormatError(f"{what}: the payloads could not be located on the device")
+    if verdict[1] != NO_ERROR:
+        _raise_invalid_topk(int(verdict[1]), rows.shape[1], names)
+
+
+def _raise_invalid_topk(slot: int, ranks: int, names: list[str]) -> None:
+    k, r = divmod(slot, ranks)
+    raise wire.WireFormatError(f"{names[k]} (rank {r}): top-k indices out of range or not ascending")
+
+
+def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray, tables: GroupTables,
+                    names: list[str], what: str, data: np.ndarray | None = None) -> tuple[Gathered, np.ndarray]:
+    """Where each payload of a gathered buffer starts ``[member, rank]``, and its menu action: rank ``r``'s part
+    holds, member after member, the payload of table row ``rows[k, r]`` (``names[k]``), expected at action
+    ``expected[k]`` (what every rank allocated). Fast path: if every rank sent the expected actions, the buffer
+    has exactly their length and their headers at the offsets they imply; one comparison of all those headers
+    proves it (by induction over payloads: each header fixes where the next payload starts), one read back. Else
+    the buffer is read back once and the same comparison finds, in buffer order, the first payload that is not at
+    its assumed action (a rank escalated it, or the buffer is corrupt); its header says its action (one of its
+    row's menu actions, else :class:`~.wire.WireFormatError` names what is wrong), which moves every later
+    payload, and the comparison goes on from there. ``data``: the buffer's bytes, when the host has them already
+    (nothing is read back then)."""
+    m, ranks = rows.shape
+    sizes = tables.payload_bytes[rows, expected[:, None]]                       # [member, rank]
+    starts = np.zeros_like(sizes)
+    starts[1:] = np.cumsum(sizes[:-1], axis=0)
+    parts = sizes.sum(axis=0)
+    part_start = np.concatenate([[0], np.cumsum(parts)[:-1]]).astype(np.int64)
+    offsets = starts + part_start[None, :]
+    if data is None and gathered.numel() == int(parts.sum()):
+        # Where each header is and which table header it must be: one upload; the tables are on the device once.
+        t = host.upload(gathered.device, {"start": offsets.T, "header": rows.T * tables.actions + expected[None, :]})
+        headers = tables.on_device(gathered.device)[1].view(-1, wire.HEADER_BYTES)
+        heads = gathered[t["start"][:, None] + torch.arange(wire.HEADER_BYTES, device=gathered.device)]
+        if host.to_host((heads == headers[t["header"]]).all())[()]:
+            return Gathered(gathered, offsets), np.repeat(expected[:, None], ranks, axis=1)
+    if data is None:
+        data = host.to_host(gathered)
+    # In buffer order (rank after rank, member after member): the row, the action assumed, the payload's size, and
+    # where it starts if no payload before it differs (the fast path's offsets; the bytes the payloads that did
+    # differ add: `shift`).
+    order_rows = np.ascontiguousarray(rows.T).reshape(-1)
+    order_actions = np.repeat(expected[None, :], ranks, axis=0).reshape(-1)
+    order_sizes = np.ascontiguousarray(sizes.T).reshape(-1)
+    assumed = np.ascontiguousarray(offsets.T).reshape(-1)
+    total, shift, proven, window, differed = order_rows.size, 0, 0, 64, 0
+
+    def read_header(slot: int, offset: int) -> int:
+        """The action of payload ``slot`` from its header at ``offset`` (every payload before it is proven)."""
+        k, r = slot % m, slot // m
+        if data.size - offset < wire.HEADER_BYTES:
+            if slot > 0 and offset > data.size:           # the payload before it runs past the end
+                _truncated(data.size, offset - int(order_sizes[slot - 1]), slot - 1, order_sizes, m, names)
+            raise wire.WireFormatError(f"{names[k]} (rank {r}): truncated payload: {data.size - offset} bytes "
+                                       f"left, a header alone is {wire.HEADER_BYTES}")
+        action = tables.action_of_header(int(order_rows[slot]), data[offset:offset + wire.HEADER_BYTES].tobytes())
+        if action < 0:
+            wire.parse_header(gathered[offset:offset + wire.HEADER_BYTES], f"{names[k]} (rank {r})",
+                              check_length=False)     # names what is wrong, if the header itself is
+            raise wire.WireFormatError(f"{names[k]} (rank {r}): the payload is not one of this tensor's menu "
+                                       f"actions")
+        return action
+
+    while proven < total:      # the payloads before `proven` are where and what they are taken to be
+        if differed * 16 > proven + 64:
+            # One payload in 16 differs: reading each header in turn costs less than a window's comparison per
+            # payload that differs.
+            offset, lookup, payload_bytes = int(assumed[proven]) + shift, tables.action_of_header, tables.payload_bytes
+            for slot, row in enumerate(order_rows[proven:].tolist(), proven):
+                action = lookup(row, data[offset:offset + wire.HEADER_BYTES].tobytes())
+                if action < 0 or offset + wire.HEADER_BYTES > data.size:
+                    action = read_header(slot, offset)        # raises the error that says what is wrong
+                order_actions[slot] = action
+                order_sizes[slot] = size = int(payload_bytes[row, action])
+                offset += size
+            break
+        # A window of payloads at a time, doubling while all match.
+        stop = min(proven + window, total)
+        slot = proven + _first_mismatch(data, order_rows[proven:stop], order_actions[proven:stop],
+                                        assumed[proven:stop] + shift, tables)
+        if slot == stop:
+            proven, window = stop, 2 * window
+            continue
+        action = read_header(slot, int(assumed[slot]) + shift)
+        size = int(tables.payload_bytes[order_rows[slot], action])
+        shift += size - int(order_sizes[slot])
+        differed += 1
+        order_actions[slot], order_sizes[slot] = action, size
+        proven, window = slot + 1, 64
+    offsets = np.concatenate([[0], np.cumsum(order_sizes)[:-1]]).astype(np.int64)
+    end = int(offsets[-1] + order_sizes[-1]) if total else 0
+    if end > data.size:                       # every header fits: only the last payload can run past the end
+        _truncated(data.size, int(offsets[-1]), total - 1, order_sizes, m, names)
+    if end != data.size:
+        raise wire.WireFormatError(f"{what}: {data.size - end} bytes after {ranks * m} payloads")
+    return (Gathered(gathered, np.ascontiguousarray(offsets.reshape(ranks, m).T)),
+            np.ascontiguousarray(order_actions.reshape(ranks, m).T))
+
+
+def _truncated(length: int, offset: int, slot: int, sizes: np.ndarray, m: int, names: list[str]) -> None:
+    """Raise the error of the payload ``slot`` (buffer order; at ``offset``) that runs past the end of a gathered
+    buffer of ``length`` bytes."""
+    raise wire.WireFormatError(f"{names[slot % m]} (rank {slot // m}): truncated payload: {length - offset} bytes "
+                               f"left, expected {int(sizes[slot])}")
+
+
+def _first_mismatch(data: np.ndarray, rows: np.ndarray, actions: np.ndarray, offsets: np.ndarray,
+                    tables: GroupTables) -> int:
+    """How many of the payloads assumed at ``offsets`` (buffer order) have, one after the other, their assumed
+    action's header there: the index of the first that does not (or whose header would not fit), else their
+    count."""
+    fits = offsets + wire.HEADER_BYTES <= data.size
+    count = int(fits.size if fits.all() else np.argmin(fits))
+    if count == 0:
+        return 0
+    heads = data[offsets[:count, None] + np.arange(wire.HEADER_BYTES)[None, :]]
+    same = (heads == tables.headers[rows[:count], actions[:count]]).all(axis=1)
+    return int(count if same.all() else np.argmin(same))
+
+
+# ---------------------------------------------------------------------------------------------- encoding

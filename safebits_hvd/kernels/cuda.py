@@ -420,54 +420,66 @@ def send_group(request: Any, tables: Any) -> Any:
 def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np.ndarray, outs: list[torch.Tensor],
                  numels: np.ndarray, own: np.ndarray, ranks: int, menu: Menu, divisor: float) -> int:
     """:func:`safebits_hvd.kernels.decode_group` on the GPU (the arguments of ``cpu.decode_group``; ``bodies`` are
-    the whole payloads, header included): one launch decodes every bucket of every member, each block summing the
-    ranks in rank order, bitwise the per-tensor ``decode`` then ``decode_add`` sequence. Top-k payloads are checked
-    first, in one launch and ONE read back; returns -1 or the first slot (member * ranks + rank) whose top-k indices
-    are invalid (nothing is decoded then)."""
-    m, device, bucket = len(outs), outs[0].device, menu.bucket_size
+    the whole payloads, header included, at any alignment): one upload and one launch decode every bucket of
+    every member, each block summing the ranks in rank order, bitwise the per-tensor ``decode`` then
+    ``decode_add`` sequence. With top-k payloads, ONE read back of the decode's verdict; returns -1 or the lowest
+    slot (member * ranks + rank) whose top-k indices are invalid (what was decoded is then not to be used)."""
     actions = np.ascontiguousarray(actions, dtype=np.int64).reshape(-1)
-    own = np.ascontiguousarray(own, dtype=np.int64)
-    numels = np.ascontiguousarray(numels, dtype=np.int64)
-    decoded = (np.arange(ranks)[None, :] != own[:, None]).reshape(-1)       # own[k]'s payload is not decoded
-    sizes = np.asarray(body_bytes, dtype=np.int64) + HEADER_BYTES
-    addr = addresses(bodies)
-    # Misaligned payloads (slices of the gathered buffer) are copied into an aligned stage first (the per-tensor
-    # path clones each one); the stage's addresses are known before any copy runs, so one upload serves all.
-    moved = decoded & (addr % 16 != 0)
-    stage_off = _prefix(-(-sizes[moved] // 16) * 16)
-    stage = torch.empty(int(stage_off[-1]), dtype=torch.uint8, device=device)
-    source = addr[moved]
-    gather_off = _prefix(-(-sizes[moved] // GATHER_CHUNK))
-    addr = addr.copy()
-    addr[moved] = stage.data_ptr() + stage_off[:-1]
-    kinds = np.array([int(a.kind) for a in menu], dtype=np.int64)
-    topk_of = np.array([a.topk_per_bucket if a.kind == ActionKind.TOPK else 0 for a in menu], dtype=np.int64)
-    slot_numels = np.repeat(numels, ranks)
-    checked = np.flatnonzero(decoded & (kinds[actions] == int(ActionKind.TOPK)) & (slot_numels > 0))
-    check_off = _prefix(-(-slot_numels[checked] // bucket))
-    bucket_off = _prefix(-(-numels // bucket))
-    t = host.upload(device, dict(
-        stage_off=stage_off, sizes=sizes[moved], source=source, gather_off=gather_off, check_off=check_off,
-        checked=checked,
-        checked_addr=addr[checked], checked_n=slot_numels[checked], checked_topk=topk_of[actions[checked]],
-        bucket_off=bucket_off, outs=addresses(outs), n=numels, own=own, addr=addr, actions=actions))
+    device = outs[0].device
+    error = torch.full((2,), _INT_MAX, dtype=torch.int32, device=device)
+    columns = _decode_columns(outs, numels, own, menu)
+    t = host.upload(device, dict(addr=addresses(bodies), actions=actions, **columns))
+    _decode_launch(t, t["addr"], t["actions"], columns, ranks, menu, divisor, error)
+    if not any(menu[int(a)].kind == ActionKind.TOPK for a in np.unique(actions)):
+        return -1
+    first_bad = int(host.to_host(error)[1])          # the group's one read back (only with top-k payloads)
+    return -1 if first_bad == _INT_MAX else first_bad
+
+
+def receive_group(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray, outs: list[torch.Tensor],
+                  own: np.ndarray, tables: Any, divisor: float, error: torch.Tensor) -> None:
+    """:func:`safebits_hvd.kernels.receive_group` on the GPU: the payloads located in ``gathered`` on the device
+    (``sb_group_locate_kernel``, as :func:`~safebits_hvd.kernels.locate_payloads` on the host) and decoded
+    (``sb_group_decode_kernel``): one pinned upload, two launches and no read back. ``error`` (two int32, filled
+    with INT_MAX) receives the verdicts the host reads when the step closes: ``error[0]`` the group was not
+    located (nothing was decoded), ``error[1]`` the lowest slot with invalid top-k indices."""
+    m, ranks = rows.shape
+    if m == 0:
+        return
+    device = gathered.device
+    payload_bytes, headers, _, _ = tables.on_device(device)
+    order_rows = np.ascontiguousarray(rows.T).reshape(-1)             # buffer order: rank after rank
+    order_expected = np.tile(np.asarray(expected, dtype=np.int64), ranks)
+    assumed = _prefix(tables.payload_bytes[order_rows, order_expected])[:-1]
+    columns = _decode_columns(outs, tables.numels[rows[:, 0]], own, tables.menu)
+    t = host.upload(device, dict(row=order_rows, expected=order_expected, assumed=assumed, **columns))
+    located = torch.empty(2 * m * ranks, dtype=torch.int64, device=device)       # addresses, then actions
+    addr, actions = located[:m * ranks], located[m * ranks:]
     with _launcher(device) as launch:
-        if moved.any():
-            launch("sb_gather_kernel", int(gather_off[-1]),
-                   (np.int32(int(np.sum(moved))), _ptr(t["gather_off"]), np.int64(GATHER_CHUNK), _ptr(t["stage_off"]),
-                    _ptr(t["sizes"]), np.int32(1), _ptr(t["source"]), _ptr(stage)))
-        if len(checked):
-            bad = torch.full((1,), _INT_MAX, dtype=torch.int32, device=device)
-            launch("sb_group_check_topk_kernel", _grid(int(check_off[-1])),
-                   (np.int32(len(checked)), _ptr(t["check_off"]), _ptr(t["checked"]), _ptr(t["checked_addr"]),
-                    _ptr(t["checked_n"]), _ptr(t["checked_topk"]), np.int32(bucket), _ptr(bad)))
-            first_bad = int(host.to_host(bad)[0])    # the group's one read back (only with top-k payloads)
-            if first_bad != _INT_MAX:
-                return first_bad
-        if bucket_off[-1]:
-            kinds_d, levels_d, _, topks_d, trits_d = (_ptr(a) for a in _menu_arrays(menu, device))
-            launch("sb_group_decode_kernel", int(bucket_off[-1]),
-                   (np.int32(m), np.int32(ranks), _ptr(t["bucket_off"]), _ptr(t["outs"]), _ptr(t["n"]), _ptr(t["own"]),
-                    _ptr(t["addr"]), _ptr(t["actions"]), np.int32(bucket), kinds_d, levels_d, topks_d, trits_d,
-                    np.float32(divisor)))
-    return -1
+        launch("sb_group_locate_kernel", 1,
+               (_ptr(gathered), np.int64(gathered.numel()), np.int32(m), np.int32(ranks), _ptr(t["row"]),
+                _ptr(t["expected"]), _ptr(t["assumed"]), np.int32(tables.actions), _ptr(payload_bytes),
+                _ptr(headers), _ptr(addr), _ptr(actions), _ptr(error)))
+    _decode_launch(t, addr, actions, columns, ranks, tables.menu, divisor, error)
+
+
+def _decode_columns(outs: list[torch.Tensor], numels: np.ndarray, own: np.ndarray, menu: Menu) -> dict[str, Any]:
+    """What ``sb_group_decode_kernel`` reads of the members (uploaded with the caller's columns, in one copy)."""
+    numels = np.ascontiguousarray(numels, dtype=np.int64)
+    return dict(bucket_off=_prefix(-(-numels // menu.bucket_size)), outs=addresses(outs), n=numels,
+                own=np.ascontiguousarray(own, dtype=np.int64))
+
+
+def _decode_launch(t: dict[str, torch.Tensor], addr: torch.Tensor, actions: torch.Tensor, columns: dict[str, Any],
+                   ranks: int, menu: Menu, divisor: float, error: torch.Tensor) -> None:
+    """``sb_group_decode_kernel`` over every bucket of the members of ``columns`` (:func:`_decode_columns`; ``t``:
+    them uploaded); ``addr`` and ``actions`` on the device, member-major."""
+    buckets, m = int(columns["bucket_off"][-1]), len(columns["n"])
+    if not buckets:
+        return
+    kinds, levels, _, topks, trits = (_ptr(a) for a in _menu_arrays(menu, addr.device))
+    with _launcher(addr.device) as launch:
+        launch("sb_group_decode_kernel", buckets,
+               (np.int32(m), np.int32(ranks), _ptr(t["bucket_off"]), _ptr(t["outs"]), _ptr(t["n"]), _ptr(t["own"]),
+                _ptr(addr), _ptr(actions), np.int32(menu.bucket_size), kinds, levels, topks, trits,
+                np.float32(divisor), _ptr(error)))

@@ -558,10 +558,20 @@ extern "C" __global__ void sb_check_topk_kernel(const unsigned char *payload, lo
     if (!sb_topk_bucket_valid(payload, n, bucket, topk, b)) atomicMin(bad, (int)(b < 0x7ffffffe ? b : 0x7ffffffe));
 }
 
+/* A 32-bit or 16-bit little-endian value at p, which a payload need not align (a gathered group's payloads follow
+ * one another at any byte): one load where it is aligned, else its bytes. */
+__device__ __forceinline__ sb_u32 sb_load_u32(const unsigned char *p) {
+    if (((unsigned long long)p & 3ull) == 0) return *(const sb_u32 *)p;
+    return (sb_u32)p[0] | (sb_u32)p[1] << 8 | (sb_u32)p[2] << 16 | (sb_u32)p[3] << 24;
+}
+__device__ __forceinline__ sb_u32 sb_load_u16(const unsigned char *p) {
+    if (((unsigned long long)p & 1ull) == 0) return *(const unsigned short *)p;
+    return (sb_u32)p[0] | (sb_u32)p[1] << 8;
+}
+
 /* What decoding one bucket of a payload needs: its sections, its scale, its top-k entries. */
 struct sb_decoder {
-    const unsigned char *payload, *codes;
-    const unsigned short *half;
+    const unsigned char *payload, *codes, *half;
     long long first; /* TOPK: the bucket's first entry */
     float scale, s;
     int kind, levels, trits, cb, kk;
@@ -573,8 +583,8 @@ __device__ sb_decoder sb_decoder_of(const unsigned char *payload, long long n, i
     sb_decoder D;
     D.payload = payload;
     D.codes = payload + L.codes_off;
-    D.half = (const unsigned short *)(payload + 16);
-    D.scale = sb_has_scales(kind) ? ((const float *)(payload + L.scales_off))[b] : 0.0f;
+    D.half = payload + 16;
+    D.scale = sb_has_scales(kind) ? sb_u2f(sb_load_u32(payload + L.scales_off + 4 * b)) : 0.0f;
     D.s = (float)levels;
     D.kind = kind;
     D.levels = levels;
@@ -592,13 +602,13 @@ __device__ __forceinline__ float sb_decode_element(const sb_decoder *D, long lon
     float x = 0.0f;
     switch (D->kind) {
     case SB_FLOAT32:
-        x = ((const float *)(D->payload + 16))[j];
+        x = sb_u2f(sb_load_u32(D->payload + 16 + 4 * j));
         break;
     case SB_FLOAT16:
-        x = sb_fp16_value(D->half[j]);
+        x = sb_fp16_value(sb_load_u16(D->half + 2 * j));
         break;
     case SB_BFLOAT16:
-        x = sb_bf16_value(D->half[j]);
+        x = sb_bf16_value(sb_load_u16(D->half + 2 * j));
         break;
     case SB_QUANT: {
         sb_u32 w = trits ? sb_get_trit(codes, j) : sb_get_bits(codes, j * cb, cb);
@@ -619,7 +629,7 @@ __device__ __forceinline__ float sb_decode_element(const sb_decoder *D, long lon
             int mid = (lo + hi) >> 1;
             int idx = (int)sb_get_bits(codes, (D->first + mid) * cb, cb);
             if (idx == i) {
-                x = sb_bf16_value(D->half[D->first + mid]);
+                x = sb_bf16_value(sb_load_u16(D->half + 2 * (D->first + mid)));
                 break;
             }
             if (idx < i) lo = mid + 1;
@@ -826,30 +836,76 @@ sb_gather_kernel(int m, const long long *chunk_off, long long chunk, const long 
     for (long long y = lo + threadIdx.x; y < hi; y += blockDim.x) out[y] = src[y];
 }
 
-/* The top-k payloads of a gathered group: *bad = the lowest slot id (member * ranks + rank) of a payload with a
- * bucket whose local indices are out of range or not ascending (*bad starts at INT_MAX). One thread per bucket of
- * every top-k payload (bucket_off: over those payloads); run before decoding so a corrupt group writes nothing. */
-extern "C" __global__ void sb_group_check_topk_kernel(int slots, const long long *bucket_off,
-                                                      const long long *slot_id, const long long *addr,
-                                                      const long long *n, const long long *topk, int bucket,
-                                                      int *bad) {
-    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= bucket_off[slots]) return;
-    int s = sb_segment_of(bucket_off, slots, t);
-    if (!sb_topk_bucket_valid((const unsigned char *)addr[s], n[s], bucket, (int)topk[s], t - bucket_off[s]))
-        atomicMin(bad, (int)slot_id[s]);
+/* The receive side of a gathered group (docs/DESIGN.md, "The batched step"; cuda.py receive_group): two launches
+ * and no read back. error[0] and error[1] start at SB_NO_ERROR; the host reads them when the step closes. */
+#define SB_NO_ERROR 0x7fffffff
+
+__device__ __forceinline__ int sb_same_header(const unsigned char *a, const unsigned char *b) {
+    int same = 1;
+    for (int i = 0; i < 16; i++) same &= a[i] == b[i];
+    return same;
+}
+
+/* Where each of a gathered group's payloads starts and at which menu action, found on the device as
+ * kernels.locate_payloads finds it on the host. Buffer order is rank after rank, member after member (slot s =
+ * r * m + k); assumed[s] is where payload s starts if every rank sent its allocated action expected[s], row[s] its
+ * tensor's row of the tables (payload_bytes and headers, `nact` actions a row). Every thread checks headers at the
+ * assumed starts; from the first that differs (an escalated payload moves every later one) thread 0 reads header
+ * after header. Out, member-major (k * ranks + r): addr (the payload's address) and action. A buffer that is not
+ * the rows' menu payloads filling it exactly sets error[0] (the host finds what is wrong when the step closes)
+ * and the decode that follows writes nothing. One block. */
+extern "C" __global__ void __launch_bounds__(SB_THREADS)
+sb_group_locate_kernel(const unsigned char *buf, long long length, int m, int ranks, const long long *row,
+                       const long long *expected, const long long *assumed, int nact,
+                       const long long *payload_bytes, const unsigned char *headers, long long *addr,
+                       long long *action, int *error) {
+    __shared__ int first;
+    int slots = m * ranks;
+    if (threadIdx.x == 0) first = slots;
+    __syncthreads();
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+        long long at = assumed[s], cell = row[s] * nact + expected[s];
+        if (at + 16 > length || !sb_same_header(buf + at, headers + cell * 16)) atomicMin(&first, s);
+    }
+    __syncthreads();
+    int f = first;
+    for (int s = threadIdx.x; s < f; s += blockDim.x) {
+        long long slot = (long long)(s % m) * ranks + s / m;
+        addr[slot] = (long long)(buf + assumed[s]);
+        action[slot] = expected[s];
+    }
+    if (threadIdx.x != 0) return;
+    long long at = 0;
+    if (f < slots) at = assumed[f];
+    else if (slots) at = assumed[slots - 1] + payload_bytes[row[slots - 1] * nact + expected[slots - 1]];
+    for (int s = f; s < slots; s++) {
+        int a = -1;
+        for (int c = 0; c < nact && a < 0 && at + 16 <= length; c++)
+            if (sb_same_header(buf + at, headers + (row[s] * nact + c) * 16)) a = c;
+        if (a < 0) break;
+        long long slot = (long long)(s % m) * ranks + s / m;
+        addr[slot] = (long long)(buf + at);
+        action[slot] = a;
+        at += payload_bytes[row[s] * nact + a];
+        if (s == slots - 1) f = slots;
+    }
+    if (f < slots || at != length) error[0] = f < slots ? f : slots;
 }
 
 /* The rank-order sum of every bucket of every member of a gathered group, one block per bucket: member k's
- * payload from rank r at addr[k * ranks + r] (16-byte aligned), action[k * ranks + r]. Each element goes through
- * exactly the per-tensor sequence (sb_decode_kernel per rank, kernels.decode_group): own[k] < 0: rank 0 written,
- * ranks 1.. added; own[k] = r: out[k] holds rank r's values, the other ranks are added in rank order; the last
- * addition divides by `divisor`; nothing added: out divided after (IEEE division, as group.c). Every element is
- * read and written by the same thread for every rank, so no synchronization is needed between ranks. */
+ * payload from rank r at addr[k * ranks + r] (any alignment), action[k * ranks + r] (sb_group_locate_kernel).
+ * Each element goes through exactly the per-tensor sequence (sb_decode_kernel per rank, kernels.decode_group):
+ * own[k] < 0: rank 0 written, ranks 1.. added; own[k] = r: out[k] holds rank r's values, the other ranks are added
+ * in rank order; the last addition divides by `divisor`; nothing added: out divided after (IEEE division, as
+ * group.c). Every element is read and written by the same thread for every rank, so no synchronization is needed
+ * between ranks. Nothing is written when error[0] is set (the group was not located); a top-k bucket whose local
+ * indices are out of range or not ascending sets error[1] to the lowest such slot (the step fails at its close). */
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
 sb_group_decode_kernel(int m, int ranks, const long long *bucket_off, const long long *outp, const long long *n,
                        const long long *own, const long long *addr, const long long *action, int bucket,
-                       const int *kinds, const int *levels, const int *topks, const int *trits, float divisor) {
+                       const int *kinds, const int *levels, const int *topks, const int *trits, float divisor,
+                       int *error) {
+    if (error[0] != SB_NO_ERROR) return;
     int k = sb_segment_of(bucket_off, m, blockIdx.x);
     long long b = blockIdx.x - bucket_off[k], nk = n[k];
     long long j0 = b * (long long)bucket;
@@ -860,8 +916,10 @@ sb_group_decode_kernel(int m, int ranks, const long long *bucket_off, const long
         if (r == mine) continue;
         long long slot = (long long)k * ranks + r;
         int a = (int)action[slot];
-        sb_decoder D = sb_decoder_of((const unsigned char *)addr[slot], nk, bucket, kinds[a], levels[a], topks[a],
-                                     trits[a], b, len);
+        const unsigned char *payload = (const unsigned char *)addr[slot];
+        if (kinds[a] == SB_TOPK && threadIdx.x == 0 && !sb_topk_bucket_valid(payload, nk, bucket, topks[a], b))
+            atomicMin(error + 1, (int)(slot < SB_NO_ERROR - 1 ? slot : SB_NO_ERROR - 1));
+        sb_decoder D = sb_decoder_of(payload, nk, bucket, kinds[a], levels[a], topks[a], trits[a], b, len);
         int accumulate = mine >= 0 || r > 0;
         float d = accumulate && r == last ? divisor : 1.0f;
         for (int i = threadIdx.x; i < len; i += blockDim.x) {
