@@ -6,7 +6,9 @@ Backends, chosen by the device of ``e``:
   compiler is available, else the PyTorch reference (with one warning).
 * CUDA: the CuPy backend (``cuda_kernels.cu`` + ``safebits_math.h`` through NVRTC).
 
-All backends produce bit-identical ``out`` and ``e``; statistics agree to float64 rounding.
+All backends produce bit-identical ``out`` and ``e``; the C and CUDA backends' float64 statistics are
+bit-identical too (one summation order, ``SB_STAT_PARTIALS`` in ``safebits_math.h``), the reference's agree
+to float64 rounding.
 Statistics columns: ``[sum (q-v)^2, sum q*v, sum q^2, sum v^2]`` (see :data:`STAT_COLUMNS`).
 
 The packed wire format (:mod:`safebits_hvd.wire`): :func:`quantize_pack_ef` is the sending pass that writes the

@@ -10,8 +10,8 @@
  *
  * Every bucket is processed by one thread: pass 1 reads g and e into a bucket buffer (L1) and reduces max|v| or
  * the lane sums, pass 2 quantizes into `out`, pass 3 writes e = v - q and accumulates the float64 statistics in
- * SB_SUM_LANES lanes. Per-bucket statistics go to a scratch array that is summed in ascending bucket order, so
- * results do not depend on the thread count.
+ * the order both backends share (safebits_math.h, SB_STAT_PARTIALS). Per-bucket statistics go to a scratch array
+ * summed in that order too, so results depend neither on the thread count nor on the backend.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -397,38 +397,42 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
 typedef double sb_d4 __attribute__((vector_size(4 * sizeof(double))));
 typedef float sb_f4 __attribute__((vector_size(4 * sizeof(float))));
 
-/* acc[0..4) = [sum (q-v)^2, sum q v, sum q^2, sum v^2] in float64, lane-ordered: element j goes to lane
- * j % SB_SUM_LANES of each sum, then 0 + lane 0 + lane 1 + ... + lane 7. If e != NULL also e = v - q. The four
- * sums in one pass, as vectors of four lanes (a loop over the lanes the compiler does not keep in registers for
- * four sums at once). */
+/* The tree that ends a sum in the shared order (SB_STAT_PARTIALS): p[c][0] = the sum of the 4 columns' first
+ * `w` partials (those after them are +0.0, and adding +0.0 to a partial, never -0.0 since each starts at +0.0,
+ * changes nothing: those adds are skipped). */
+static void sb_stat_tree(double p[4][SB_STAT_PARTIALS], int w) {
+    for (int s = SB_STAT_PARTIALS / 2; s > 0; s >>= 1)
+        for (int c = 0; c < 4; c++)
+            for (int t = 0; t < s && t + s < w; t++) p[c][t] += p[c][t + s];
+}
+
+/* acc[0..4) = [sum (q-v)^2, sum q v, sum q^2, sum v^2] in float64 in the shared order (SB_STAT_PARTIALS): element
+ * i's terms go to partial i % SB_STAT_PARTIALS, the first from +0.0, then the tree. If e != NULL also e = v - q. */
 SB_CLONES void sb_bucket_stats(const float *restrict q, const float *restrict v, float *restrict e, int len,
                                double *acc) {
-    int i, l;
-    sb_d4 s[4][2] = {{{0}}};   /* s[sum][half]: lanes 0-3 and 4-7 */
+    double p[4][SB_STAT_PARTIALS];
+    int w = len < SB_STAT_PARTIALS ? len : SB_STAT_PARTIALS;
     if (e)
-        for (i = 0; i < len; i++) e[i] = v[i] - q[i];
-    for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
-        for (int h = 0; h < 2; h++) {
-            sb_f4 qf, vf;
-            memcpy(&qf, q + i + 4 * h, sizeof qf);
-            memcpy(&vf, v + i + 4 * h, sizeof vf);
-            sb_d4 qd = __builtin_convertvector(qf, sb_d4), vd = __builtin_convertvector(vf, sb_d4), d = qd - vd;
-            s[0][h] += d * d;
-            s[1][h] += qd * vd;
-            s[2][h] += qd * qd;
-            s[3][h] += vd * vd;
+        for (int i = 0; i < len; i++) e[i] = v[i] - q[i];
+    for (int t = 0; t < w; t++) {
+        double qd = (double)q[t], vd = (double)v[t], d = qd - vd;
+        p[0][t] = 0.0 + d * d;
+        p[1][t] = 0.0 + qd * vd;
+        p[2][t] = 0.0 + qd * qd;
+        p[3][t] = 0.0 + vd * vd;
+    }
+    for (int i0 = SB_STAT_PARTIALS; i0 < len; i0 += SB_STAT_PARTIALS) {
+        int n = len - i0 < SB_STAT_PARTIALS ? len - i0 : SB_STAT_PARTIALS;
+        for (int t = 0; t < n; t++) {
+            double qd = (double)q[i0 + t], vd = (double)v[i0 + t], d = qd - vd;
+            p[0][t] += d * d;
+            p[1][t] += qd * vd;
+            p[2][t] += qd * qd;
+            p[3][t] += vd * vd;
         }
-    for (l = 0; i + l < len; l++) {
-        double qd = (double)q[i + l], vd = (double)v[i + l], d = qd - vd;
-        s[0][l / 4][l % 4] += d * d;
-        s[1][l / 4][l % 4] += qd * vd;
-        s[2][l / 4][l % 4] += qd * qd;
-        s[3][l / 4][l % 4] += vd * vd;
     }
-    for (int k = 0; k < 4; k++) {
-        acc[k] = 0.0;
-        for (l = 0; l < SB_SUM_LANES; l++) acc[k] += s[k][l / 4][l % 4];
-    }
+    sb_stat_tree(p, w);
+    for (int k = 0; k < 4; k++) acc[k] = w ? p[k][0] : 0.0;
 }
 
 /* vb = g + e (or e when g is NULL). */
@@ -440,19 +444,17 @@ SB_CLONES void sb_load_v(const float *restrict g, const float *restrict e, float
         memcpy(vb, e, (size_t)len * sizeof(float));
 }
 
+/* res[0..4) = the sums over rows b < m of part[b * stride + 4 * col + 0..4), in the shared order
+ * (SB_STAT_PARTIALS; the CUDA backend's sb_segment_sum_kernel). */
 static void sb_sum_partials(const double *part, sb_i64 m, int stride, int col, double *res) {
-    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    for (sb_i64 b = 0; b < m; b++) {
-        const double *p = part + (size_t)b * stride + 4 * col;
-        a0 += p[0];
-        a1 += p[1];
-        a2 += p[2];
-        a3 += p[3];
-    }
-    res[0] = a0;
-    res[1] = a1;
-    res[2] = a2;
-    res[3] = a3;
+    double p[4][SB_STAT_PARTIALS];
+    int w = m < SB_STAT_PARTIALS ? (int)m : SB_STAT_PARTIALS;
+    for (int t = 0; t < w; t++)
+        for (int c = 0; c < 4; c++) p[c][t] = 0.0 + part[(size_t)t * stride + 4 * col + c];
+    for (sb_i64 b = w; b < m; b++)
+        for (int c = 0; c < 4; c++) p[c][b % SB_STAT_PARTIALS] += part[(size_t)b * stride + 4 * col + c];
+    sb_stat_tree(p, w);
+    for (int c = 0; c < 4; c++) res[c] = w ? p[c][0] : 0.0;
 }
 
 /* The fused sending pass. Returns 0, or -1 when out of memory. */

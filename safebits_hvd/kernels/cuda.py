@@ -171,7 +171,7 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
     args = (_ptr(g if g is not None else e), _ptr(e), _ptr(out), np.int32(g is not None), np.int64(n),
             np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _ptr(part))
     _launch("sb_quantize_ef_kernel", nb, args, e.device)
-    return part.sum(dim=0)
+    return _summed(part)[0]
 
 
 def _action_args(action: Action) -> tuple:
@@ -195,7 +195,7 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
             np.int32(g is not None), np.int32(sent is not None), np.int64(n),
             np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _ptr(part))
     _launch("sb_quantize_pack_ef_kernel", nb, args, e.device)
-    return part.sum(dim=0)
+    return _summed(part)[0]
 
 
 def decode(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool, name: str,
@@ -237,7 +237,17 @@ def screen(g: torch.Tensor | None, e: torch.Tensor, menu: Menu, key: int,
             np.int32(menu.bucket_size), _ptr(buckets), np.int32(len(menu)),
             *(_ptr(a) for a in _menu_arrays(menu, e.device)), np.uint32(key & 0xFFFFFFFF), _ptr(part))
     _launch("sb_screen_kernel", m * len(menu), args, e.device)
-    return part.sum(dim=0)
+    return _summed(part)
+
+
+def _summed(part: torch.Tensor) -> torch.Tensor:
+    """``part`` (rows, width, 4 float64) summed over its rows in the statistics' shared order
+    (``sb_segment_sum_kernel`` over one range; safebits_math.h, ``SB_STAT_PARTIALS``): bitwise the C backend's."""
+    rows, width = part.shape[0], part.numel() // (4 * part.shape[0])
+    out = torch.empty((width, 4), dtype=torch.float64, device=part.device)
+    _launch("sb_segment_sum_kernel", width, (_ptr(part), np.uint64(0), np.int64(rows), np.int32(width), _ptr(out)),
+            part.device)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- groups of tensors
@@ -342,9 +352,8 @@ def send_group(request: Any, tables: Any) -> Any:
     then ONE read back (``host.to_host``) of the verdicts, choices, offsets and statistics.
 
     Payloads and residuals are bitwise those of the per-tensor kernels (the same per-bucket device functions, keys
-    and arguments). The float64 sums are reduced per member in a fixed order (``sb_segment_sum_kernel``), which is
-    not torch's ``part.sum(dim=0)`` of :func:`screen` / :func:`quantize_pack_ef`: equal to float64 rounding, not
-    bitwise."""
+    and arguments), and so are the float64 sums, reduced per member in the statistics' shared order
+    (``sb_segment_sum_kernel``), bitwise the C backend's."""
     from . import GroupOutput, GroupSent
 
     device = request.residuals[0].device
@@ -384,7 +393,7 @@ def send_group(request: Any, tables: Any) -> Any:
             launch("sb_group_screen_kernel", int(pair_off[-1]) * nact,
                    (np.int32(m), _ptr(t["pair_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["n"]), _ptr(t["sample"]),
                     _ptr(t["key"]), _ptr(t["bad"]), np.int32(bucket), np.int32(nact), *menu_args, _ptr(part)))
-            launch("sb_segment_sum_kernel", m * nact, (_ptr(part), _ptr(t["pair_off"]), np.int32(nact),
+            launch("sb_segment_sum_kernel", m * nact, (_ptr(part), _ptr(t["pair_off"]), np.int64(0), np.int32(nact),
                                                        _ptr(screen_stats)))
         # The choice and the layout (offsets: a prefix sum of the chosen payloads' bytes), one block. It chooses by
         # the screen only when the screen ran (a group of empty members has no sums: the allocated actions, as C).
@@ -404,7 +413,8 @@ def send_group(request: Any, tables: Any) -> Any:
                        (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["sent"]), _ptr(t["n"]),
                         _ptr(t["key"]), _ptr(r["chosen"]), _ptr(t["stage_addr"]), np.int32(bucket), *menu_args,
                         _ptr(part)))
-                launch("sb_segment_sum_kernel", m, (_ptr(part), _ptr(t["bucket_off"]), np.int32(1), _ptr(stats)))
+                launch("sb_segment_sum_kernel", m, (_ptr(part), _ptr(t["bucket_off"]), np.int64(0), np.int32(1),
+                                                    _ptr(stats)))
             if request.output == GroupOutput.PAYLOAD and gather_off[-1]:
                 launch("sb_gather_kernel", int(gather_off[-1]),
                        (np.int32(m), _ptr(t["gather_off"]), np.int64(GATHER_CHUNK), _ptr(r["offsets"]),

@@ -15,7 +15,7 @@
  * codes (trits: digit * 3^i added, a byte never exceeds 242, so no carry) assembled in shared memory, then stored
  * as 32-bit words counted from the 16-byte-aligned payload start (sb_codes_begin). sb_decode_kernel reads them back (one block per bucket).
  */
-#define SB_THREADS 256
+#define SB_THREADS SB_STAT_PARTIALS /* a block sums the statistics in the shared order */
 
 struct sb_block_params {
     float scale;     /* QUANT: max|v|; SIGN: mean|v|; LLOYD_MAX: the chosen multiple of the RMS */
@@ -717,17 +717,18 @@ sb_group_screen_kernel(int m, const long long *pair_off, const long long *gp, co
                      kinds[a], levels[a], stochastic[a], topks[a], trits[a], (unsigned int)keys[k], dst, &S);
 }
 
-/* out[s * width + w] = the sum over rows p in [seg_off[s], seg_off[s + 1]) of part[p * width + w] (4 doubles
- * each), one block per (s, w): each thread adds its rows (p = start + tid, + SB_THREADS, ...) in order, then the
- * fixed tree of sb_block_stats. Deterministic, but NOT the order of torch's part.sum(dim=0) that the per-tensor
- * kernels use: the two agree to float64 rounding, not bitwise. An empty range gives zeros. */
+/* out[s * width + w] = the sum over rows p in [seg_off[s], seg_off[s + 1]) (seg_off NULL: one range, [0, rows))
+ * of part[p * width + w] (4 doubles each), one block per (s, w), in the statistics' shared order
+ * (safebits_math.h, SB_STAT_PARTIALS): each thread adds its rows (p = start + tid, + SB_THREADS, ...) in order, then
+ * the tree of sb_block_stats; bitwise the C backend's sb_sum_partials. An empty range gives zeros. */
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
-sb_segment_sum_kernel(const double *part, const long long *seg_off, int width, double *out) {
+sb_segment_sum_kernel(const double *part, const long long *seg_off, long long rows, int width, double *out) {
     __shared__ double sh[4 * SB_THREADS];
     long long s = blockIdx.x / width;
     int w = (int)(blockIdx.x % width);
+    long long lo = seg_off ? seg_off[s] : 0, hi = seg_off ? seg_off[s + 1] : rows;
     double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-    for (long long p = seg_off[s] + threadIdx.x; p < seg_off[s + 1]; p += blockDim.x) {
+    for (long long p = lo + threadIdx.x; p < hi; p += blockDim.x) {
         const double *row = part + (p * width + w) * 4;
         a0 += row[0];
         a1 += row[1];

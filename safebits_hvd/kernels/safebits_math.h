@@ -39,6 +39,14 @@ typedef int64_t sb_i64;
  * bucket (local index) is added, in index order, to lane i % SB_SUM_LANES; lanes are then added 0, 1, ..., 7. */
 #define SB_SUM_LANES 8
 
+/* The order of the float64 statistics (STAT_COLUMNS), the same in both backends so that CPU and GPU screen and
+ * escalate alike at the margin: a sum of terms x_0, x_1, ... (a bucket's elements; a tensor's buckets' sums) adds
+ * x_i, in index order, to partial i % SB_STAT_PARTIALS, each partial starting at +0.0; then, for s =
+ * SB_STAT_PARTIALS / 2, ..., 2, 1, partial t += partial t + s for every t < s; the sum is partial 0. A CUDA block of
+ * SB_STAT_PARTIALS threads sums this way (thread t takes elements t, t + 256, ...; then a tree in shared memory);
+ * the C backend does the same adds in the same order (cpu.c, sb_bucket_stats and sb_sum_partials). */
+#define SB_STAT_PARTIALS 256
+
 SB_HD sb_u32 sb_f2u(float x) {
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
     return (sb_u32)__float_as_uint(x);
