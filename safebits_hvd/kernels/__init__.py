@@ -505,8 +505,8 @@ def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarr
     the buffer is read back once and the same comparison finds, in buffer order, the first payload that is not at
     its assumed action (a rank escalated it, or the buffer is corrupt); its header says its action (one of its
     row's menu actions, else :class:`~.wire.WireFormatError` names what is wrong), which moves every later
-    payload, and the comparison goes on from there. ``data``: the buffer's bytes, when the host has them already
-    (nothing is read back then)."""
+    payload, and the comparison goes on from there (on the CPU at once: the buffer is the host's). ``data``: the
+    buffer's bytes, when the host has them already (nothing is read back then)."""
     m, ranks = rows.shape
     sizes = tables.payload_bytes[rows, expected[:, None]]                       # [member, rank]
     starts = np.zeros_like(sizes)
@@ -514,7 +514,7 @@ def locate_payloads(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarr
     parts = sizes.sum(axis=0)
     part_start = np.concatenate([[0], np.cumsum(parts)[:-1]]).astype(np.int64)
     offsets = starts + part_start[None, :]
-    if data is None and gathered.numel() == int(parts.sum()):
+    if data is None and gathered.device.type != "cpu" and gathered.numel() == int(parts.sum()):
         # Where each header is and which table header it must be: one upload; the tables are on the device once.
         t = host.upload(gathered.device, {"start": offsets.T, "header": rows.T * tables.actions + expected[None, :]})
         headers = tables.on_device(gathered.device)[1].view(-1, wire.HEADER_BYTES)
