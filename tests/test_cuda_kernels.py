@@ -361,6 +361,47 @@ def test_cuda_decode_group_reads_back_once_and_names_an_invalid_topk_payload():
     assert host.reads() - before == 1
 
 
+@gpu
+@needs_gpu
+def test_cuda_receive_group_locates_and_decodes_without_a_read_and_names_what_is_wrong_at_close():
+    """A gathered group with escalated payloads, received on the GPU (locate and decode kernels): bitwise the C
+    backend's sums with no read back; a corrupt header: nothing decoded, the host's error from the verdict."""
+    from .test_collectives import _gathered_group
+
+    menu = sb.DEFAULT_MENU
+    gen = np.random.default_rng(5)
+    sizes = [int(n) for n in gen.integers(1, 5000, 40)]
+    tables = K.GroupTables(menu, np.array(sizes), BudgetPolicy(menu, np.array(sizes), 0.5, 0.7).cost_order)
+    expected = gen.integers(0, len(menu), len(sizes))
+    sent = np.repeat(expected[:, None], 2, axis=1)
+    sent[[3, 17, 30], [1, 0, 1]] = (sent[[3, 17, 30], [1, 0, 1]] + 1) % len(menu)
+    gathered, offsets = _gathered_group(sizes, sent, 5)
+    rows, names = np.repeat(np.arange(len(sizes))[:, None], 2, axis=1), [f"t{k}" for k in range(len(sizes))]
+    own = np.full(len(sizes), -1)
+    want = [torch.empty(n) for n in sizes]
+    K.receive_group(gathered, rows, expected, want, own, tables, names, "g", 2.0, torch.empty(2, dtype=torch.int32))
+    got = [torch.full((n,), 7.0, device="cuda") for n in sizes]
+    verdict = torch.full((2,), K.NO_ERROR, dtype=torch.int32, device="cuda")
+    before = host.reads()
+    assert K.receive_group(gathered.cuda(), rows, expected, got, own, tables, names, "g", 2.0, verdict)
+    assert host.reads() == before
+    assert np.all(verdict.cpu().numpy() == K.NO_ERROR)
+    for k in range(len(sizes)):
+        assert torch.equal(bits(got[k].cpu()), bits(want[k])), k
+    corrupt = gathered.clone()
+    corrupt[int(offsets[21, 1]) + 3] ^= 0x40
+    with pytest.raises(WireFormatError) as on_host:
+        K.receive_group(corrupt, rows, expected, want, own, tables, names, "g", 2.0, torch.empty(2, dtype=torch.int32))
+    got = [torch.full((n,), 7.0, device="cuda") for n in sizes]
+    verdict.fill_(K.NO_ERROR)
+    K.receive_group(corrupt.cuda(), rows, expected, got, own, tables, names, "g", 2.0, verdict)
+    found = verdict.cpu().numpy()
+    assert found[0] != K.NO_ERROR and all(bool(torch.all(t == 7.0)) for t in got)
+    with pytest.raises(WireFormatError) as at_close:
+        K.raise_received_error(found, corrupt.cuda(), rows, expected, tables, names, "g")
+    assert str(at_close.value) == str(on_host.value)
+
+
 def _compressor_steps(device: str, collective: str, steps: int = 3):
     """A SafeBits compressor in one process on ``device``: per step the values ``decompress`` returns (on the host)
     and the reads back of the step, with the step records."""
