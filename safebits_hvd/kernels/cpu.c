@@ -401,9 +401,11 @@ typedef float sb_f4 __attribute__((vector_size(4 * sizeof(float))));
  * `w` partials (those after them are +0.0, and adding +0.0 to a partial, never -0.0 since each starts at +0.0,
  * changes nothing: those adds are skipped). */
 static void sb_stat_tree(double p[4][SB_STAT_PARTIALS], int w) {
-    for (int s = SB_STAT_PARTIALS / 2; s > 0; s >>= 1)
+    for (int s = SB_STAT_PARTIALS / 2; s > 0; s >>= 1) {
+        int pairs = w - s < s ? w - s : s; /* t < s with t + s < w: a bound the compiler can vectorize */
         for (int c = 0; c < 4; c++)
-            for (int t = 0; t < s && t + s < w; t++) p[c][t] += p[c][t + s];
+            for (int t = 0; t < pairs; t++) p[c][t] += p[c][t + s];
+    }
 }
 
 /* acc[0..4) = [sum (q-v)^2, sum q v, sum q^2, sum v^2] in float64 in the shared order (SB_STAT_PARTIALS): element
