@@ -493,7 +493,7 @@ def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[
     return subprocess.run(list(cmd), capture_output=True, text=True, check=check)
 
 
-def _in_ns(ns: str, *cmd: str) -> list[str]:
+def in_namespace(ns: str, *cmd: str) -> list[str]:
     return ["ip", "netns", "exec", ns, *cmd]
 
 
@@ -508,16 +508,16 @@ def delete_namespace(ns: str) -> None:
 
 def configure_link(ns: str, rate_bps: int | None) -> str:
     """Loopback up; tbf at ``rate_bps`` or no qdisc at all (unlimited). Returns ``tc qdisc show`` of ``lo``."""
-    _run(_in_ns(ns, "ip", "link", "set", "lo", "up"))
+    _run(in_namespace(ns, "ip", "link", "set", "lo", "up"))
     if rate_bps is None:
-        _run(_in_ns(ns, "tc", "qdisc", "del", "dev", "lo", "root"), check=False)   # none there is fine
+        _run(in_namespace(ns, "tc", "qdisc", "del", "dev", "lo", "root"), check=False)   # none there is fine
     else:
-        _run(_in_ns(ns, *tbf_command(rate_bps)))
-    return _run(_in_ns(ns, "tc", "qdisc", "show", "dev", "lo")).stdout.strip()
+        _run(in_namespace(ns, *tbf_command(rate_bps)))
+    return _run(in_namespace(ns, "tc", "qdisc", "show", "dev", "lo")).stdout.strip()
 
 
 def qdisc_stats(ns: str) -> str:
-    return _run(_in_ns(ns, "tc", "-s", "qdisc", "show", "dev", "lo"), check=False).stdout.strip()
+    return _run(in_namespace(ns, "tc", "-s", "qdisc", "show", "dev", "lo"), check=False).stdout.strip()
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -695,11 +695,11 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         try:
             raw: dict[str, Any] = {"cases": []}
             if args.compressors:
-                horovodrun(2, *HVD_WORKER, "link", *worker_args(args, raw_path), prefix=_in_ns(ns),
+                horovodrun(2, *HVD_WORKER, "link", *worker_args(args, raw_path), prefix=in_namespace(ns),
                            env=launch_env(args, horovod=True), timeout=args.timeout, on_line=_progress)
                 raw = read_raw(raw_path)
             if args.ddp_compressors and ddp_models(args):
-                torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path), prefix=_in_ns(ns),
+                torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path), prefix=in_namespace(ns),
                          env=launch_env(args, horovod=False), timeout=args.timeout, on_line=_progress)
                 raw["cases"] += read_raw(raw_path)["cases"]
         except LaunchError as exc:
@@ -715,7 +715,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
         configure_link(ns, None)
         raw_path = os.path.join(args.out_dir, ".link_raw_quality.json")
         try:
-            torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path, quality=True), prefix=_in_ns(ns),
+            torchrun(2, *DDP_WORKER, *ddp_worker_args(args, raw_path, quality=True), prefix=in_namespace(ns),
                      env=launch_env(args, horovod=False), timeout=args.timeout, on_line=_progress)
             quality = read_raw(raw_path)["cases"]
         except LaunchError as exc:
@@ -786,7 +786,7 @@ def _changing_link(args: argparse.Namespace, ns: str) -> int:
         changer.start()
         try:
             runner(2, *module, *arguments(raw_path), "--step-file", step_file,
-                   prefix=_in_ns(ns), env=launch_env(args, horovod=runner is horovodrun), timeout=args.timeout,
+                   prefix=in_namespace(ns), env=launch_env(args, horovod=runner is horovodrun), timeout=args.timeout,
                    on_line=_progress)
         except LaunchError as exc:
             print(f"[link] changing-link launch failed: {exc}", file=sys.stderr)

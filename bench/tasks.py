@@ -22,6 +22,9 @@ The demo's tasks (:func:`make_task`: data, model, optimizer, learning-rate sched
 * ``bytes_lm``: a byte-level causal transformer on CPython standard-library sources found on this machine
   (Adam); metric: validation bits per byte.
 * ``bytes_lm_large``: the same LM at width 256 (1.2M parameters) on about 2 MB of the same sources.
+
+The race's text task (:class:`TextGPT`, ``bench.race``): the GPT-2-shaped decoder at 4 layers of width 192 over bytes
+(1,853,568 parameters in 52 tensors) on about 2 MB of the same sources, AdamW with warm-up and cosine decay.
 """
 
 from __future__ import annotations
@@ -401,3 +404,58 @@ class Workload:
                 "image_size": self.image_size if self.name == "resnet18" else None,
                 "seq_len": self.gpt.context if self.name == "gpt2_small" else None,
                 "vocab": self.gpt.vocab if self.name == "gpt2_small" else None}
+
+
+class TextGPT:
+    """The race's text task: :class:`GPT2` (4 layers, width 192, 4 heads, byte vocabulary, context 128) trained on
+    CPython's sources (:func:`corpus_files`, about 2 MB, 90% for training) with AdamW, a linear warm-up over the
+    first tenth of the steps, then cosine decay to zero; ``batch`` windows of 129 bytes per rank and step.
+    Validation: the mean next-byte cross-entropy (nats per byte) over 64 fixed windows of the held-out tenth. The
+    same methods as :class:`Task` (``model``, ``optimizer``, ``set_lr``, ``batch_loss``, ``evaluate``)."""
+
+    name = "gpt2_text"
+    metric_name = "val_bits_per_byte"
+    CONFIG = GPTConfig(layers=4, width=192, heads=4, vocab=256, context=128, mlp=768)
+    CORPUS_BYTES = 2_000_000
+
+    def __init__(self, steps: int, batch: int = 8, lr: float = 1e-3, weight_decay: float = 0.01) -> None:
+        self.steps, self.batch, self.lr, self.weight_decay = steps, batch, lr, weight_decay
+        self.warmup = max(1, steps // 10)
+        self.corpus_files = corpus_files(self.CORPUS_BYTES)
+        data = load_corpus(self.corpus_files)
+        split = int(len(data) * 0.9)
+        self.train_bytes, self.val_bytes = data[:split], data[split:]
+        window = self.CONFIG.context + 1
+        starts = torch.linspace(0, len(self.val_bytes) - window - 1, 64).long()
+        self.val_windows = torch.stack([self.val_bytes[s:s + window] for s in starts])
+
+    def model(self) -> torch.nn.Module:
+        return GPT2(self.CONFIG)
+
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def set_lr(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr_at(step)
+
+    def batch_loss(self, model: torch.nn.Module, gen: torch.Generator) -> torch.Tensor:
+        window = self.CONFIG.context + 1
+        starts = torch.randint(len(self.train_bytes) - window, (self.batch,), generator=gen)
+        return next_token_loss(model, torch.stack([self.train_bytes[s:s + window] for s in starts]))
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(validation loss in nats per byte, the same in bits per byte)."""
+        model.eval()
+        try:
+            loss = float(next_token_loss(model, self.val_windows))
+            return loss, loss / math.log(2)
+        finally:
+            model.train()
