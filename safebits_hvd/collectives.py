@@ -337,9 +337,12 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self._marker: tuple[torch.Tensor, int, str] | None = None     # expect_at_close
 
     def begin(self, step: int, transport: PayloadTransport) -> None:
-        """A new step: collectives of the last one that nobody waited for are completed and dropped."""
+        """A new step: collectives of the last one that nobody waited for are completed and dropped; what it decoded
+        on the device is checked now if its last group never was (a front end left some group unasked)."""
         for handle in self._handles.values():
             self.transport.wait(handle)
+        self._handles.clear()
+        self._check_received()
         super().begin(step, transport)
         self.step = step
         # A front end's groups of the last step stay indexed: one that groups alike again reuses them.

@@ -297,6 +297,28 @@ def test_op_factor() -> None:
         op_factor(torch.zeros(1), 2)
 
 
+def test_the_op_is_read_once_and_a_marker_that_comes_back_changed_fails_its_step() -> None:
+    """Horovod's reduced marker is read at the first step only; a later step whose marker has other bits (another
+    op) fails when its last group is decoded, in the read of what was received, before the optimizer steps."""
+    params = many_tensor_params()
+    compressor = sb.SafeBits(params, budget_bits=4.4, collective="allgather")
+    for step in range(3):
+        random_grads(params, step)
+        pending = [compressor.compress(p.grad) for _, p in reversed(params)]
+        before = host.reads()
+        marker = torch.full((1,), 2.0) if step == 2 else torch.ones(1)
+        if step < 2:
+            for _, ctx in pending:
+                compressor.decompress(marker, ctx)
+            groups = len(collectives.fusion_groups(compressor.numels))
+            # On the CPU a header check per group, and the marker: read at the first step, checked in one read after.
+            assert host.reads() - before == groups + 1, step
+            continue
+        with pytest.raises(ValueError, match="another op than earlier steps'"):
+            for _, ctx in pending:
+                compressor.decompress(marker, ctx)
+
+
 @pytest.mark.parametrize(("bits", "ranks", "expected"), [
     (4.4, 1, "dense"), (4.4, 2, "allgather"), (31.9, 2, "allgather"), (32.0, 2, "dense"), (4.4, 3, "two_phase"),
     (4.4, 1024, "two_phase"), (32.0, 8, "dense")])

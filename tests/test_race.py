@@ -1,0 +1,88 @@
+"""bench.race's figures from recorded curves (target, time to target, the tables), its arguments, and the race's
+text task (no launch: ``ddp_tests`` runs the worker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from bench import race
+from bench.tasks import TextGPT, model_facts
+
+
+def curve(*losses: float, every: int = 10, seconds_per_step: float = 0.5) -> list[list[float]]:
+    return [[k * every, k * every * seconds_per_step, loss] for k, loss in enumerate(losses)]
+
+
+def case(compressor: str, losses: tuple[float, ...], seed: int = 0, rate: str = "1gbit",
+         **extra: Any) -> dict[str, Any]:
+    points = curve(*losses)
+    return {"compressor": compressor, "task": "gpt2_text", "seed": seed, "rate": rate, "steps": points[-1][0],
+            "curve": points, "final_loss": points[-1][2], "train_seconds": points[-1][1], "budgets": [],
+            "parameters": 1000, "tensors": 4, **extra}
+
+
+def test_the_target_is_the_reference_loss_at_three_quarters_of_its_steps() -> None:
+    points = curve(5.0, 4.0, 3.0, 2.5, 2.0)        # steps 0, 10, 20, 30, 40
+    assert race.target_of(points, 40) == 2.5        # the first evaluation at or after step 30
+    assert race.target_of(points, 40, at=0.5) == 3.0
+    with pytest.raises(ValueError):
+        race.target_of(points, 80)
+
+
+def test_time_to_target_interpolates_between_the_evaluations_around_the_crossing() -> None:
+    points = curve(5.0, 4.0, 3.0, 2.0)              # seconds 0, 5, 10, 15
+    assert race.time_to(points, 3.0) == 10.0
+    assert race.time_to(points, 2.5) == pytest.approx(12.5)
+    assert race.time_to(points, 6.0) == 0.0
+    assert race.time_to(points, 1.9) is None
+    assert race.time_to(curve(5.0, 3.0, 4.0, 2.9), 3.5) == pytest.approx(3.75)   # the first crossing counts
+
+
+def test_every_case_is_timed_against_its_own_task_seed_and_link_reference() -> None:
+    cases = [case("ddp:none", (5.0, 4.0, 3.0, 2.5, 2.0)), case("ddp:safebits@4.4", (5.0, 3.5, 2.5, 2.2, 2.1)),
+             case("ddp:none", (5.0, 4.5, 4.0, 3.5, 3.0), seed=1), case("ddp:safebits@2", (5.0, 4.9, 4.8, 4.7, 4.6)),
+             case("none", (9.0, 8.0, 7.0, 6.0, 5.0), rate="100mbit"),
+             case("safebits@4.4", (9.0, 7.0, 6.0, 5.5, 5.0), rate="100mbit")]
+    rows = race.summarize(cases)
+    assert [row["target"] for row in rows] == [2.5, 2.5, 3.5, 2.5, 6.0, 6.0]
+    assert rows[0]["time_to_target"] == 15.0 and rows[1]["time_to_target"] == 10.0
+    assert rows[3]["time_to_target"] is None
+    assert rows[5]["time_to_target"] == 10.0
+    text = race.tables(rows)
+    assert "| ddp:safebits@4.4 | **10** (10) | 2.1000 ± 0.0000 |" in text
+    assert "| ddp:safebits@2 | never (never) |" in text
+
+
+def test_ddp_none_is_the_reference_where_both_front_ends_ran() -> None:
+    rows = race.summarize([case("none", (5.0, 4.0, 3.0, 2.0, 1.0)), case("ddp:none", (5.0, 4.5, 4.0, 3.5, 3.0))])
+    assert [row["target"] for row in rows] == [3.5, 3.5]
+
+
+def test_auto_s_budgets_are_listed_in_runs() -> None:
+    assert race.budget_runs([32.0, 32.0, 4.4, 4.4, 4.4, 2.0]) == "32 x2, 4.4 x3, 2 x1"
+    rows = race.summarize([case("ddp:none", (5.0, 4.0, 3.0, 2.5, 2.0)),
+                           case("ddp:safebits@auto", (5.0, 4.0, 3.0, 2.5, 2.0), budgets=[32.0, 2.0, 2.0])])
+    assert "`ddp:safebits@auto` at 1gbit: seed 0: 32 x1, 2 x2" in race.tables(rows)
+
+
+def test_the_arguments_are_checked() -> None:
+    assert race.parse_args([]).rates == race.RATES
+    for wrong in (["--rates", "fast"], ["--ddp-compressors", "none"], ["--compressors", "ddp:none"],
+                  ["--tasks", "resnet18"]):
+        with pytest.raises((SystemExit, ValueError)):
+            race.parse_args(wrong)
+
+
+def test_the_text_task_is_the_issue_s_gpt_on_cpython_bytes() -> None:
+    task = TextGPT(steps=100)
+    model = task.model()
+    assert model_facts(model) == {"parameters": 1_853_568, "tensors": 52}
+    gen = torch.Generator().manual_seed(0)
+    loss = task.batch_loss(model, gen)
+    assert loss.shape == () and 5.0 < float(loss) < 6.0            # about ln 256 at initialization
+    assert task.evaluate(model)[0] == pytest.approx(task.evaluate(model)[0])
+    assert task.lr_at(0) == pytest.approx(task.lr / task.warmup) and task.lr_at(task.warmup - 1) == task.lr
+    assert task.lr_at(99) < 0.01 * task.lr
