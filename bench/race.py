@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bench import specs
-from bench.link import configure_link, delete_namespace, in_namespace, parse_rate
+from bench.link import budget_runs, configure_link, delete_namespace, in_namespace, parse_rate
 from bench.protocol import PIN_ENV
 
 WORKER = ("-m", "bench.race_worker")
@@ -87,17 +87,6 @@ def summarize(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({**case, "target": target,
                      "time_to_target": time_to(case["curve"], target) if target is not None else None})
     return rows
-
-
-def budget_runs(budgets: Sequence[float]) -> str:
-    """``32 x20, 4.4 x180``: the budgets a run's steps took, in runs."""
-    runs: list[list[Any]] = []
-    for bits in budgets:
-        if runs and runs[-1][0] == bits:
-            runs[-1][1] += 1
-        else:
-            runs.append([bits, 1])
-    return ", ".join(f"{bits:g} x{count}" for bits, count in runs)
 
 
 def _mean(values: Sequence[float]) -> float:
