@@ -93,7 +93,7 @@ def run_case(front: FrontEnd, task: Any, spec: specs.Spec, case_id: int, seed: i
     curve = [(0, 0.0, task.evaluate(model)[0])]
     has_tx = os.path.exists(TX_BYTES)
     front.barrier(f"{case_id}.start")
-    tx_before, seconds, budgets = read_tx_bytes() if has_tx else 0, 0.0, []
+    tx_before, seconds, budgets, quality = read_tx_bytes() if has_tx else 0, 0.0, [], {}
     for step in range(steps):
         task.set_lr(optimizer, step)
         start = time.perf_counter()
@@ -107,11 +107,18 @@ def run_case(front: FrontEnd, task: Any, spec: specs.Spec, case_id: int, seed: i
     front.barrier(f"{case_id}.end")
     tx_bytes = read_tx_bytes() - tx_before if has_tx else None
     if safebits is not None:
+        history = safebits.history
         budgets = [round(record.budget_bits_total / sum(p.numel() for p in model.parameters()), 3)
-                   for record in safebits.history]
+                   for record in history]
+        # What auto weighed (docs/DESIGN.md, "Quality"): per step the sampling noise and the error sent, and the
+        # errors the last compressed step predicted per budget.
+        predicted = [record.budget_errors for record in history if record.budget_errors]
+        quality = {"gradient_noise": [record.gradient_noise for record in history],
+                   "compression_error": [record.compression_error for record in history],
+                   "budget_errors": predicted[-1] if predicted else {}}
     return {"compressor": spec.text, "case": case_id, "seed": seed, "steps": steps, "train_seconds": seconds,
             "curve": curve, "final_loss": curve[-1][2], "loopback_bytes": tx_bytes, "budgets": budgets,
-            **model_facts(model)}
+            "quality": quality, **model_facts(model)}
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import math
 import statistics
 from typing import Any
 
+from .quality import ERROR_TO_NOISE, Noise, QualityGate
 from .schedules import positive_bits
 
 PASS_THROUGH_BITS = 32.0
@@ -365,7 +366,7 @@ class Auto:
 
     def __init__(self, min_bits: float = 2.0, max_bits: float = PASS_THROUGH_BITS, tolerance: float = 0.03,
                  probe_every: int = 50, change: float = 0.15, prune: float = 0.1,
-                 warm_start: int = AUTO_WARM_START) -> None:
+                 warm_start: int = AUTO_WARM_START, error_to_noise: float = ERROR_TO_NOISE) -> None:
         self.min_bits, self.max_bits = positive_bits("min_bits", min_bits), positive_bits("max_bits", max_bits)
         if self.min_bits > self.max_bits:
             raise ValueError(f"min_bits ({min_bits}) must be <= max_bits ({max_bits})")
@@ -382,6 +383,7 @@ class Auto:
         self.candidates = sorted({self.min_bits, self.max_bits, *candidates})
         self.tolerance, self.probe_every, self.change, self.prune = tolerance, probe_every, change, prune
         self.model = SpanModel(self.candidates, change)      # steps 1, 2 and 5 (checkpointed)
+        self.quality = QualityGate(error_to_noise)           # step 0: the budgets quality allows (checkpointed)
         # Also checkpointed: the budget of each recent step (its telemetry arrives after it) and the last step whose
         # telemetry arrived; the hold in progress (budget, steps left).
         self.chosen: dict[int, float] = {}
@@ -397,6 +399,18 @@ class Auto:
             del self.chosen[old]
         if bits is not None and previous is not None and not self._cold(step, bits):
             self.model.observe(step, bits, previous, timing)
+
+    def observe_quality(self, step: int, noise: Noise, predicted: dict[float, float]) -> None:
+        """Step ``step``'s quality figures (:mod:`.quality`, reduced over ranks): the sampling noise of the step
+        before (NaN where not measured) and the compression error its screen predicts per candidate budget (empty
+        after a pass-through)."""
+        self.quality.observe(noise, predicted)
+
+    def allowed(self) -> list[float]:
+        """0. The candidates whose compression error stays within ``error_to_noise`` of the sampling noise
+        (:class:`~.quality.QualityGate`); the most bits if none does."""
+        allowed = [b for b in self.candidates if self.quality.allows(b)]
+        return allowed or [max(self.candidates)]
 
     def estimate(self, bits: float) -> float | None:
         """The candidate's measured span (the median of its last spans), None if it has none."""
@@ -440,6 +454,7 @@ class Auto:
 
     def _choose(self, step: int) -> float:
         model = self.model
+        allowed = self.allowed()
         for bits in self.candidates:
             # Measured at another link rate: if the model says the rate moves its span by more than ``change``,
             # the measurement no longer holds; but not an uncompressed step's on a rate seen through compressed
@@ -453,9 +468,9 @@ class Auto:
                 model.drop(bits)
         spread = model.spread()
         known = {b: (e, AUTO_MAD_TO_SE * spread / math.sqrt(len(model.spans[b])))
-                 for b in self.candidates if (e := model.estimate(b)) is not None}
+                 for b in allowed if (e := model.estimate(b)) is not None}
         pending = {b for s, b in self.chosen.items() if self.observed < s < step}      # telemetry not in yet
-        unmeasured = [b for b in self.candidates if b not in known]
+        unmeasured = [b for b in allowed if b not in known]
         predicted = {b: model.predict(b) for b in unmeasured}
         if any(p is None for p in predicted.values()):           # nothing to predict from yet
             waiting = [b for b in unmeasured if b in pending]
@@ -486,7 +501,7 @@ class Auto:
                 hoped[b] = (bound, 0.0)
         # A pass-through measured only while the run warmed up is measured again before any other budget is probed:
         # a span from those slow steps makes every compressed budget look closer than it is.
-        again = self._measure_again(known, pending)
+        again = self._measure_again(known, pending, allowed)
         if again is not None:
             return again
         if hoped:
@@ -512,7 +527,8 @@ class Auto:
                 return stalest
         return choice
 
-    def _measure_again(self, known: dict[float, tuple[float, float]], pending: set[float]) -> float | None:
+    def _measure_again(self, known: dict[float, tuple[float, float]], pending: set[float],
+                       allowed: list[float]) -> float | None:
         """3 (a): once a compressed budget is the choice with three spans, a candidate measured only while the run
         warmed up, unless its step was warm already, its slow compute does not explain its loss, or it is estimated far
         slower than the choice; None if there is none."""
@@ -523,7 +539,7 @@ class Auto:
         now = known[choice][0]
         compute_now = own_compute(model.scaled(choice))
         for b in sorted(model.figures, reverse=True):
-            if model.measured_at[b] >= AUTO_WARM_AFTER or b in pending:
+            if model.measured_at[b] >= AUTO_WARM_AFTER or b in pending or b not in allowed:
                 continue
             figures = model.scaled(b)
             early = figures["span_s"]
@@ -543,7 +559,7 @@ class Auto:
     def state_dict(self) -> dict[str, Any]:
         return {**self.model.state_dict(), "chosen": {str(s): b for s, b in self.chosen.items()},
                 "observed": self.observed, "probe": list(self.probe or []),
-                "compressing_since": self.compressing_since}
+                "compressing_since": self.compressing_since, "quality": self.quality.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state)
@@ -552,6 +568,7 @@ class Auto:
         self.probe = (float(state["probe"][0]), int(state["probe"][1])) if state["probe"] else None
         since = state.get("compressing_since")            # absent from checkpoints before AUTO_COLD: warm by then
         self.compressing_since = None if since is None else int(since)
+        self.quality.load_state_dict(state.get("quality", {}))      # absent before the quality gate: none known
 
     def __repr__(self) -> str:
         return f"Auto(min_bits={self.min_bits:g}, max_bits={self.max_bits:g})"

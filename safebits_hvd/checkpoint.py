@@ -118,6 +118,7 @@ def load(core: SafeBitsCore, state: dict[str, Any]) -> None:
         raise RuntimeError("load_state_dict() must be called between steps")
     core.finish()              # the last step's exchange, in flight until the next begin: its results are replaced
     core.memory.load_state_dict(state["residuals"])
+    core.noise.reset()                  # the norms measured before belong to the steps undone
     core.two_phase.load_state_dict(state.get("second_hop_residuals", {}), second_hop_ranges(state))
     if core.two_phase.configured_for is not None:     # check the residuals against this world's segments now
         core.two_phase.configure(core.two_phase.configured_for, core.memory if core.error_feedback else None)

@@ -16,6 +16,7 @@ at the front end's last reduced tensor of that step, and finishes it at the next
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -25,6 +26,7 @@ from .allocator import Allocation
 from .clock import StepClock, timing_record
 from .exchange import StatisticsExchange, check_agreement
 from .policy import BudgetPolicy
+from .quality import Noise, NoiseMeter, budget_errors, noise_values, sampling_noise, sent_error
 from .statistics import StatisticsLayout, StepStatistics
 from .telemetry import StepLog
 
@@ -64,6 +66,14 @@ class StepClosing:
         self.complete_second_hop = complete_second_hop     # waits for a step's two-phase second hop: its bytes
         self.observe_timing: Callable[[int, dict[str, float]], None] | None = getattr(schedule, "observe_timing",
                                                                                       None)
+        # A schedule that weighs quality (budget_bits="auto") reads the gradient's sampling noise, from the norms
+        # of each rank's gradients and of the reduced ones (``noise``, which the core feeds), and the error each of
+        # its candidate budgets would add (quality.py).
+        self.observe_quality: Callable[[int, Noise, dict[float, float]], None] | None = getattr(
+            schedule, "observe_quality", None)
+        self.noise = NoiseMeter(active=self.observe_quality is not None)
+        self.total_elements = int(policy.numels.sum())
+        self._sent_errors: dict[int, float] = {}        # ε² of the last steps sent (the noise arrives a step late)
         self._vectors = (np.empty(layout.length), np.empty(layout.length))
         self._views = tuple(layout.views(v) for v in self._vectors)
         # The last finished step's reduced statistics: the next allocation's input (None before the first step,
@@ -115,6 +125,8 @@ class StepClosing:
         wire_bytes = closed.wire_bytes + self.complete_second_hop(closed.step)
         self.clock.finished(closed.step, wire_bytes)
         self.fields(closed.step).timing[:] = self.clock.last      # UNKNOWN where none: the MAX keeps a known one
+        if self.noise.active:                                     # the step before's: it has reached the host
+            self.fields(closed.step).noise[:] = noise_values(self.noise.publish())
         self._handle, self._wire_bytes = exchange.start(self._vectors[closed.step % 2]), wire_bytes
 
     # ------------------------------------------------------------------ 6. finish
@@ -131,12 +143,20 @@ class StepClosing:
         reduced = self._views[step % 2]
         timing = reduced.timing.copy()
         known = bool(timing.max() >= 0)
+        ranks = exchange.size
+        error = 0.0 if closed.pass_through else sent_error(reduced.sent_distortion, reduced.v2, ranks)
+        self._sent_errors = {step - 1: self._sent_errors.get(step - 1, math.nan), step: error}
+        noise = sampling_noise(reduced.noise, ranks, self._sent_errors[step - 1])
+        noise_step = step - 1 if math.isfinite(noise.sampling) else -1
         arrays, self.previous_screened, self.previous_v2 = self.policy.take_reduced(
             reduced, closed.allocation, step=step, budget_bits_total=closed.budget_bits_total,
             allocation_digest=closed.allocation_digest, wire_bytes=wire_bytes, collective=closed.collective,
-            timing=timing, timing_step=step if known else -1, pass_through=closed.pass_through)
+            timing=timing, timing_step=step if known else -1, pass_through=closed.pass_through,
+            compression_error=error, gradient_noise=noise.sampling, noise_step=noise_step, budget_errors={})
         if closed.pass_through:      # it measured nothing: the next allocation starts afresh (the start policy)
             self.previous_screened = self.previous_v2 = None
+        if self.observe_quality is not None:
+            arrays = arrays._replace(budget_errors=self._budget_errors(ranks))
         self.log.add(arrays, exchange.rank)
         observe = getattr(self.schedule, "observe", None)
         if observe is not None:
@@ -145,11 +165,24 @@ class StepClosing:
             check_agreement(reduced, step, closed.allocation_digest)
         if self.observe_timing is not None:
             self.observe_timing(step, timing_record(timing))
+        if self.observe_quality is not None:
+            self.observe_quality(step, noise, arrays.budget_errors)
+
+    def _budget_errors(self, ranks: int) -> dict[float, float]:
+        """``ε²`` per candidate budget of a schedule that weighs quality, from a compressed step's screen (the
+        reduced statistics just taken in as the next allocation's input); empty after a pass-through."""
+        if self.previous_screened is None or self.previous_v2 is None:
+            return {}
+        budgets = [b for b in getattr(self.schedule, "candidates", ()) if b * self.total_elements
+                   < self.policy.lossless_bits]
+        return budget_errors(self.policy, budgets, self.previous_screened, self.previous_v2, self.total_elements,
+                             ranks)
 
     # ------------------------------------------------------------------ elastic training
     def drop(self) -> None:
         """Forget what is in flight (a collective failed)."""
         self.pending = self._handle = self._wire_bytes = None
+        self.noise.reset()
 
     @property
     def follows_worlds(self) -> bool:

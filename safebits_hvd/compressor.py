@@ -168,6 +168,7 @@ class CoreCompressor(CoreRecords, Compressor):
                 return ctx.original          # the sum is in the gradient's own storage, in its shape and dtype
             tensor = total
         else:
+            core.noise.reduced([tensor])
             core.taken(ctx.step)
         if tensor.dtype != ctx.dtype:
             tensor = tensor.to(ctx.dtype)

@@ -56,6 +56,7 @@ from .collectives import AllgatherPath, CollectivePath, DensePath
 from .exchange import StatisticsExchange, allocation_digest, digest_words, waited_seconds
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
+from .quality import NoiseMeter
 from .schedules import budget_at
 from .sending import Sender, check_numel, checked_into, flat_gradient
 from .statistics import StatisticsLayout, StepStatistics
@@ -129,9 +130,8 @@ class SafeBitsCore:
 
         # -- state carried across steps (all of it checkpointed, see state_dict)
         self.memory = ErrorFeedback()                  # per-tensor residuals e, per rank
-        # The collective paths, one chosen per step (collectives.choose). Two-phase holds segments, the step in
-        # flight and the second hop's residuals (of the segments this rank owns); allgather the step's fusion
-        # groups in flight, each sent in one batched pass over per-tensor and per-action tables built here once.
+        # The collective paths, one chosen per step (collectives.choose): two-phase holds segments, its step in
+        # flight and its second hop's residuals; allgather its fusion groups in flight and tables built once.
         cheapest = policy.cost_order[:, 0]
         tables = kernels.GroupTables(policy.menu, numels, policy.cost_order)
         # Steps 2 and 3: the screen and the send.
@@ -158,10 +158,8 @@ class SafeBitsCore:
         self.pass_through = False
         self.clock = StepClock()                       # this rank's telemetry (clock.py), exchanged at the step's end
 
-        # -- steps 4 to 6 (closing.py): the statistics go straight into the vector the exchange reduces in place,
-        # the step's telemetry with them; started by taken() once the front end has taken every tensor that step
-        # sent (or end()), finished by the next begin or finish(). The reduced statistics become the records and
-        # the next allocation's input.
+        # -- steps 4 to 6 (closing.py): the statistics and telemetry go into the vector the exchange reduces in
+        # place, started by taken() or end(), finished by the next begin or finish(): the records, the next input.
         self.layout = StatisticsLayout(tensors, actions)
         self.log = StepLog(names, self.menu.names, self.total_elements, max_history,
                            os.fspath(log_path) if log_path is not None else None)
@@ -169,6 +167,7 @@ class SafeBitsCore:
                                    clock=self.clock, consistency_check_every=consistency_check_every,
                                    complete_second_hop=self.two_phase.complete)
         self._fields: StepStatistics = self.closing.fields(0)
+        self.noise: NoiseMeter = self.closing.noise    # fed here (the dense path's reduced: by the front end)
 
     # ------------------------------------------------------------------ 2 and 3: screen and send
     def send(self, index: int, grad: torch.Tensor, into: torch.Tensor | None = None) -> Sent:
@@ -180,6 +179,7 @@ class SafeBitsCore:
         self._begin_for(index)
         path = self.path
         g = flat_gradient(self.names[index], grad, self._numels[index])
+        self.noise.local([g])
         own = checked_into(self.names[index], g, into) if path.batched else None
         if path.batched:
             # Only registered: the group's members are sent together when its last one arrives.
@@ -202,18 +202,20 @@ class SafeBitsCore:
         through costs about what ``Compression.none`` costs. Returns what travels."""
         start = time.perf_counter()
         check_numel(self.names[index], grad, self._numels[index])
+        self.noise.local([grad])
         wire = self.path.add(index, self.sender.pass_on(index, grad, None))
         self._sent(index, 1, Sent(wire, self.step, self.path.name), start)
         return wire
 
-    def pass_on_unchanged(self, indices: list[int]) -> bool:
-        """:meth:`send_group` of tensors whose values the front end's allreduce takes where they are (DDP's bucket),
-        in a pass-through step where they go on unchanged (:meth:`.sending.Sender.passes_unchanged`): marked sent
-        at once, with no Python per tensor. False, with nothing sent, where :meth:`send_group` must run instead."""
+    def pass_on_unchanged(self, indices: list[int], values: torch.Tensor) -> bool:
+        """:meth:`send_group` of tensors the front end's allreduce takes where they are (``values``: DDP's bucket),
+        in a pass-through step where they go on unchanged (:meth:`.sending.Sender.passes_unchanged`): marked sent at
+        once, no Python per tensor. False, with nothing sent, where :meth:`send_group` must run instead."""
         start = time.perf_counter()
         self._begin_for(indices)
         if not self.sender.passes_unchanged():
             return False
+        self.noise.local([values])
         rows, path = np.asarray(indices, dtype=np.int64), self.path
         assert isinstance(path, DensePath)          # a pass-through step's
         self.sender.record_passed(rows)
@@ -236,6 +238,7 @@ class SafeBitsCore:
             return sents[-1] if sents else Sent(None, self.step, self.path.name)
         # The whole group at once, with one clock reading: the Python of one send per member is what this saves.
         flats = [flat_gradient(self.names[i], g, self._numels[i]) for i, g in zip(indices, grads, strict=True)]
+        self.noise.local(flats)
         owns = [checked_into(self.names[i], g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
         path.send_together(indices, flats, owns)
         return self._sent(rows, len(rows), Sent(None, self.step, path.name), start, close)
@@ -270,6 +273,7 @@ class SafeBitsCore:
         start, waited = time.perf_counter(), waited_seconds()
         path = self.paths[collective]
         totals = path.reduced_sums(indices, step, outs, divisor)
+        self.noise.reduced(totals)
         self.clock.received(start, time.perf_counter(), waited_seconds() - waited)
         return totals
 
@@ -282,11 +286,6 @@ class SafeBitsCore:
     def between_steps(self) -> bool:
         """Whether no step is under way: none begun, or the last one ended (its exchange may still be in flight)."""
         return not self.in_step and (self.closing.pending is None or self.closing.ended)
-
-    @property
-    def step_ended(self) -> bool:
-        """Whether the pending step has ended (5): its exchange is in flight, to be finished at the next begin."""
-        return self.closing.ended
 
     def finish(self) -> None:
         """6. Finish the pending exchange, if any (started now if its step has not ended)."""

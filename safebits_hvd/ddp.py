@@ -178,7 +178,7 @@ class SafeBitsState(CoreRecords):
             if core.path.front_end_groups:
                 self._start_allocation_check(step)      # the step's first collective, on every rank alike
         pieces: list[_Piece] = []     # passing through, none: DDP all-reduces the bucket as its default hook does
-        if not (in_place and core.pass_on_unchanged(indices)):
+        if not (in_place and core.pass_on_unchanged(indices, buffer)):
             pieces = self._send(buffer, bucket, indices, numels, in_place)
         work = None
         if collective == "dense" and self.world_size > 1:
@@ -284,6 +284,7 @@ class SafeBitsState(CoreRecords):
                     wait_bounded(bucket.work.is_completed, self.timeout, "the DDP bucket's all_reduce")
                     bucket.work.wait()
                     bucket.buffer.div_(ranks)
+                core.noise.reduced([bucket.buffer])
                 continue
             pieces = bucket.pieces
             totals = core.reduced_sums([p.index for p in pieces], step, collective, [p.target for p in pieces],

@@ -156,7 +156,7 @@ class CoreRecords:
 
     def _complete_log(self) -> StepLog:
         """The core's records, the last ended step's included (its exchange finished first)."""
-        if self.core.step_ended:
+        if self.core.closing.ended:
             self.core.finish()
         return self.core.log
 

@@ -5,6 +5,8 @@ every device, so a test on the CPU counts what a GPU step would pay (docs/DESIGN
   :func:`count` for one made another way (a scalar, a flag);
 * an **upload** (host to device): :func:`upload`, one non-blocking copy from pinned memory that is pinned once per
   device and reused, or :func:`to_device`, a pageable copy (on CUDA a synchronization too: kept off the hot path);
+* a **late read** (:func:`copy_to_host`, then :func:`arrived`): a non-blocking copy to pinned memory, read once
+  the device has made it (a later step): no wait, unless it has not (then counted as a read);
 * a kernel **launch** (:func:`launched`, called by the kernel backends per launch).
 
 :func:`traffic` is the running total and :func:`counting` the traffic of a block of code, the public seam the
@@ -83,6 +85,34 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     """``t`` as a NumPy array on the host (one counted read)."""
     _counts[0] += 1
     return t.detach().cpu().numpy()
+
+
+class HostCopy:
+    """A non-blocking copy of a device tensor on its way to the host (:func:`copy_to_host`)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        cuda = t.device.type == "cuda"
+        self.memory = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        self.memory.copy_(t.detach(), non_blocking=cuda)
+        self.event: Any = None
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(t.device))
+
+
+def copy_to_host(t: torch.Tensor) -> HostCopy:
+    """Start copying ``t`` to the host without waiting for it (on the CPU the copy is made now); :func:`arrived`
+    reads it later."""
+    return HostCopy(t)
+
+
+def arrived(copy: HostCopy) -> np.ndarray:
+    """What :func:`copy_to_host` copied, as a NumPy array: no wait once the device has made the copy (a later step
+    reads it); where it has not, a wait, counted as a read."""
+    if copy.event is not None and not copy.event.query():
+        _counts[0] += 1
+        copy.event.synchronize()
+    return copy.memory.numpy().copy()
 
 
 def to_device(array: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:

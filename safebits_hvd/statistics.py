@@ -45,6 +45,9 @@ FIELDS: dict[str, Field] = {
     "neg_digest": Field(lambda t, a: (DIGEST_WORDS,), None, "the same words negated: MAX(-x) = -MIN(x)"),
     "timing": Field(lambda t, a: (len(TIMING_FIELDS),), None,
                     "this rank's telemetry of the step (clock.TIMING_FIELDS; -1 where unknown)"),
+    "noise": Field(lambda t, a: (3,), -math.inf,
+                   "this rank's ||g||^2, its negation and ||mean g||^2 of the step before (quality.noise_values; "
+                   "-inf where unknown)"),
 }
 
 
@@ -61,6 +64,7 @@ class StepStatistics(NamedTuple):
     digest: np.ndarray
     neg_digest: np.ndarray
     timing: np.ndarray
+    noise: np.ndarray
 
 
 assert tuple(FIELDS) == StepStatistics._fields, "FIELDS and StepStatistics must list the same fields in order"

@@ -67,6 +67,15 @@ class StepRecord:
         timing_step: the step ``timing`` describes: ``step`` (-1: none).
         pass_through: the step sent every gradient as it is (its budget fit them all uncompressed: no screen, no
             packing, as ``Compression.none``; a residual left from earlier steps was added once).
+        compression_error: ``ε²``, what compression added to the step's mean gradient: the squared error of what
+            was sent (normalized distortion times ``||v||²``, summed over tensors, largest over ranks) over the
+            rank count (:mod:`.quality`); 0 for a pass-through.
+        gradient_noise: ``σ²``, the sampling variance of the mean gradient of step ``noise_step`` (the spread of
+            the ranks' gradients around their mean, :mod:`.quality`); NaN where not measured (only
+            ``budget_bits="auto"`` measures it, from two ranks on).
+        noise_step: the step ``gradient_noise`` describes (the one before: it is published a step late), -1: none.
+        budget_errors: ``ε²`` the screen's statistics of this step predict per candidate budget of
+            ``budget_bits="auto"`` (bits per parameter, as text, to ``ε²``); empty otherwise.
 
     ``used_bits_total`` and ``compression_ratio`` are deprecated aliases of the ``modeled_`` fields, ``skipped`` of
     ``nonfinite`` (one release).
@@ -94,6 +103,10 @@ class StepRecord:
     timing: dict[str, float] = field(default_factory=dict)
     timing_step: int = -1
     pass_through: bool = False
+    compression_error: float = 0.0
+    gradient_noise: float = math.nan
+    noise_step: int = -1
+    budget_errors: dict[str, float] = field(default_factory=dict)
 
     @property
     def budget_share(self) -> float:
@@ -180,6 +193,10 @@ class StepArrays(NamedTuple):
     timing: np.ndarray          # the reduced telemetry of step timing_step (clock.TIMING_FIELDS)
     timing_step: int
     pass_through: bool
+    compression_error: float
+    gradient_noise: float
+    noise_step: int
+    budget_errors: dict[float, float]
     sent: np.ndarray            # menu index of the action sent (the costliest over ranks), -1 if nothing
     allocated: np.ndarray       # menu index the allocation chose
     distortion: np.ndarray      # of what was sent, max over ranks
@@ -269,7 +286,9 @@ class StepLog:
             planned_bits_total=arrays.planned_bits_total, reserve_bits=arrays.reserve_bits,
             guard_bits=arrays.guard_bits,
             timing=timing_record(arrays.timing) if arrays.timing_step >= 0 else {},
-            timing_step=arrays.timing_step, pass_through=arrays.pass_through)
+            timing_step=arrays.timing_step, pass_through=arrays.pass_through,
+            compression_error=arrays.compression_error, gradient_noise=arrays.gradient_noise,
+            noise_step=arrays.noise_step, budget_errors={f"{b:g}": e for b, e in arrays.budget_errors.items()})
 
     @property
     def last(self) -> StepRecord | None:

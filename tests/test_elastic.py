@@ -141,6 +141,6 @@ def test_leave_world_between_a_steps_last_send_and_its_end_is_an_error() -> None
         c.core.leave_world()
     for sent, ctx in pending:
         c.decompress(sent, ctx)
-    assert c.core.step_ended and c.core.between_steps
+    assert c.core.closing.ended and c.core.between_steps
     with pytest.raises(ValueError, match="as an object"):     # ended: only the exchange given as an object stops it
         c.core.leave_world()
