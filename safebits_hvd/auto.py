@@ -1,9 +1,11 @@
 """``budget_bits="auto"``: :class:`Auto` chooses each step's bits per parameter, no compression included, from the
 telemetry SafeBits measures itself (docs/DESIGN.md, "budget_bits='auto'").
 
-Two parts, in the order of the class docstring's steps: :class:`SpanModel` holds what was measured of each candidate
-budget and predicts the others (steps 1, 2 and 5: measure, predict, follow the link); :class:`Auto` is the schedule,
-which probes and chooses from it (steps 3 and 4).
+Three parts, in the order of the class docstring's steps: :class:`~.quality.QualityGate` (step 0, in
+:mod:`.quality`) keeps the budgets whose compression error stays within a fraction of the gradient's sampling noise;
+:class:`SpanModel` holds what was measured of each candidate budget and predicts the others (steps 1, 2 and 5:
+measure, predict, follow the link); :class:`Auto` is the schedule, which probes and chooses among the budgets allowed
+(steps 3 and 4).
 """
 
 from __future__ import annotations
@@ -293,8 +295,14 @@ class Auto:
     is chosen (the core exchanges it as the step finishes): the span from its first gradient
     to its end (``span_s``, the part of a step the choice can change), its backward span, SafeBits' own send and
     receive time, the bytes it moved, how long its collectives were in flight and how long the step waited for
-    them. Then, per candidate budget (:data:`AUTO_CANDIDATES` within ``[min_bits, max_bits]``):
+    them. And, through :meth:`observe_quality`, each step's gradient noise and the compression error its screen
+    predicts per budget (:mod:`.quality`). Then, per candidate budget (:data:`AUTO_CANDIDATES` within
+    ``[min_bits, max_bits]``):
 
+    0. **Allow** only the candidates whose compression error stays within ``error_to_noise`` of the gradient's
+       sampling noise (:class:`~.quality.QualityGate`; default :data:`~.quality.ERROR_TO_NOISE`), the pass-through
+       always, the most bits where none does; the steps below choose among those. One whose error is not known yet
+       (no compressed step so far) is allowed: a compressed step is what measures it.
     1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, none from the first
        :data:`AUTO_WARMUP` steps of a run, nor from its first :data:`AUTO_COLD` compressed steps (the compressed
        path starts cold), nor from a step that switched into or out of pass-through (it pays for the

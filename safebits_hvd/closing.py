@@ -74,6 +74,7 @@ class StepClosing:
         self.noise = NoiseMeter(active=self.observe_quality is not None)
         self.total_elements = int(policy.numels.sum())
         self._sent_errors: dict[int, float] = {}        # ε² of the last steps sent (the noise arrives a step late)
+        self._noise_step = -1                           # the step whose norms the pending step carries (-1: none)
         self._vectors = (np.empty(layout.length), np.empty(layout.length))
         self._views = tuple(layout.views(v) for v in self._vectors)
         # The last finished step's reduced statistics: the next allocation's input (None before the first step,
@@ -125,8 +126,10 @@ class StepClosing:
         wire_bytes = closed.wire_bytes + self.complete_second_hop(closed.step)
         self.clock.finished(closed.step, wire_bytes)
         self.fields(closed.step).timing[:] = self.clock.last      # UNKNOWN where none: the MAX keeps a known one
-        if self.noise.active:                                     # the step before's: it has reached the host
-            self.fields(closed.step).noise[:] = noise_values(self.noise.publish())
+        if self.noise.active:                                     # an earlier step's: they have reached the host
+            published = self.noise.publish()
+            self._noise_step = published[0] if published is not None else -1
+            self.fields(closed.step).noise[:] = noise_values(published[1] if published is not None else None)
         self._handle, self._wire_bytes = exchange.start(self._vectors[closed.step % 2]), wire_bytes
 
     # ------------------------------------------------------------------ 6. finish
@@ -145,9 +148,10 @@ class StepClosing:
         known = bool(timing.max() >= 0)
         ranks = exchange.size
         error = 0.0 if closed.pass_through else sent_error(reduced.sent_distortion, reduced.v2, ranks)
-        self._sent_errors = {step - 1: self._sent_errors.get(step - 1, math.nan), step: error}
-        noise = sampling_noise(reduced.noise, ranks, self._sent_errors[step - 1])
-        noise_step = step - 1 if math.isfinite(noise.sampling) else -1
+        self._sent_errors = {s: e for s, e in self._sent_errors.items() if s > step - 2 * self.noise.every}
+        self._sent_errors[step] = error
+        noise = sampling_noise(reduced.noise, ranks, self._sent_errors.get(self._noise_step, math.nan))
+        noise_step = self._noise_step if math.isfinite(noise.sampling) else -1
         arrays, self.previous_screened, self.previous_v2 = self.policy.take_reduced(
             reduced, closed.allocation, step=step, budget_bits_total=closed.budget_bits_total,
             allocation_digest=closed.allocation_digest, wire_bytes=wire_bytes, collective=closed.collective,

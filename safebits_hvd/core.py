@@ -337,6 +337,7 @@ class SafeBitsCore:
         self._fields = self.closing.fields(self.step)
         self.layout.reset(self._fields, self.policy.lossless, digest_words(self.allocation_digest))
         self.sender.begin(self.step, self.seed, self._allocation, self._fields, self.path, self.pass_through)
+        self.noise.begin(self.step)
         self.in_step = True
 
     # ------------------------------------------------------------------ 4. close

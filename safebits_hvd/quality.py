@@ -15,8 +15,9 @@ progress grows by that factor, the rest is unchanged), so a budget whose ``ε²`
 
 The parts, in the order a step meets them:
 
-* :class:`NoiseMeter`: this rank's ``||g_r||²`` as its gradients are handed over and ``||ḡ||²`` as the reduced
-  ones come back, summed on their device; published one step late, so that a GPU never waits for them.
+* :class:`NoiseMeter`: this rank's ``||g_r||²`` as its gradients are handed over and ``||ḡ||²`` of the reduced ones
+  at the step's end, on their device, one step in :data:`NOISE_EVERY`; published a step late, so that a GPU never
+  waits for them.
 * the exchange: each rank's ``M`` (as is and negated: the MAX gives the largest and the smallest) and its ``G`` in
   the statistics vector (:mod:`.statistics`, field ``noise``), agreed like everything else there.
 * :func:`sampling_noise` and :func:`budget_errors`: ``σ²`` from the reduced figures, and the ``ε²`` of each
@@ -42,78 +43,87 @@ the same size. On the race's transformer at 100 Mbit/s (``bench.race``, seed 0),
 noise and ended 0.017 nats per byte above a fixed 4.4 bits, which sent 0.2-1% and ended as ``none`` does."""
 
 NOISE_WINDOW = 9
-"""Steps whose noise :class:`QualityGate` takes the median of: one step's ``M - G`` at two ranks is one sample of
-the spread (``||g_1 - g_2||² / 4``), and the median of nine sees through single outliers."""
+"""Measured steps whose noise :class:`QualityGate` takes the median of: one step's ``M - G`` at two ranks is one
+sample of the spread (``||g_1 - g_2||² / 4``), and the median of nine sees through single outliers."""
 
 ERROR_WINDOW = 5
 """Compressed steps whose predicted errors :class:`QualityGate` takes the median of, per budget: one step's screen
 estimates on a sample of buckets, and its residual may be a switch's."""
+
+NOISE_EVERY = 4
+"""The noise is measured on one step in this many: it changes slowly, and measuring costs a dot product per tensor
+as it is handed over (Horovod's compress takes one at a time) and one pass over the reduced gradients at the end.
+:class:`QualityGate`'s window of :data:`NOISE_WINDOW` measurements then spans 36 steps."""
 
 UNKNOWN = -math.inf
 """The value of an unmeasured figure in the exchanged vector: MAX keeps any rank's measured one."""
 
 
 class NoiseMeter:
-    """This rank's gradient norms over a step, on their device: ``||g||²`` of what it hands over (:meth:`local`) and
-    ``||ḡ||²`` of the reduced values it gets back (:meth:`reduced`). :meth:`publish`, at the step's end, starts
-    copying the step's sums to the host and returns the previous step's, which have arrived by then: a GPU step
-    never waits for them (where one has not, the wait is counted as a read, :mod:`.host`). Inactive (``active``
-    False: no schedule reads the noise), it measures nothing."""
+    """This rank's gradient norms over a step, every :data:`NOISE_EVERY` steps (:meth:`begin`): ``||g||²`` of what
+    it hands over (:meth:`local`) and ``||ḡ||²`` of the reduced values it gets back (:meth:`reduced`), on their
+    device. :meth:`publish`, at a step's end, starts copying the step's two sums to the host and returns the last
+    measured step's, which have arrived by then: a GPU step never waits for them (where they have not, the wait is
+    counted as a read, :mod:`.host`). Inactive (``active`` False: no schedule reads the noise), it measures nothing.
+    """
 
-    def __init__(self, active: bool = True) -> None:
-        self.active = active                             # False: nothing is measured (no schedule reads it)
-        self._sums: torch.Tensor | None = None          # float64 (local, reduced) of the step in progress
-        self._copy: host.HostCopy | None = None         # the last finished step's, on its way to the host
+    def __init__(self, active: bool = True, every: int = NOISE_EVERY) -> None:
+        self.active, self.every = active, every
+        self.measuring = False                           # the step in progress is measured
+        self._step = -1
+        self._local: list[torch.Tensor] = []             # ||g||² of each gradient handed over (0-d, on its device)
+        self._reduced: list[torch.Tensor] = []           # the reduced gradients themselves, read at the step's end
+        self._copy: tuple[int, host.HostCopy] | None = None     # a measured step's sums, on their way to the host
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` begins: measured if it is one of every :data:`NOISE_EVERY`."""
+        self._step, self._local, self._reduced = step, [], []
+        self.measuring = self.active and step % self.every == 0
 
     def local(self, tensors: list[torch.Tensor]) -> None:
-        """This rank's gradients, as handed to SafeBits."""
-        self._add(0, tensors)
+        """This rank's gradients as handed over: measured now, since a front end may reduce one in place later
+        (Horovod allreduces a gradient passed through where it is)."""
+        if not self.measuring:
+            return
+        for t in tensors:
+            flat = t.reshape(-1)
+            flat = flat if flat.dtype == torch.float32 else flat.float()
+            self._local.append(torch.dot(flat, flat))
+        if tensors and tensors[0].device.type == "cuda":
+            host.launched(len(tensors))
 
     def reduced(self, tensors: list[torch.Tensor]) -> None:
-        """Reduced gradients as the front end gets them back (their mean over ranks)."""
-        self._add(1, tensors)
+        """Reduced gradients as the front end gets them back (their mean over ranks): kept, and read at the step's
+        end, when every one is there (one pass over all of them)."""
+        if self.measuring:
+            self._reduced.extend(t for t in tensors if t.numel())
 
-    def _add(self, slot: int, tensors: list[torch.Tensor]) -> None:
-        tensors = [t for t in tensors if t.numel()] if self.active else []
-        if not tensors:
-            return
-        device = tensors[0].device
-        if self._sums is None or self._sums.device != device:
-            self._sums = torch.zeros(2, dtype=torch.float64, device=device)
-        total = self._sums[slot:slot + 1]
-        if len(tensors) == 1:          # a tensor at a time (Horovod's compress): two small ops
-            t = tensors[0].reshape(-1)
-            t = t if t.dtype == torch.float32 else t.float()
-            total.add_(torch.dot(t, t))
-            launches = 2
-        else:
-            total.add_(torch.stack(torch._foreach_norm(tensors)).double().square().sum())
-            launches = 5
-        if device.type == "cuda":
-            host.launched(launches)
-
-    def publish(self) -> np.ndarray | None:
-        """The end of a step: its sums start for the host; returns the previous step's ``(local, reduced)`` (None
-        if that step measured none)."""
-        previous = host.arrived(self._copy) if self._copy is not None else None
-        self._copy = None
-        if self._sums is not None:
-            self._copy = host.copy_to_host(self._sums)
-            self._sums.zero_()
-            if self._sums.device.type == "cuda":
-                host.launched(2)     # the copy, the zeroing
+    def publish(self) -> tuple[int, np.ndarray] | None:
+        """The end of a step: a measured step's sums start for the host; returns the last measured step's, with its
+        index, if they have not been returned yet (else None)."""
+        previous = None
+        if self._copy is not None:
+            step, copy = self._copy
+            previous, self._copy = (step, host.arrived(copy)), None
+        if self.measuring and self._local and self._reduced:
+            norms = torch._foreach_norm(self._reduced)
+            sums = torch.stack([torch.stack(self._local).double().sum(),
+                                torch.stack(norms).double().square().sum()])
+            self._copy = (self._step, host.copy_to_host(sums))
+            if sums.device.type == "cuda":
+                host.launched(10)    # the stacks, casts and sums, the norms, the copy
+        self.measuring, self._local, self._reduced = False, [], []
         return previous
 
     def reset(self) -> None:
-        """Forget the step in progress and the one before (a step was aborted; a state was loaded)."""
-        if self._sums is not None:
-            self._sums.zero_()
-        self._copy = None
+        """Forget the step in progress and any measured one not published (a step was aborted; a state was
+        loaded)."""
+        self.measuring, self._local, self._reduced, self._copy = False, [], [], None
 
 
 def noise_values(published: np.ndarray | None) -> np.ndarray:
-    """What a rank puts in the exchanged ``noise`` field: ``(M_r, -M_r, G_r)``, or :data:`UNKNOWN` where its step
-    measured nothing (or a non-finite gradient made the sums so)."""
+    """What a rank puts in the exchanged ``noise`` field: ``(M_r, -M_r, G_r)`` of the sums :meth:`NoiseMeter.publish`
+    returned, or :data:`UNKNOWN` where it returned none (or a non-finite gradient made them so)."""
     if published is None or not np.isfinite(published).all():
         return np.full(3, UNKNOWN)
     local, reduced = float(published[0]), float(published[1])

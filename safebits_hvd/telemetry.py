@@ -73,7 +73,8 @@ class StepRecord:
         gradient_noise: ``σ²``, the sampling variance of the mean gradient of step ``noise_step`` (the spread of
             the ranks' gradients around their mean, :mod:`.quality`); NaN where not measured (only
             ``budget_bits="auto"`` measures it, from two ranks on).
-        noise_step: the step ``gradient_noise`` describes (the one before: it is published a step late), -1: none.
+        noise_step: the step ``gradient_noise`` describes, -1: none (the noise is measured on one step in four and
+            published with the next step's statistics, :mod:`.quality`).
         budget_errors: ``ε²`` the screen's statistics of this step predict per candidate budget of
             ``budget_bits="auto"`` (bits per parameter, as text, to ``ε²``); empty otherwise.
 

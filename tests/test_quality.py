@@ -29,22 +29,32 @@ from .test_compressor import PairExchange
 SLOW_LINK = 12.5e6      # bytes per second (100 Mbit/s): in simulated_timing the fewest bits make the fastest step
 
 
-def test_the_noise_meter_publishes_a_steps_norms_at_the_next_steps_end() -> None:
-    meter = NoiseMeter()
+def test_the_noise_meter_publishes_a_measured_steps_norms_at_the_next_steps_end() -> None:
+    meter = NoiseMeter(every=2)
     a, b = torch.arange(5.0), torch.ones(3, 4)
+    meter.begin(0)
     meter.local([a])
     meter.local([b])
     meter.reduced([a, b])
+    b.mul_(2)                                            # the reduced values are read at the step's end
     assert meter.publish() is None                       # the step's sums are on their way, none before them
-    meter.local([2 * b])
-    np.testing.assert_allclose(meter.publish(), [30.0 + 12.0, 30.0 + 12.0])
-    np.testing.assert_allclose(meter.publish(), [48.0, 0.0])
+    meter.begin(1)                                       # not measured: one step in two
     meter.local([a])
-    meter.reset()                                        # an aborted step: nothing of it, nor of the one before
+    meter.reduced([a])
+    step, sums = meter.publish()
+    assert step == 0
+    np.testing.assert_allclose(sums, [30.0 + 12.0, 30.0 + 48.0])
+    assert meter.publish() is None
+    meter.begin(2)
+    meter.local([a])
+    meter.reduced([a])
+    meter.reset()                                        # an aborted step: nothing of it
     assert meter.publish() is None
     idle = NoiseMeter(active=False)
+    idle.begin(0)
     idle.local([a])
-    assert idle.publish() is None
+    idle.reduced([a])
+    assert idle.publish() is None and idle.publish() is None
 
 
 def test_the_sampling_noise_of_two_ranks_is_the_spread_of_their_gradients() -> None:
@@ -87,22 +97,27 @@ def _two_ranks(steps: int, budget_bits: object = "auto") -> list[list[sb.StepRec
 
 
 def test_ranks_whose_gradients_differ_agree_on_the_noise_and_choose_alike() -> None:
-    """The noise of each step (published with the next one's statistics) is the spread of the two ranks' own
+    """The noise of one step in four (published with the next one's statistics) is the spread of the two ranks' own
     gradients, the same on both ranks, whose budgets and allocation digests agree every step."""
-    a, b = _two_ranks(6)
-    for step in range(1, 6):
-        ra, rb = a[step], b[step]
-        assert ra.noise_step == step - 1 and rb.noise_step == step - 1
-        assert ra.gradient_noise == rb.gradient_noise
+    a, b = _two_ranks(10)
+    for ra, rb in zip(a, b, strict=True):
         assert ra.budget_bits_total == rb.budget_bits_total and ra.allocation_digest == rb.allocation_digest
+        assert ra.noise_step == rb.noise_step
+    assert [r.noise_step for r in a] == [-1, 0, -1, -1, -1, 4, -1, -1, -1, 8]
+    for step in (1, 5, 9):
+        ra, rb = a[step], b[step]
+        assert ra.gradient_noise == rb.gradient_noise
         g1, g2 = ([], [])
         for seed, out in ((1, g1), (2, g2)):
             params = many_tensor_params()
             random_grads(params, step - 1, seed=seed)
             out.extend(p.grad.reshape(-1) for _, p in params)
         spread = sum(float(((x - y) ** 2).sum()) for x, y in zip(g1, g2, strict=True)) / 4
-        assert ra.gradient_noise == pytest.approx(spread, rel=1e-4)      # every step of 6 passes through
-    assert a[0].noise_step == -1 and math.isnan(a[0].gradient_noise)
+        # Exact before anything was compressed; after, the decoded mean carries residuals (a pass-through flushes
+        # them once), whose cross terms with the mean move G a little.
+        assert ra.gradient_noise == pytest.approx(spread, rel=1e-4 if step == 1 else 2e-2)
+    assert a[0].pass_through and not all(r.pass_through for r in a)
+    assert math.isnan(a[0].gradient_noise) and math.isnan(a[2].gradient_noise)
 
 
 def test_a_fixed_budget_measures_no_noise_but_records_its_error() -> None:
