@@ -264,13 +264,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             r["ratio_to_best"] = (r["samples_per_s"] / best["samples_per_s"]
                                   if best is not None and best["samples_per_s"] > 0 else None)
             # Whether it chose right, apart from its instance's speed: two instances of one fixed row differ by up
-            # to 10% here (docs/RESULTS.md 4.3).
+            # to 10% here (``results/issue30/``, dd535ed).
             target = None if best is None else fixed_budget(best["compressor"])
             bits = [b for b in r["budget_bits_per_step"] if b is not None]
             r["steps_at_best_budget"] = None if target is None or not bits else [
                 sum(math.isclose(b, target, rel_tol=1e-3) for b in bits), len(bits)]
             # How far the launch's own noise leaves those ratios: the median of 20 steps that differ by a third
-            # from one to the next is uncertain by about the target's 5% (docs/RESULTS.md 4.3).
+            # from one to the next is uncertain by about 5% (docs/RESULTS.md 4.3, "How sure is a cell").
             mine = times[r["rate"], r["model"], r["compressor"]]
             none = times.get((r["rate"], r["model"], front + "none"))
             for name, theirs in (("best", [times[o["rate"], o["model"], o["compressor"]] for o in fixed]),

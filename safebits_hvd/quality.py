@@ -143,16 +143,18 @@ def sampling_noise(reduced: np.ndarray, ranks: int, compression_error: float) ->
     whose compression added ``compression_error`` (``ε²``) to its mean.
 
     ``M`` is the midrange of the ranks' ``||g_r||²`` (the MAX gives only the largest and the smallest): their mean
-    at two ranks, and within their spread, small against their size, at more. A reduced norm above every rank's is
-    no mean (``||ḡ|| <= max_r ||g_r||``): the front end summed (Horovod's ``op=Sum``), and ``G`` is divided by
-    ``P²``. The decoded mean carries the step's compression error, which is taken off ``G``."""
+    at two ranks, and within their spread, small against their size, at more. A reduced norm far above every
+    rank's is no mean (``||ḡ|| <= max_r ||g_r||``, give or take a decoded mean's residuals) but a sum (Horovod's
+    ``op=Sum``), whose square is ``P`` (pure noise) to ``P²`` times the ranks' mean: above ``(1 + P) / 2`` times
+    the largest rank's, ``G`` is divided by ``P²``. The decoded mean carries the step's compression error, which is
+    taken off ``G``."""
     nan = Noise(math.nan, math.nan, math.nan)
     if ranks < 2 or not np.isfinite(reduced).all():
         return nan
     largest, smallest, mean_norm2 = float(reduced[0]), -float(reduced[1]), float(reduced[2])
     if not largest > 0:
         return nan
-    if mean_norm2 > largest * (1 + 1e-6):
+    if mean_norm2 > largest * (1 + ranks) / 2:
         mean_norm2 /= ranks * ranks
     local = 0.5 * (largest + smallest)
     mean_norm2 = max(0.0, mean_norm2 - (compression_error if math.isfinite(compression_error) else 0.0))
