@@ -83,14 +83,16 @@ class NoiseMeter:
     def local(self, tensors: list[torch.Tensor]) -> None:
         """This rank's gradients as handed over: measured now, since a front end may reduce one in place later
         (Horovod allreduces a gradient passed through where it is)."""
-        if not self.measuring:
+        if not self.measuring or not tensors:
             return
-        for t in tensors:
-            flat = t.reshape(-1)
+        if len(tensors) == 1:          # Horovod's compress, one at a time: one small op
+            flat = tensors[0].reshape(-1)
             flat = flat if flat.dtype == torch.float32 else flat.float()
             self._local.append(torch.dot(flat, flat))
-        if tensors and tensors[0].device.type == "cuda":
-            host.launched(len(tensors))
+        else:                          # a group: one pass over all of them
+            self._local.append(torch.stack(torch._foreach_norm(tensors)).double().square().sum())
+        if tensors[0].device.type == "cuda":
+            host.launched(1 if len(tensors) == 1 else 5)
 
     def reduced(self, tensors: list[torch.Tensor]) -> None:
         """Reduced gradients as the front end gets them back (their mean over ranks): kept, and read at the step's
