@@ -107,9 +107,8 @@ def run_case(front: FrontEnd, task: Any, spec: specs.Spec, case_id: int, seed: i
     front.barrier(f"{case_id}.end")
     tx_bytes = read_tx_bytes() - tx_before if has_tx else None
     if safebits is not None:
-        history = safebits.history
-        budgets = [round(record.budget_bits_total / sum(p.numel() for p in model.parameters()), 3)
-                   for record in history]
+        history, parameters = safebits.history, sum(p.numel() for p in model.parameters())
+        budgets = [round(record.budget_bits_total / parameters, 3) for record in history]
         # What auto weighed (docs/DESIGN.md, "Quality"): per step the sampling noise and the error sent, and the
         # errors the last compressed step predicted per budget.
         predicted = [record.budget_errors for record in history if record.budget_errors]

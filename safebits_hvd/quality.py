@@ -2,8 +2,8 @@
 (docs/DESIGN.md, "budget_bits='auto'", "Quality: compression error against sampling noise").
 
 Ranks see different batches, so the mean gradient ``ḡ`` they apply is itself a noisy estimate of the true one. Its
-sampling variance, from the spread of the ranks' gradients around their mean (the gradient noise scale of
-McCandlish et al., "An Empirical Model of Large-Batch Training", 2018), is
+sampling variance, from the spread of the ranks' gradients around their mean (the gradient noise scale; its source
+is in docs/DESIGN.md), is
 
     σ² = (M - G) / (P - 1),   M = mean over ranks of ||g_r||²,   G = ||ḡ||²,   P ranks.
 

@@ -46,8 +46,8 @@ FIELDS: dict[str, Field] = {
     "timing": Field(lambda t, a: (len(TIMING_FIELDS),), None,
                     "this rank's telemetry of the step (clock.TIMING_FIELDS; -1 where unknown)"),
     "noise": Field(lambda t, a: (3,), -math.inf,
-                   "this rank's ||g||^2, its negation and ||mean g||^2 of the step before (quality.noise_values; "
-                   "-inf where unknown)"),
+                   "this rank's ||g||^2, its negation and ||mean g||^2 of the last measured step, published once "
+                   "(quality.noise_values; -inf where none)"),
 }
 
 
