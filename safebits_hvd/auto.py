@@ -65,7 +65,8 @@ this step is measured again once the run is warm (:class:`Auto`, 3)."""
 AUTO_WARM_SLOWDOWN = 2.0
 """How much slower than warm steps a run's first steps may be (the byte LM of ``make demo`` on localhost: 1.8x over
 steps 2 and 3): a candidate measured only then and estimated slower than the choice by more (and by
-:data:`AUTO_HICCUP_S` at least) is not measured again (3). Measuring it again costs four steps, once."""
+:data:`AUTO_HICCUP_S` at least) is not measured again (3 (a) and (b)): on a slow link an uncompressed step costs
+the time of several compressed ones (docs/RESULTS.md, the race)."""
 
 AUTO_WARM_COMPUTE = 1.0
 """A step whose own compute (its backward span less SafeBits' sends) took at most this times the choice's was warm
@@ -93,6 +94,12 @@ AUTO_EXPOSED_SHARE = 0.25
 AUTO_MAD_TO_SE = 1.4826 * 1.2533
 """A window's relative median absolute deviation, times this over the square root of its length, is the relative
 standard error of its median (normal noise: MAD = 0.674 sigma; a median's error is 1.2533 times a mean's)."""
+
+
+def far_slower(early: float, now: float) -> bool:
+    """:class:`Auto` 3: whether a span measured while the run warmed up is too much slower than the choice's for the
+    warm-up to explain it (:data:`AUTO_WARM_SLOWDOWN` times, and :data:`AUTO_HICCUP_S` at least)."""
+    return early >= AUTO_WARM_SLOWDOWN * now and early - now >= AUTO_HICCUP_S
 
 
 def own_compute(figures: dict[str, float]) -> float:
@@ -345,7 +352,7 @@ class Auto:
        it is. (b) **Now and then**: every ``probe_every`` steps the one measured longest ago (two steps into or
        out of pass-through), unless predicted above ``1 + prune`` times the fastest estimate; the pass-through
        measured only before step :data:`AUTO_WARM_AFTER` whatever it predicts (an early step can be slow in its
-       communication too, which (a) does not test).
+       communication too, which (a) does not test), unless it is far slower than the choice as in (a).
     4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
        for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
        the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
@@ -526,7 +533,10 @@ class Auto:
             fastest = min(e for e, _ in known.values())
             # A pass-through measured only while the run warmed up is probed whatever it predicts: an early step slow
             # in its communication (the compute test of 3 (a) cannot see that) would otherwise keep it out for good.
-            early = stalest == PASS_THROUGH_BITS and model.measured_at.get(stalest, -1) < AUTO_WARM_AFTER
+            # Not one far slower than the choice, as in 3 (a): no warm-up explains that, and a slow link's
+            # uncompressed steps are the costliest of the run.
+            early = (stalest == PASS_THROUGH_BITS and model.measured_at.get(stalest, -1) < AUTO_WARM_AFTER
+                     and not far_slower(known[stalest][0], fastest))
             if stalest not in pending and guess is not None and (early or guess <= (1 + self.prune) * fastest):
                 if early:
                     model.drop(stalest)                          # its early spans go, as in (a)
@@ -557,8 +567,7 @@ class Auto:
             # the choice? Then its communication made it slow (a link as slow as measured, or an early wait),
             # which a warmer run does not change; (b) probes it later.
             explained = early / max(slowdown, 1.0) <= (1 + self.prune) * now
-            if (not warm and explained
-                    and (early < AUTO_WARM_SLOWDOWN * now or early - now < AUTO_HICCUP_S)):
+            if not warm and explained and not far_slower(early, now):
                 model.drop(b)
                 self.probe = (b, 3)                              # the switch, then three spans: a median
                 return b
