@@ -12,7 +12,8 @@ loss is taken every few steps off the clock (:mod:`bench.race_worker`). Per comp
 * the bytes the loopback carried, and for SafeBits' ``auto`` the budgets it ran at.
 
 Tasks (``--tasks``): ``gpt2_text``, the GPT-2-shaped decoder at 4 layers of width 192 on CPython's sources (bytes;
-``bench.tasks.TextGPT``), and ``digits_cnn``, the CNN of ``make demo`` on scikit-learn's digits. DDP rows run under
+``bench.tasks.TextGPT``), and ``make demo``'s two: ``digits_cnn``, the CNN on scikit-learn's digits, and
+``bytes_lm``, the byte LM on CPython's sources (``bench.tasks.make_task``). DDP rows run under
 ``torchrun`` (Gloo), Horovod rows under ``horovodrun --gloo``; one launch per front end, task, seed and link, its
 cases one after another; one thread per rank. Writes ``race.json``, ``race.md`` (the tables) and ``race.png`` (the
 validation loss against training seconds, per task and link, seed 0) in ``--out-dir``.
@@ -37,13 +38,14 @@ from bench.link import budget_runs, configure_link, delete_namespace, in_namespa
 from bench.protocol import PIN_ENV
 
 WORKER = ("-m", "bench.race_worker")
-TASKS = ("gpt2_text", "digits_cnn")
+TASKS = ("gpt2_text", "digits_cnn", "bytes_lm")
 RATES = ["100mbit", "1gbit", "unlimited"]
 DDP_COMPRESSORS = ["ddp:none", "ddp:fp16", "ddp:powersgd1", "ddp:powersgd4", "ddp:safebits@2", "ddp:safebits@4.4",
                    "ddp:safebits@8", "ddp:safebits@auto"]
 HOROVOD_COMPRESSORS = ["none", "fp16", "qsgd4", "safebits@4.4", "safebits@auto"]
-STEPS = {"gpt2_text": 200, "digits_cnn": 250}
-EVAL_EVERY = {"gpt2_text": 10, "digits_cnn": 10}
+STEPS = {"gpt2_text": 200, "digits_cnn": 250, "bytes_lm": 160}
+"""Steps per task: the demo's tasks train as long as in ``make demo``."""
+EVAL_EVERY = {"gpt2_text": 10, "digits_cnn": 10, "bytes_lm": 10}
 TARGET_AT = 0.75
 REFERENCES = ("ddp:none", "none")
 """The uncompressed runs whose loss sets a task's target, in order of preference."""
@@ -134,16 +136,18 @@ def tables(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Validation loss against training seconds, one panel per (task, link), seed 0's runs."""
+    """Validation loss against training seconds, one panel per task (a row) and link (a column), seed 0's runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(dict.fromkeys((row["task"], row["rate"]) for row in rows))
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    rates = list(dict.fromkeys(row["rate"] for row in rows))
     seed = min(row["seed"] for row in rows)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, (task, rate) in zip(axes[0], panels, strict=True):
+    fig, axes = plt.subplots(len(tasks), len(rates), figsize=(5.5 * len(rates), 4.2 * len(tasks)), squeeze=False)
+    for ax, (task, rate) in zip(axes.flat, [(t, r) for t in tasks for r in rates], strict=True):
+        target = None
         for row in rows:
             if row["task"] == task and row["rate"] == rate and row["seed"] == seed:
                 seconds = [p[1] for p in row["curve"]]
@@ -169,6 +173,7 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compressors", nargs="*", default=HOROVOD_COMPRESSORS, help="Horovod rows")
     parser.add_argument("--gpt-steps", type=int, default=STEPS["gpt2_text"])
     parser.add_argument("--cnn-steps", type=int, default=STEPS["digits_cnn"])
+    parser.add_argument("--lm-steps", type=int, default=STEPS["bytes_lm"])
     parser.add_argument("--out-dir", default="results/race")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds per launch")
     parser.add_argument("--from-json", help="only write the tables of an earlier race.json")
@@ -224,7 +229,7 @@ def _race(args: argparse.Namespace, ns: str) -> int:
     for rate in args.rates:
         print(f"[race] rate {rate}: {configure_link(ns, parse_rate(rate))}", flush=True)
         for task in args.tasks:
-            steps = args.gpt_steps if task == "gpt2_text" else args.cnn_steps
+            steps = {"gpt2_text": args.gpt_steps, "digits_cnn": args.cnn_steps, "bytes_lm": args.lm_steps}[task]
             for seed in args.seeds:
                 for front, compressors in (("ddp", args.ddp_compressors), ("horovod", args.compressors)):
                     if not compressors:

@@ -21,17 +21,17 @@ import torch
 
 from bench import specs
 from bench.protocol import TX_BYTES, read_tx_bytes
-from bench.tasks import CNN_LEARNING_RATE, Task, TextGPT, model_facts
+from bench.tasks import TextGPT, make_task, model_facts
 
-TASKS = ("gpt2_text", "digits_cnn")
+TASKS = ("gpt2_text", "digits_cnn", "bytes_lm")
 
 
 def make_race_task(name: str, steps: int) -> Any:
-    """The race's task ``name``: :class:`~bench.tasks.TextGPT`, or the demo's digits CNN (:class:`Task`)."""
+    """The race's task ``name``: :class:`~bench.tasks.TextGPT`, or one of the demo's (:func:`make_task`)."""
     if name == "gpt2_text":
         return TextGPT(steps)
-    if name == "digits_cnn":
-        return Task(name, "val_accuracy", steps, lr=CNN_LEARNING_RATE)
+    if name in TASKS:
+        return make_task(name, steps)
     raise ValueError(f"unknown race task {name!r}; known: {TASKS}")
 
 

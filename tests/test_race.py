@@ -86,3 +86,22 @@ def test_the_text_task_is_the_issue_s_gpt_on_cpython_bytes() -> None:
     assert task.evaluate(model)[0] == pytest.approx(task.evaluate(model)[0])
     assert task.lr_at(0) == pytest.approx(task.lr / task.warmup) and task.lr_at(task.warmup - 1) == task.lr
     assert task.lr_at(99) < 0.01 * task.lr
+
+
+def test_the_demo_s_tasks_race_as_make_demo_trains_them() -> None:
+    from bench.race_worker import make_race_task
+    from bench.tasks import make_task
+
+    assert race.parse_args(["--tasks", "bytes_lm"]).lm_steps == 160 == race.STEPS["bytes_lm"]
+    lm, demo = make_race_task("bytes_lm", 160), make_task("bytes_lm", 160)
+    assert (lm.metric_name, lm.lr, lm.batch, lm.schedule) == (demo.metric_name, demo.lr, demo.batch, demo.schedule)
+    assert make_race_task("digits_cnn", 250).metric_name == "val_accuracy"
+    with pytest.raises(ValueError, match="unknown race task"):
+        make_race_task("resnet18", 10)
+
+
+def test_the_plot_has_a_panel_per_task_and_link(tmp_path: Any) -> None:
+    rows = race.summarize([case("ddp:none", (5.0, 4.0, 3.0, 2.5, 2.0), rate=rate, task=task)
+                           for task in ("gpt2_text", "bytes_lm") for rate in ("1gbit", "unlimited")])
+    race.plot(rows, str(tmp_path / "race.png"))
+    assert (tmp_path / "race.png").stat().st_size > 10_000
