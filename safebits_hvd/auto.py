@@ -75,13 +75,17 @@ multiplies it with the rest), while a warm pass-through computes faster than a c
 ``bench.link`` at 1 Gbit/s: 0.27-0.31 s at step 2 against 0.31-0.38 s at 2 bits). Without it the pass-through of
 step 2, warm and 1.7-1.9x slower than 2 bits, was measured again for four steps: a third of a 14-step window."""
 
-AUTO_WARM_START = 30
+AUTO_FIRST_PROBE_BITS = 8.0
+"""The fewest bits :class:`Auto` allows before its first compressed step has told the quality gate what each budget
+would add (0), where its figures are fed: a run's first steps decide much of its quality (a few 2-bit steps cost
+more there than later: docs/RESULTS.md 2.1b), and 8 bits add next to nothing, while that one step predicts the
+error of every budget. Where no error is measured (one rank), the bound lifts once the first probe is measured."""
+
+AUTO_WARM_START = 0
 AUTO_WARM_START_S = 0.25
-"""The warm start: for its first ``warm_start`` steps (default :data:`AUTO_WARM_START`) :class:`Auto` passes through
-while that costs less than :data:`AUTO_WARM_START_S` a step (at most 7.5 s in all). A run's first steps decide much
-of its quality: three 2-bit steps at steps 4-6 cost ``make demo``'s byte LM +0.014 bits per byte, the same at steps
-40-42 +0.002 (``bench.experiments.early_probe_quality``); PyTorch's PowerSGD hook starts uncompressed for the same
-reason. Where an uncompressed step is long (a slow link), compressing at once is worth more than that."""
+"""The warm start, off by default: for its first ``warm_start`` steps :class:`Auto` passes through while that costs
+less than :data:`AUTO_WARM_START_S` a step, as PyTorch's PowerSGD hook starts uncompressed. The first probe's bound
+(:data:`AUTO_FIRST_PROBE_BITS`) and the quality gate guard the first steps without it (docs/RESULTS.md, the race)."""
 
 AUTO_NOISE_BAND = 3.0
 """A span must be off its estimate by this many times the spans' relative spread (:meth:`SpanModel.spread`, a median
@@ -308,8 +312,8 @@ class Auto:
 
     0. **Allow** only the candidates whose compression error stays within ``error_to_noise`` of the gradient's
        sampling noise (:class:`~.quality.QualityGate`; default :data:`~.quality.ERROR_TO_NOISE`), the pass-through
-       always, the most bits where none does; the steps below choose among those. One whose error is not known yet
-       (no compressed step so far) is allowed: a compressed step is what measures it.
+       always, the most bits where none does; the steps below choose among those. Before the first compressed step
+       has predicted every budget's error, only :data:`AUTO_FIRST_PROBE_BITS` or more: that step measures them.
     1. **Measure**: a candidate's estimate is the median of its last :data:`AUTO_WINDOW` spans, none from the first
        :data:`AUTO_WARMUP` steps of a run, nor from its first :data:`AUTO_COLD` compressed steps (the compressed
        path starts cold), nor from a step that switched into or out of pass-through (it pays for the
@@ -336,8 +340,8 @@ class Auto:
        least own work) and nothing else until their telemetry is in. One whose telemetry is still on its way
        (a step not observed yet) is held, not probed again. From a compressed choice, no other compressed budget
        is probed before the choice has :data:`AUTO_MEDIAN_OF` spans. Before the first measurement the costliest
-       is held (no compression first, as PowerSGD's hook starts), and through the warm start (the first
-       ``warm_start`` steps, :data:`AUTO_WARM_START_S`) the pass-through while its step is short.
+       is held (no compression first, as PowerSGD's hook starts), and through the warm start, if asked for (the
+       first ``warm_start`` steps, :data:`AUTO_WARM_START_S`), the pass-through while its step is short.
 
        Measured again: (a) **after the warm-up**: the pass-through, held first, is measured in a run's first
        steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
@@ -423,8 +427,12 @@ class Auto:
 
     def allowed(self) -> list[float]:
         """0. The candidates whose compression error stays within ``error_to_noise`` of the sampling noise
-        (:class:`~.quality.QualityGate`); the most bits if none does."""
+        (:class:`~.quality.QualityGate`), before the first probe only :data:`AUTO_FIRST_PROBE_BITS` or more; the
+        most bits if none does."""
         allowed = [b for b in self.candidates if self.quality.allows(b)]
+        probed = self.compressing_since is not None and self.observed >= self.compressing_since + AUTO_COLD
+        if self.quality.fed and not self.quality.errors and not probed:
+            allowed = [b for b in allowed if b >= AUTO_FIRST_PROBE_BITS]
         return allowed or [max(self.candidates)]
 
     def estimate(self, bits: float) -> float | None:

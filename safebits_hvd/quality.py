@@ -197,10 +197,12 @@ class QualityGate:
         self.noises: list[float] = []                  # σ² / M of the last steps measured, oldest first
         self.errors: dict[float, list[float]] = {}     # ε² / M per budget, of the last compressed steps
         self.local_norm2 = 0.0                         # the last M measured (0: none yet)
+        self.fed = False                               # whether any step's figures came (not on simulated telemetry)
 
     def observe(self, noise: Noise, predicted: dict[float, float]) -> None:
         """A finished step's noise (NaN: not measured; it describes the step before) and the error its screen
         predicts per budget (empty: none)."""
+        self.fed = True
         if noise.local_norm2 > 0 and math.isfinite(noise.sampling):
             self.local_norm2 = noise.local_norm2
             self.noises = [*self.noises, noise.sampling / noise.local_norm2][-NOISE_WINDOW:]
@@ -238,3 +240,4 @@ class QualityGate:
         self.noises = [float(x) for x in state.get("noises", [])]
         self.errors = {float(b): [float(x) for x in e] for b, e in state.get("errors", {}).items()}
         self.local_norm2 = float(state.get("local_norm2", 0.0))
+        self.fed = bool(self.noises or self.errors)

@@ -263,14 +263,14 @@ def test_a_pass_through_slow_in_its_communication_is_not_measured_again() -> Non
     assert chosen[:3] == [PASS_THROUGH_BITS] * 3 and PASS_THROUGH_BITS not in chosen[3:], chosen
 
 
-def test_the_warm_start_passes_short_steps_through_and_compresses_long_ones_at_once() -> None:
-    # bench.experiments.early_probe_quality: three 2-bit steps at steps 4-6 cost the byte LM +0.014 bits per byte,
-    # at steps 40-42 +0.002. Its 26 ms steps pass through until step 30; ResNet-18's 7.3 s uncompressed steps at
-    # 100 Mbit/s do not wait.
-    lm = drive(Auto(), lambda step: 2e9, 60, latency_bound_timing, warmup=LM_WARMUP)
+def test_the_warm_start_asked_for_passes_short_steps_through_and_compresses_long_ones_at_once() -> None:
+    # Off by default (the first probe's bound guards the first steps). Asked for, the byte LM's 26 ms steps pass
+    # through until step 30; ResNet-18's 7.3 s uncompressed steps at 100 Mbit/s do not wait.
+    assert Auto().warm_start == 0
+    lm = drive(Auto(warm_start=30), lambda step: 2e9, 60, latency_bound_timing, warmup=LM_WARMUP)
     assert lm[:30] == [PASS_THROUGH_BITS] * 30 and lm[33:] == [PASS_THROUGH_BITS] * 27   # the probe, then no more
     assert drive(Auto(warm_start=0), lambda step: 2e9, 60, latency_bound_timing, warmup=LM_WARMUP)[4:7] == [2.0] * 3
-    slow = drive(Auto(), lambda step: RESNET18_RATES["100 Mbit/s"], 30, resnet18_timing)
+    slow = drive(Auto(warm_start=30), lambda step: RESNET18_RATES["100 Mbit/s"], 30, resnet18_timing)
     assert slow[:2] == [PASS_THROUGH_BITS] * 2 and slow[4:] == [2.0] * 26
     with pytest.raises(ValueError, match="warm_start"):
         Auto(warm_start=-1)
@@ -324,7 +324,7 @@ def test_a_link_that_falls_on_the_switch_back_into_pass_through_is_followed_at_o
     # otherwise leave step 34 passing through on the slow link too)
     rate = _phases((RESNET18_RATES["unlimited"], 33), (RESNET18_RATES["100 Mbit/s"], 27))
     for noise, seed in ((0.0, 0), (0.1, 2), (0.1, 3)):
-        chosen = drive(Auto(), rate, 60, tight_timing, noise=noise, seed=seed)
+        chosen = drive(Auto(warm_start=30), rate, 60, tight_timing, noise=noise, seed=seed)
         switch = max(step for step in range(1, 35) if chosen[step] == PASS_THROUGH_BITS != chosen[step - 1])
         assert switch in (33, 34) and chosen[switch + 1:] == [2.0] * (59 - switch), (seed, chosen)
     # a switch step as long as the pass-through's steps is not a change: the same choices as before

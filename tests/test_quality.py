@@ -12,7 +12,7 @@ import torch
 
 import safebits_hvd as sb
 from safebits_hvd import host
-from safebits_hvd.auto import PASS_THROUGH_BITS, Auto
+from safebits_hvd.auto import AUTO_COLD, AUTO_FIRST_PROBE_BITS, PASS_THROUGH_BITS, Auto
 from safebits_hvd.quality import (
     ERROR_TO_NOISE,
     Noise,
@@ -165,6 +165,22 @@ def test_the_fewest_bits_whose_error_stays_within_kappa_of_the_noise(error_to_no
     gate.observe(Noise(1.0, 0.5, 0.5), _relative_errors(1.0))
     assert [b for b in (2.0, 3.0, 4.4, 6.0, 8.0) if gate.allows(b)] == [b for b in (2.0, 3.0, 4.4, 6.0, 8.0)
                                                                        if b >= fewest]
+
+
+def test_the_first_probe_runs_at_eight_bits_or_more_and_the_gate_decides_after_it() -> None:
+    """No compressed step, no predicted error: the first probe runs at AUTO_FIRST_PROBE_BITS, not at the fewest
+    bits (3 bits at steps 4-6 cost the demo's byte LM +0.014 bits per byte); its step predicts every budget's
+    error, and then the gate lets the speed rule go down to 2 bits. Where no error comes (one rank), the bound
+    lifts once the probe is measured."""
+    chosen = drive_with_quality(Auto(), 40, noise=0.5, errors=_relative_errors(0.01))
+    first = next(step for step, bits in enumerate(chosen) if bits < PASS_THROUGH_BITS)
+    compressed_until_the_gate_knows = chosen[first:first + AUTO_COLD + 1]
+    assert compressed_until_the_gate_knows == [AUTO_FIRST_PROBE_BITS] * (AUTO_COLD + 1), chosen
+    assert chosen[-10:] == [2.0] * 10, chosen
+    no_errors = drive_with_quality(Auto(), 40, noise=0.5, errors={})
+    assert no_errors[first] == AUTO_FIRST_PROBE_BITS and no_errors[-10:] == [2.0] * 10, no_errors
+    capped = drive_with_quality(Auto(max_bits=4.4), 40, noise=0.5, errors={})
+    assert capped[0] == 4.4, capped                      # nothing reaches 8 bits: the most bits there are
 
 
 def test_error_above_the_noise_gets_more_bits_and_less_noise_more_still() -> None:
