@@ -97,7 +97,8 @@ def _mean(values: Sequence[float]) -> float:
 
 def tables(rows: list[dict[str, Any]]) -> str:
     """One table per task: per compressor and link, time to target (mean over seeds, each seed's), final loss
-    (mean, spread over seeds), training seconds, and ``auto``'s budgets."""
+    (mean, spread over seeds), training seconds, the megabytes the link carried (mean over seeds; ``-`` where the
+    loopback's counter was not readable), and ``auto``'s budgets."""
     out = []
     rates = list(dict.fromkeys(row["rate"] for row in rows))
     for task in dict.fromkeys(row["task"] for row in rows):
@@ -106,16 +107,16 @@ def tables(rows: list[dict[str, Any]]) -> str:
         out.append(f"### {task} ({mine[0]['parameters']:,} parameters in {mine[0]['tensors']} tensors; "
                    f"{mine[0]['steps']} steps; seeds {sorted({row['seed'] for row in mine})}; targets "
                    f"{', '.join(f'{t:.4f}' for t in targets)})\n")
-        out.append("| compressor | " + " | ".join(f"{rate}: to target, s | final loss | all steps, s"
+        out.append("| compressor | " + " | ".join(f"{rate}: to target, s | final loss | all steps, s | link MB"
                                                    for rate in rates) + " |")
-        out.append("| --- |" + " --- | --- | --- |" * len(rates))
+        out.append("| --- |" + " --- | --- | --- | --- |" * len(rates))
         notes = []
         for compressor in dict.fromkeys(row["compressor"] for row in mine):
             cells = []
             for rate in rates:
                 runs = [row for row in mine if row["compressor"] == compressor and row["rate"] == rate]
                 if not runs:
-                    cells += ["-", "-", "-"]
+                    cells += ["-", "-", "-", "-"]
                     continue
                 reached = [row["time_to_target"] for row in runs]
                 each = ", ".join("never" if t is None else f"{t:.3g}" for t in reached)
@@ -123,8 +124,10 @@ def tables(rows: list[dict[str, Any]]) -> str:
                              else f"never ({each})" if not any(t is not None for t in reached) else f"({each})")
                 finals = [row["final_loss"] for row in runs]
                 spread = (max(finals) - min(finals)) / 2
+                carried = [row.get("loopback_bytes") for row in runs]
                 cells += [to_target, f"{_mean(finals):.4f} ± {spread:.4f}",
-                          f"{_mean([row['train_seconds'] for row in runs]):.3g}"]
+                          f"{_mean([row['train_seconds'] for row in runs]):.3g}",
+                          f"{_mean(carried) / 1e6:.4g}" if all(b is not None for b in carried) else "-"]
                 if "@auto" in compressor:
                     notes.append(f"`{compressor}` at {rate}: " + "; ".join(
                         f"seed {row['seed']}: {budget_runs(row['budgets'])}" for row in runs))
@@ -176,7 +179,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lm-steps", type=int, default=STEPS["bytes_lm"])
     parser.add_argument("--out-dir", default="results/race")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds per launch")
-    parser.add_argument("--from-json", help="only write the tables of an earlier race.json")
+    parser.add_argument("--from-json", help="no launch: write race.md and race.png of an earlier race.json in "
+                        "--out-dir")
     args = parser.parse_args(argv)
     for rate in args.rates:
         parse_rate(rate)
@@ -193,7 +197,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json is not None:
         with open(args.from_json, encoding="utf-8") as f:
-            print(tables(summarize(json.load(f)["cases"])))
+            earlier = json.load(f)
+        os.makedirs(args.out_dir, exist_ok=True)
+        _write(args, earlier["command"], earlier["cases"], earlier["failed"], earlier["seconds"])
         return 0
     if shutil.which("ip") is None or shutil.which("tc") is None:
         print("[race] ip and tc not found: install iproute2; skipping the race.")
@@ -264,8 +270,9 @@ def _write(args: argparse.Namespace, command: str, cases: list[dict[str, Any]], 
         f.write(f"# Race: time to quality\n\nCommand: `{command}`; 2 ranks in a network namespace whose loopback "
                 f"tbf limits, one thread each; DDP rows under torchrun (Gloo), Horovod rows under horovodrun "
                 f"--gloo; time to target: training seconds (evaluations excluded) until the validation loss "
-                f"reaches the loss the uncompressed run reaches at {TARGET_AT:.0%} of its steps; "
-                f"{seconds:.0f} s so far.\n\n{tables(rows)}\n"
+                f"reaches the loss the uncompressed run reaches at {TARGET_AT:.0%} of its steps; link MB: the "
+                f"bytes the namespace's loopback carried during the case (both ranks, the evaluations' barriers "
+                f"included); {seconds:.0f} s so far.\n\n{tables(rows)}\n"
                 + "".join(f"- failed: {line}\n" for line in failed))
     if rows and not any(math.isnan(row["final_loss"]) for row in rows):
         plot(rows, os.path.join(args.out_dir, "race.png"))

@@ -105,3 +105,20 @@ def test_the_plot_has_a_panel_per_task_and_link(tmp_path: Any) -> None:
                            for task in ("gpt2_text", "bytes_lm") for rate in ("1gbit", "unlimited")])
     race.plot(rows, str(tmp_path / "race.png"))
     assert (tmp_path / "race.png").stat().st_size > 10_000
+
+
+def test_an_earlier_race_json_is_written_again_with_the_bytes_the_link_carried(tmp_path: Any) -> None:
+    import json
+
+    cases = [case("ddp:none", (5.0, 4.0, 3.0, 2.5, 2.0), loopback_bytes=8e6),
+             case("ddp:safebits@auto", (5.0, 3.5, 2.5, 2.2, 2.1), loopback_bytes=1e6, budgets=[32.0, 4.4]),
+             case("none", (5.0, 4.0, 3.0, 2.5, 2.0), loopback_bytes=None)]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"command": "python -m bench.race", "seconds": 12.0, "cases": cases,
+                                   "failed": []}))
+    assert race.main(["--from-json", str(earlier), "--out-dir", str(tmp_path / "again")]) == 0
+    text = (tmp_path / "again" / "race.md").read_text()
+    assert "| ddp:none | **15** (15) | 2.0000 ± 0.0000 | 20 | 8 |" in text
+    assert "| ddp:safebits@auto | **10** (10) | 2.1000 ± 0.0000 | 20 | 1 |" in text
+    assert "| none | **15** (15) | 2.0000 ± 0.0000 | 20 | - |" in text
+    assert (tmp_path / "again" / "race.png").exists()
