@@ -177,10 +177,10 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpt-steps", type=int, default=STEPS["gpt2_text"])
     parser.add_argument("--cnn-steps", type=int, default=STEPS["digits_cnn"])
     parser.add_argument("--lm-steps", type=int, default=STEPS["bytes_lm"])
-    parser.add_argument("--out-dir", default="results/race")
+    parser.add_argument("--out-dir", default=None, help="default results/race; with --from-json, its folder")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds per launch")
-    parser.add_argument("--from-json", help="no launch: write race.md and race.png of an earlier race.json in "
-                        "--out-dir")
+    parser.add_argument("--from-json", help="no launch: print the tables of an earlier race.json and write its "
+                        "race.md and race.png again (in --out-dir)")
     args = parser.parse_args(argv)
     for rate in args.rates:
         parse_rate(rate)
@@ -190,6 +190,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     for text in args.compressors:
         if specs.parse(text).ddp:
             parser.error(f"--compressors takes Horovod specs, got {text!r}")
+    if args.out_dir is None:
+        args.out_dir = os.path.dirname(os.path.abspath(args.from_json)) if args.from_json else "results/race"
     return args
 
 
@@ -199,7 +201,9 @@ def main(argv: Iterable[str] | None = None) -> int:
         with open(args.from_json, encoding="utf-8") as f:
             earlier = json.load(f)
         os.makedirs(args.out_dir, exist_ok=True)
-        _write(args, earlier["command"], earlier["cases"], earlier["failed"], earlier["seconds"])
+        _write(args, earlier.get("command", "python -m bench.race"), earlier["cases"], earlier.get("failed", []),
+               earlier.get("seconds", math.nan), with_json=False)
+        print(tables(summarize(earlier["cases"])))
         return 0
     if shutil.which("ip") is None or shutil.which("tc") is None:
         print("[race] ip and tc not found: install iproute2; skipping the race.")
@@ -262,10 +266,11 @@ def _race(args: argparse.Namespace, ns: str) -> int:
 
 
 def _write(args: argparse.Namespace, command: str, cases: list[dict[str, Any]], failed: list[str],
-           seconds: float) -> None:
+           seconds: float, with_json: bool = True) -> None:
     rows = summarize(cases)
-    with open(os.path.join(args.out_dir, "race.json"), "w", encoding="utf-8") as f:
-        json.dump({"command": command, "seconds": seconds, "cases": cases, "failed": failed}, f)
+    if with_json:
+        with open(os.path.join(args.out_dir, "race.json"), "w", encoding="utf-8") as f:
+            json.dump({"command": command, "seconds": seconds, "cases": cases, "failed": failed}, f)
     with open(os.path.join(args.out_dir, "race.md"), "w", encoding="utf-8") as f:
         f.write(f"# Race: time to quality\n\nCommand: `{command}`; 2 ranks in a network namespace whose loopback "
                 f"tbf limits, one thread each; DDP rows under torchrun (Gloo), Horovod rows under horovodrun "

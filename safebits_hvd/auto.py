@@ -336,7 +336,7 @@ class Auto:
        first, and a link seen slower jumps straight to it. The lower bound takes the model's error allowance
        ``prune`` off what was not measured at that budget (the transfer; SafeBits' own time unless bracketed);
        below the fewest compressed bits measured on this link, where nothing bounds a budget from below, off
-       its whole span, and there only the fewest bits are probed (they bound the rest: the least to send, the
+       its whole span, and there only the fewest bits allowed are probed (they bound the rest: the least to send, the
        least own work) and nothing else until their telemetry is in. One whose telemetry is still on its way
        (a step not observed yet) is held, not probed again. From a compressed choice, no other compressed budget
        is probed before the choice has :data:`AUTO_MEDIAN_OF` spans. Before the first measurement the costliest
@@ -544,7 +544,7 @@ class Auto:
             # Not one far slower than the choice, as in 3 (a): no warm-up explains that, and a slow link's
             # uncompressed steps are the costliest of the run.
             early = (stalest == PASS_THROUGH_BITS and model.measured_at.get(stalest, -1) < AUTO_WARM_AFTER
-                     and not far_slower(known[stalest][0], fastest))
+                     and not far_slower(known[stalest][0], known[choice][0]))
             if stalest not in pending and guess is not None and (early or guess <= (1 + self.prune) * fastest):
                 if early:
                     model.drop(stalest)                          # its early spans go, as in (a)

@@ -234,10 +234,10 @@ class QualityGate:
 
     def state_dict(self) -> dict[str, Any]:
         return {"noises": list(self.noises), "errors": {str(b): list(e) for b, e in self.errors.items()},
-                "local_norm2": self.local_norm2}
+                "local_norm2": self.local_norm2, "fed": self.fed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.noises = [float(x) for x in state.get("noises", [])]
         self.errors = {float(b): [float(x) for x in e] for b, e in state.get("errors", {}).items()}
         self.local_norm2 = float(state.get("local_norm2", 0.0))
-        self.fed = bool(self.noises or self.errors)
+        self.fed = bool(state.get("fed", self.noises or self.errors))

@@ -169,7 +169,7 @@ def test_the_fewest_bits_whose_error_stays_within_kappa_of_the_noise(error_to_no
 
 def test_the_first_probe_runs_at_eight_bits_or_more_and_the_gate_decides_after_it() -> None:
     """No compressed step, no predicted error: the first probe runs at AUTO_FIRST_PROBE_BITS, not at the fewest
-    bits (3 bits at steps 4-6 cost the demo's byte LM +0.014 bits per byte); its step predicts every budget's
+    bits (three 2-bit steps at steps 4-6 cost the demo's byte LM +0.014 bits per byte); its step predicts every budget's
     error, and then the gate lets the speed rule go down to 2 bits. Where no error comes (one rank), the bound
     lifts once the probe is measured."""
     chosen = drive_with_quality(Auto(), 40, noise=0.5, errors=_relative_errors(0.01))
@@ -179,8 +179,14 @@ def test_the_first_probe_runs_at_eight_bits_or_more_and_the_gate_decides_after_i
     assert chosen[-10:] == [2.0] * 10, chosen
     no_errors = drive_with_quality(Auto(), 40, noise=0.5, errors={})
     assert no_errors[first] == AUTO_FIRST_PROBE_BITS and no_errors[-10:] == [2.0] * 10, no_errors
-    capped = drive_with_quality(Auto(max_bits=4.4), 40, noise=0.5, errors={})
-    assert capped[0] == 4.4, capped                      # nothing reaches 8 bits: the most bits there are
+    unknown = Noise(math.nan, math.nan, math.nan)
+    for auto, before_the_probe in ((Auto(), [8.0, 16.0, 32.0]), (Auto(max_bits=4.4), [4.4])):
+        assert auto.allowed() == auto.candidates          # no quality figures fed: the gate allows every budget
+        auto.observe_quality(0, unknown, {})
+        assert auto.allowed() == before_the_probe         # with max_bits 4.4 none reaches 8: the most bits there are
+        restored = Auto(max_bits=auto.max_bits)
+        restored.load_state_dict(json.loads(json.dumps(auto.state_dict())))
+        assert restored.allowed() == before_the_probe     # a checkpoint taken before the probe keeps the bound
 
 
 def test_error_above_the_noise_gets_more_bits_and_less_noise_more_still() -> None:

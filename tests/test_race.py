@@ -104,7 +104,10 @@ def test_the_plot_has_a_panel_per_task_and_link(tmp_path: Any) -> None:
     rows = race.summarize([case("ddp:none", (5.0, 4.0, 3.0, 2.5, 2.0), rate=rate, task=task)
                            for task in ("gpt2_text", "bytes_lm") for rate in ("1gbit", "unlimited")])
     race.plot(rows, str(tmp_path / "race.png"))
-    assert (tmp_path / "race.png").stat().st_size > 10_000
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(str(tmp_path / "race.png")).shape
+    assert (width, height) == (int(2 * 5.5 * 110), int(2 * 4.2 * 110))     # 2 x 2 panels at 110 dpi
 
 
 def test_an_earlier_race_json_is_written_again_with_the_bytes_the_link_carried(tmp_path: Any) -> None:
@@ -117,6 +120,8 @@ def test_an_earlier_race_json_is_written_again_with_the_bytes_the_link_carried(t
     earlier.write_text(json.dumps({"command": "python -m bench.race", "seconds": 12.0, "cases": cases,
                                    "failed": []}))
     assert race.main(["--from-json", str(earlier), "--out-dir", str(tmp_path / "again")]) == 0
+    assert not (tmp_path / "again" / "race.json").exists()        # the earlier one is not written again
+    assert race.parse_args(["--from-json", str(earlier)]).out_dir == str(tmp_path)
     text = (tmp_path / "again" / "race.md").read_text()
     assert "| ddp:none | **15** (15) | 2.0000 ± 0.0000 | 20 | 8 |" in text
     assert "| ddp:safebits@auto | **10** (10) | 2.1000 ± 0.0000 | 20 | 1 |" in text
