@@ -12,8 +12,9 @@
  *
  * Packed wire format (safebits_hvd/wire.py): sb_quantize_pack_ef_kernel computes exactly what
  * sb_quantize_ef_kernel does and writes the codes into a payload whose body the host zeroed: a bucket's bit-packed
- * codes (trits: digit * 3^i added, a byte never exceeds 242, so no carry) assembled in shared memory, then stored
- * as 32-bit words counted from the 16-byte-aligned payload start (sb_codes_begin). sb_decode_kernel reads them back (one block per bucket).
+ * codes (trits: digit * 3^i added, a byte never exceeds 242, so no carry) staged in shared memory, then assembled
+ * and stored as whole 32-bit words counted from the 16-byte-aligned payload start (sb_codes_begin). sb_decode_kernel
+ * reads them back (one block per bucket).
  */
 #define SB_THREADS SB_STAT_PARTIALS /* a block sums the statistics in the shared order */
 
@@ -32,9 +33,12 @@ struct sb_shared {
     double lane[SB_SUM_LANES];
     double sh[4 * SB_THREADS];
     int scan[SB_THREADS];
-    long long code_word; /* sb_codes_begin: the first 32-bit payload word of the bucket's codes */
-    int code_words;      /* and how many there are (0: written with global atomics) */
-    int code_shared;     /* bit 0: the first word is shared with the previous bucket; bit 1: the last, the next */
+    long long code_word;  /* sb_codes_begin: the first 32-bit payload word of the bucket's codes */
+    int code_words;       /* and how many there are (0: written with global atomics) */
+    int code_shared;      /* bit 0: the first word is shared with the previous bucket; bit 1: the last, the next */
+    long long code_off;   /* the codes section's first byte */
+    long long code_first; /* the global index of the bucket's first item */
+    int code_count, code_cb, code_trits; /* its items, bits per item (0 for trits), trits */
 };
 
 __device__ __forceinline__ float sb_load(const float *g, const float *e, int has_g, long long j) {
@@ -338,73 +342,89 @@ __device__ __forceinline__ void sb_put_code_atomic(unsigned char *base, long lon
     else sb_put_bits_atomic(base, off * 8 + j * cb, w, cb);
 }
 
-/* A bucket's codes assembled in shared memory (S->sh, free between sb_block_prepare and sb_block_stats) with
- * shared atomics, then written out with plain stores, except the (at most two) words it shares with its
- * neighbours' codes, which take global atomics into the zeroed body: a first word that does not start at the
- * bucket's first code, a last word the bucket's codes do not fill. With the default geometry (codes of whole 32-bit
- * words per bucket) only a tensor's last, partial bucket can have one. A bucket whose codes do not fit the scratch writes each code with
- * global atomics as before (S->code_words = 0). Where they start, how many there are and which ends are shared live
- * in shared memory, not in registers. Every thread of the block calls begin and end. */
-__device__ __forceinline__ void sb_codes_begin(const sb_layout *L, long long j0, int len, int cb, int trits,
+/* A bucket's codes (QUANT, LLOYD_MAX and SIGN words, or TOPK local indices): item t (global index first + t: the
+ * element, or the top-k entry) is staged in shared memory as one 16-bit value (S->sh, free between
+ * sb_block_prepare and sb_block_stats), then each thread assembles whole 32-bit payload words in registers from the
+ * staged items and stores them plainly; no atomics. Only a word the bucket shares with a neighbour's bytes takes a
+ * global atomic into the zeroed body: a first word that does not start at the bucket's first code, a last word its
+ * codes do not fill. With the default geometry (codes of whole 32-bit words per bucket) only a tensor's last,
+ * partial word is one. Items that do not fit the scratch (or wider than 16 bits) are written one by one with global
+ * atomics (S->code_words = 0). The section's geometry lives in shared memory, not in registers. Every thread of the
+ * block calls begin and end. */
+#define SB_CODE_ITEMS (4 * SB_SCRATCH_DOUBLES) /* 16-bit items in S->sh */
+__device__ __forceinline__ void sb_codes_begin(long long off, long long first, int count, int cb, int trits,
                                                sb_shared *S) {
     if (threadIdx.x == 0) {
         long long lo_bit, hi_bit;
         int lo_shared, hi_shared;
         if (trits) { /* 5 per byte: a byte is shared when the bucket does not start (end) on a multiple of 5 */
-            lo_bit = (L->codes_off + j0 / 5) * 8;
-            hi_bit = (L->codes_off + (j0 + len - 1) / 5 + 1) * 8;
-            lo_shared = (lo_bit & 31) != 0 || j0 % 5 != 0;
-            hi_shared = (hi_bit & 31) != 0 || (j0 + len) % 5 != 0;
+            lo_bit = (off + first / 5) * 8;
+            hi_bit = (off + (first + count - 1) / 5 + 1) * 8;
+            lo_shared = (lo_bit & 31) != 0 || first % 5 != 0;
+            hi_shared = (hi_bit & 31) != 0 || (first + count) % 5 != 0;
         } else {
-            lo_bit = L->codes_off * 8 + j0 * cb;
-            hi_bit = lo_bit + (long long)len * cb;
+            lo_bit = off * 8 + first * cb;
+            hi_bit = lo_bit + (long long)count * cb;
             lo_shared = (lo_bit & 31) != 0;
             hi_shared = (hi_bit & 31) != 0;
         }
-        int words = (int)(((hi_bit + 31) >> 5) - (lo_bit >> 5));
         S->code_word = lo_bit >> 5;
-        S->code_words = words <= 2 * SB_SCRATCH_DOUBLES ? words : 0;
+        S->code_words = count > 0 && count <= SB_CODE_ITEMS && cb <= 16 ? (int)(((hi_bit + 31) >> 5) - (lo_bit >> 5))
+                                                                         : 0;
         /* A last word that is not whole is shared even in the tensor's last bucket: past the payload's end may lie
          * another tensor's bytes (a caller's buffer), which a plain store would overwrite. */
         S->code_shared = lo_shared | hi_shared << 1;
+        S->code_off = off;
+        S->code_first = first;
+        S->code_cb = cb;
+        S->code_trits = trits;
+        S->code_count = count;
     }
-    __syncthreads();
-    unsigned *words = (unsigned *)S->sh;
-    for (int w = threadIdx.x; w < S->code_words; w += blockDim.x) words[w] = 0u;
     __syncthreads();
 }
 
-/* Element j's code word w: 5 trits per byte, or cb bits, at byte `off` of the codes section. */
-__device__ __forceinline__ void sb_put_code(const sb_shared *S, unsigned char *base, long long off, long long j,
-                                            sb_u32 w, int cb, int trits) {
-    if (!w) return;
-    if (!S->code_words) {
-        sb_put_code_atomic(base, off, j, w, cb, trits);
-        return;
-    }
-    unsigned *words = (unsigned *)S->sh;
-    if (trits) {
-        long long byte = off + j / 5;
-        atomicAdd(words + (int)((byte >> 2) - S->code_word), (w * sb_pow3((int)(j % 5))) << (8 * (int)(byte & 3)));
-        return;
-    }
-    long long bit = off * 8 + j * cb;
-    int sh = (int)(bit & 31), k = (int)((bit >> 5) - S->code_word);
-    unsigned long long x = (unsigned long long)w << sh;
-    atomicOr(words + k, (unsigned)x);
-    if (sh + cb > 32) atomicOr(words + k + 1, (unsigned)(x >> 32));
+/* Item g (global index: the element, or the top-k entry) of the section that sb_codes_begin described: its cb-bit
+ * word, or its trit digit. Every item of the bucket is put, zeros included. */
+__device__ __forceinline__ void sb_put_code(sb_shared *S, unsigned char *base, long long g, sb_u32 w) {
+    if (S->code_words) ((unsigned short *)S->sh)[g - S->code_first] = (unsigned short)w;
+    else if (w) sb_put_code_atomic(base, S->code_off, g, w, S->code_cb, S->code_trits);
 }
 
-__device__ __forceinline__ void sb_codes_end(sb_shared *S, unsigned char *base, int trits) {
+/* Payload word W (absolute, from the 4-byte-aligned payload start) assembled from the staged items that touch it. */
+__device__ __forceinline__ sb_u32 sb_code_word(const sb_shared *S, long long W) {
+    const unsigned short *items = (const unsigned short *)S->sh;
+    long long first = S->code_first, last = first + S->code_count - 1, off = S->code_off;
+    unsigned long long x = 0;
+    if (S->code_trits) {
+        for (int byte_in_word = 0; byte_in_word < 4; byte_in_word++) {
+            long long g0 = (4 * W + byte_in_word - off) * 5;
+            sb_u32 byte = 0;
+            for (long long g = g0 > first ? g0 : first; g < g0 + 5 && g <= last; g++)
+                byte += (sb_u32)items[g - first] * sb_pow3((int)(g - g0));
+            x |= (unsigned long long)byte << (8 * byte_in_word);
+        }
+        return (sb_u32)x;
+    }
+    int cb = S->code_cb;
+    long long rel = 32 * W - off * 8; /* the word's first bit, from the section start */
+    long long g = rel <= 0 ? 0 : rel / cb, hi = (rel + 31) / cb;
+    for (g = g > first ? g : first; g <= hi && g <= last; g++) {
+        long long pos = g * cb - rel;
+        unsigned long long v = items[g - first];
+        x |= pos >= 0 ? v << pos : v >> -pos;
+    }
+    return (sb_u32)x;
+}
+
+__device__ __forceinline__ void sb_codes_end(sb_shared *S, unsigned char *base) {
     __syncthreads();
     int n = S->code_words, shared = S->code_shared;
-    const unsigned *words = (const unsigned *)S->sh;
     unsigned *out = (unsigned *)base + S->code_word;
     for (int w = threadIdx.x; w < n; w += blockDim.x) {
-        unsigned x = words[w];
+        sb_u32 x = sb_code_word(S, S->code_word + w);
         if (!(w == 0 && (shared & 1)) && !(w == n - 1 && (shared & 2))) out[w] = x; /* wholly this bucket's */
         else if (x) {
-            if (trits) atomicAdd(out + w, x); /* a byte's trits never carry: at most 242 */
+            if (S->code_trits) atomicAdd(out + w, x); /* a byte's trits never carry: at most 242 */
             else atomicOr(out + w, x);
         }
     }
@@ -439,8 +459,9 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
         ((float *)(payload + L.scales_off))[b] = S->P.scale; /* 0 for a zero QUANT bucket */
     float s = (float)levels;
     int cb = L.code_bits;
-    int coded = kind == SB_QUANT || kind == SB_LLOYD_MAX || kind == SB_SIGN;
-    if (coded) sb_codes_begin(&L, j0, len, kind == SB_SIGN ? 1 : cb, kind == SB_SIGN ? 0 : trits, S);
+    int coded = kind == SB_QUANT || kind == SB_LLOYD_MAX || kind == SB_SIGN, indexed = kind == SB_TOPK;
+    if (coded) sb_codes_begin(L.codes_off, j0, len, kind == SB_SIGN ? 1 : cb, kind == SB_SIGN ? 0 : trits, S);
+    if (indexed) sb_codes_begin(L.codes_off, b * L.kept_full, topk < len ? topk : len, cb, 0, S);
     double a[4] = {0.0, 0.0, 0.0, 0.0};
     long long kept_before = 0; /* TOPK: kept entries of this bucket at lower local indices (uniform) */
     /* every thread runs the same number of iterations: the TOPK scan is a block-wide operation */
@@ -467,28 +488,29 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
                 q = sb_bf16_rne(v);
                 ((unsigned short *)(payload + 16))[j] = (unsigned short)sb_bf16_code(q);
                 break;
-            case SB_QUANT:
-                if (sb_f2u(S->P.scale) != 0u) { /* a zero bucket: q = +0.0, codes 0 (already zero) */
+            case SB_QUANT: {
+                sb_u32 w = 0; /* a zero bucket: q = +0.0, codes 0 */
+                if (sb_f2u(S->P.scale) != 0u) {
                     float u = stochastic ? sb_uniform((sb_u32)key, j) : 0.5f;
                     float c = sb_quant_code(v, S->P.scale, s, u);
                     sb_u32 neg = sb_quant_sign(v, c, trits);
                     q = sb_quant_value(c, neg, S->P.scale, s);
-                    sb_u32 w = sb_quant_word(c, neg, cb, trits);
-                    sb_put_code(S, payload, L.codes_off, j, w, cb, trits);
+                    w = sb_quant_word(c, neg, cb, trits);
                 }
+                sb_put_code(S, payload, j, w);
                 break;
+            }
             case SB_LLOYD_MAX: {
                 float c = sb_lm_code(v, S->P.scale, levels);
                 sb_u32 neg = sb_quant_sign(v, c, trits);
                 q = sb_lm_value(c, neg, S->P.scale, levels);
-                sb_u32 w = sb_quant_word(c, neg, cb, trits);
-                sb_put_code(S, payload, L.codes_off, j, w, cb, trits);
+                sb_put_code(S, payload, j, sb_quant_word(c, neg, cb, trits));
                 break;
             }
             case SB_SIGN: {
                 sb_u32 code = sb_sign_code(v);
                 q = sb_sign_value(code, S->P.scale);
-                sb_put_code(S, payload, L.codes_off, j, code, 1, 0);
+                sb_put_code(S, payload, j, code);
                 break;
             }
             case SB_TOPK:
@@ -510,7 +532,7 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
             if (kept) {
                 long long entry = b * L.kept_full + kept_before + r;
                 ((unsigned short *)(payload + 16))[entry] = (unsigned short)sb_bf16_code(q);
-                sb_put_bits_atomic(payload, L.codes_off * 8 + entry * cb, (sb_u32)i, cb);
+                sb_put_code(S, payload, entry, (sb_u32)i);
             }
             kept_before += total;
         }
@@ -520,7 +542,7 @@ __device__ void sb_pack_bucket(const float *g, float *e, unsigned char *payload,
             sb_accumulate(q, v, a);
         }
     }
-    if (coded) sb_codes_end(S, payload, kind == SB_SIGN ? 0 : trits);
+    if (coded || indexed) sb_codes_end(S, payload);
     sb_block_stats(a[0], a[1], a[2], a[3], S->sh, dst);
 }
 
