@@ -6,16 +6,17 @@ loss is taken every few steps off the clock (:mod:`bench.race_worker`). Per comp
 
 * **time to target**: the training seconds until the validation loss first reaches the target, linearly
   interpolated between the two evaluations around the crossing (``never`` if it does not). The target of a task
-  and seed is the loss the uncompressed run (``ddp:none``, else Horovod's ``none``) of the same launch reaches at
-  ``--target-at`` (75%) of its steps, so every run can reach it and the uncompressed one does at 75% of its time;
+  and seed is the loss the uncompressed run (``ddp:none``, else Horovod's ``none``) of the same task, seed and link
+  reaches at ``--target-at`` (75%) of its steps, so every run can reach it and the uncompressed one does at 75% of
+  its time;
 * **final loss** after all steps, and the training seconds of all steps;
 * the bytes the loopback carried, and for SafeBits' ``auto`` the budgets it ran at.
 
 Tasks (``--tasks``): ``gpt2_text``, the GPT-2-shaped decoder at 4 layers of width 192 on CPython's sources (bytes;
 ``bench.tasks.TextGPT``), and ``make demo``'s two: ``digits_cnn``, the CNN on scikit-learn's digits, and
 ``bytes_lm``, the byte LM on CPython's sources (``bench.tasks.make_task``). DDP rows run under
-``torchrun`` (Gloo), Horovod rows under ``horovodrun --gloo``; one launch per front end, task, seed and link, its
-cases one after another; one thread per rank. Writes ``race.json``, ``race.md`` (the tables) and ``race.png`` (the
+``torchrun`` (Gloo), Horovod rows under ``horovodrun --gloo``; one launch per compressor, task, seed and link
+(:func:`launches`); one thread per rank. Writes ``race.json``, ``race.md`` (the tables) and ``race.png`` (the
 validation loss against training seconds, per task and link, seed 0) in ``--out-dir``.
 """
 
@@ -179,8 +180,10 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lm-steps", type=int, default=STEPS["bytes_lm"])
     parser.add_argument("--out-dir", default=None, help="default results/race; with --from-json, its folder")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds per launch")
-    parser.add_argument("--from-json", help="no launch: print the tables of an earlier race.json and write its "
-                        "race.md and race.png again (in --out-dir)")
+    parser.add_argument("--from-json", nargs="+", help="no launch: print the tables of an earlier race.json and "
+                        "write its race.md and race.png again (in --out-dir); with several, a later file's cases "
+                        "replace the earlier ones' of the same task, seed, link and compressor, and the merged "
+                        "race.json is written too")
     args = parser.parse_args(argv)
     for rate in args.rates:
         parse_rate(rate)
@@ -191,18 +194,17 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
         if specs.parse(text).ddp:
             parser.error(f"--compressors takes Horovod specs, got {text!r}")
     if args.out_dir is None:
-        args.out_dir = os.path.dirname(os.path.abspath(args.from_json)) if args.from_json else "results/race"
+        args.out_dir = os.path.dirname(os.path.abspath(args.from_json[0])) if args.from_json else "results/race"
     return args
 
 
 def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json is not None:
-        with open(args.from_json, encoding="utf-8") as f:
-            earlier = json.load(f)
+        earlier = merged([_read(path) for path in args.from_json])
         os.makedirs(args.out_dir, exist_ok=True)
-        _write(args, earlier.get("command", "python -m bench.race"), earlier["cases"], earlier.get("failed", []),
-               earlier.get("seconds", math.nan), with_json=False)
+        _write(args, earlier["command"], earlier["cases"], earlier["failed"], earlier["seconds"],
+               with_json=len(args.from_json) > 1)
         print(tables(summarize(earlier["cases"])))
         return 0
     if shutil.which("ip") is None or shutil.which("tc") is None:
@@ -227,6 +229,34 @@ def main(argv: Iterable[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _read(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def case_key(case: dict[str, Any]) -> tuple[str, int, str, str]:
+    return case["task"], case["seed"], case["rate"], case["compressor"]
+
+
+def merged(races: list[dict[str, Any]]) -> dict[str, Any]:
+    """Races' race.json contents as one: a later race's cases replace the earlier ones' with the same
+    :func:`case_key` (rows run again), in the earlier order; their commands joined, their seconds added."""
+    cases: dict[tuple[str, int, str, str], dict[str, Any]] = {}
+    for race in races:
+        for case in race["cases"]:
+            cases[case_key(case)] = case
+    return {"command": "`; cases replaced by `".join(race.get("command", "python -m bench.race") for race in races),
+            "seconds": sum(race.get("seconds", math.nan) for race in races), "cases": list(cases.values()),
+            "failed": [line for race in races for line in race.get("failed", [])]}
+
+
+def launches(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(front end, compressor) per launch: every case in processes of its own. Cases that followed one another in
+    one Horovod launch ran slower the later they came (the same ``none`` run 18% slower fourth than first), which
+    favoured whichever ran first."""
+    return [*(("ddp", c) for c in args.ddp_compressors), *(("horovod", c) for c in args.compressors)]
+
+
 def _race(args: argparse.Namespace, ns: str) -> int:
     from safebits_hvd.launch import LaunchError, horovodrun, torchrun
 
@@ -241,19 +271,18 @@ def _race(args: argparse.Namespace, ns: str) -> int:
         for task in args.tasks:
             steps = {"gpt2_text": args.gpt_steps, "digits_cnn": args.cnn_steps, "bytes_lm": args.lm_steps}[task]
             for seed in args.seeds:
-                for front, compressors in (("ddp", args.ddp_compressors), ("horovod", args.compressors)):
-                    if not compressors:
-                        continue
-                    raw = os.path.join(args.out_dir, f".race_{rate}_{task}_{seed}_{front}.json")
-                    worker = [*WORKER, "--task", task, "--compressors", *compressors, "--seed", str(seed),
+                for front, compressor in launches(args):
+                    raw = os.path.join(args.out_dir, f".race_{rate}_{task}_{seed}.json")
+                    worker = [*WORKER, "--task", task, "--compressors", compressor, "--seed", str(seed),
                               "--steps", str(steps), "--eval-every", str(EVAL_EVERY[task]), "--out", raw]
                     launch = torchrun if front == "ddp" else horovodrun
                     try:
                         launch(2, *worker, prefix=in_namespace(ns), env=env, timeout=args.timeout,
                                on_line=_progress)
                     except LaunchError as error:      # the other launches still run; the tables say what failed
-                        print(f"[race] {front} {task} seed {seed} at {rate} failed: {error}", flush=True)
-                        failed.append(f"{front} {task} seed {seed} at {rate}: {str(error).splitlines()[0]}")
+                        print(f"[race] {compressor} on {task} seed {seed} at {rate} failed: {error}", flush=True)
+                        failed.append(f"{compressor} on {task} seed {seed} at {rate}: "
+                                      f"{str(error).splitlines()[0]}")
                         continue
                     with open(raw, encoding="utf-8") as f:
                         for case in json.load(f)["cases"]:

@@ -68,6 +68,12 @@ def test_auto_s_budgets_are_listed_in_runs() -> None:
     assert "`ddp:safebits@auto` at 1gbit: seed 0: 32 x1, 2 x2" in race.tables(rows)
 
 
+def test_every_compressor_trains_in_a_launch_of_its_own() -> None:
+    args = race.parse_args(["--ddp-compressors", "ddp:none", "ddp:safebits@auto", "--compressors", "none", "fp16"])
+    assert race.launches(args) == [("ddp", "ddp:none"), ("ddp", "ddp:safebits@auto"), ("horovod", "none"),
+                                   ("horovod", "fp16")]
+
+
 def test_the_arguments_are_checked() -> None:
     assert race.parse_args([]).rates == race.RATES
     for wrong in (["--rates", "fast"], ["--ddp-compressors", "none"], ["--compressors", "ddp:none"],
@@ -127,3 +133,24 @@ def test_an_earlier_race_json_is_written_again_with_the_bytes_the_link_carried(t
     assert "| ddp:safebits@auto | **10** (10) | 2.1000 ± 0.0000 | 20 | 1 |" in text
     assert "| none | **15** (15) | 2.0000 ± 0.0000 | 20 | - |" in text
     assert (tmp_path / "again" / "race.png").exists()
+
+
+def test_rows_run_again_replace_the_earlier_race_s_rows(tmp_path: Any) -> None:
+    import json
+
+    first = [case("ddp:none", (5.0, 4.0, 3.0, 2.5, 2.0)), case("none", (5.0, 4.0, 3.0, 2.5, 2.0)),
+             case("fp16", (5.0, 4.5, 4.0, 3.0, 2.5))]
+    again = [case("fp16", (5.0, 4.0, 3.0, 2.5, 2.0))]
+    again[0]["curve"] = curve(5.0, 4.0, 3.0, 2.5, 2.0, seconds_per_step=1.0)       # slower, reaches it sooner
+    paths = []
+    for name, cases, seconds in (("first", first, 100.0), ("again", again, 30.0)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"command": f"python -m bench.race {name}", "seconds": seconds,
+                                         "cases": cases, "failed": []}))
+    assert race.main(["--from-json", *map(str, paths), "--out-dir", str(tmp_path / "both")]) == 0
+    both = json.loads((tmp_path / "both" / "race.json").read_text())
+    assert [c["compressor"] for c in both["cases"]] == ["ddp:none", "none", "fp16"]
+    assert both["cases"][2] == again[0] and both["seconds"] == 130.0
+    assert both["command"] == "python -m bench.race first`; cases replaced by `python -m bench.race again"
+    text = (tmp_path / "both" / "race.md").read_text()
+    assert "| fp16 | **30** (30) |" in text                   # the second race's row, against ddp:none's target
