@@ -203,9 +203,18 @@ class DensePath(CollectivePath):
 
 # ---------------------------------------------------------------------------------------------- fused allgather
 FUSION_ELEMENTS = 1 << 16
-"""Elements per fusion group of the allgather path on the CPU (about 32 KB of payload at 4 bits): a group of small
-tensors pays one collective's latency, and groups stay small enough that most of them start while backward still
-runs (with 1,000 small tensors, 2^16 gave the shortest step of 2^12, 2^14, 2^16 and 2^18: docs/RESULTS.md 5.3)."""
+"""The fewest elements per fusion group of the allgather path on the CPU (about 32 KB of payload at 4 bits): a group
+of small tensors pays one collective's latency, and groups stay small enough that most of them start while backward
+still runs (with 1,000 small tensors, 2^16 gave the shortest step of 2^12, 2^14, 2^16 and 2^18: docs/RESULTS.md
+5.3)."""
+
+FUSION_GROUPS = 16
+"""On the CPU a larger model is cut into about this many groups (up to :data:`FUSION_MAX_ELEMENTS` each): each group
+costs its batched pass's fixed work and a collective, and sixteen still start while backward runs
+(docs/RESULTS.md 3.3)."""
+
+FUSION_MAX_ELEMENTS = 1 << 20
+"""The most elements per fusion group the CPU default gives (4 MiB of float32 gradient)."""
 
 DEVICE_FUSION_BYTES = 64 << 20
 """Float32 gradient bytes per fusion group on a GPU: a group's send is a fixed handful of launches and one read back
@@ -213,9 +222,13 @@ whatever its member count, so groups are large (their staging memory bounds them
 group, GPT-2 small's seven (docs/RESULTS.md 5.5)."""
 
 
-def fusion_bytes_for(device: torch.device) -> int:
-    """The default float32 gradient bytes per fusion group of tensors on ``device``."""
-    return DEVICE_FUSION_BYTES if device.type == "cuda" else 4 * FUSION_ELEMENTS
+def fusion_bytes_for(device: torch.device, elements: int = 0) -> int:
+    """The default float32 gradient bytes per fusion group of ``elements`` gradient elements on ``device``: on a GPU
+    :data:`DEVICE_FUSION_BYTES`; on the CPU a :data:`FUSION_GROUPS`-th of them, within :data:`FUSION_ELEMENTS` and
+    :data:`FUSION_MAX_ELEMENTS`."""
+    if device.type == "cuda":
+        return DEVICE_FUSION_BYTES
+    return 4 * min(max(elements // FUSION_GROUPS, FUSION_ELEMENTS), FUSION_MAX_ELEMENTS)
 
 
 def fusion_groups(numels: np.ndarray, max_elements: int = FUSION_ELEMENTS) -> list[list[int]]:
@@ -379,7 +392,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         """Tensor ``index``'s flat gradient (``own``: where its ``q`` is to be written, or None); returns its group
         when this completes it (the caller sends the group then), else None."""
         if self.fusion_bytes is None:
-            self._group_by(fusion_bytes_for(gradient.device))
+            self._group_by(fusion_bytes_for(gradient.device, int(self.numels.sum())))
         group = int(self.group_of[index])
         members = self._registered.setdefault(group, {})
         members[index] = (gradient, own)

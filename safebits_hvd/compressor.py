@@ -266,8 +266,9 @@ class SafeBits(CoreCompressor):
             Horovod's allgather and alltoall when Horovod runs several ranks, else none.
         fusion_bytes: on the allgather path, the float32 gradient bytes of consecutive tensors sent in one batched
             pass and one allgather (a larger tensor goes alone); 0: every tensor alone. Default None: by the
-            gradients' device, 256 KiB on the CPU (groups start while backward runs) and 64 MiB on a GPU (a group
-            costs a fixed handful of kernel launches and one read back whatever its member count).
+            gradients' device: on the CPU a sixteenth of the model's, within 256 KiB and 4 MiB (groups start while
+            backward runs), and 64 MiB on a GPU (a group costs a fixed handful of kernel launches and one read back
+            whatever its member count).
 
     Attributes:
         last_step: the :class:`StepRecord` of the last completed step (None before the first).

@@ -185,8 +185,16 @@ def test_the_counts_follow_the_fusion_groups() -> None:
 
 
 def test_fusion_bytes_default_by_device_and_checked() -> None:
-    assert sb.collectives.fusion_bytes_for(torch.device("cpu")) == 4 * sb.collectives.FUSION_ELEMENTS
+    cpu = torch.device("cpu")
+    assert sb.collectives.fusion_bytes_for(cpu, 1000 * 16) == 4 * sb.collectives.FUSION_ELEMENTS      # the floor
+    assert sb.collectives.fusion_bytes_for(cpu, 11_607_552) == 4 * (11_607_552 // 16)     # a sixteenth each
+    assert sb.collectives.fusion_bytes_for(cpu, 124_439_808) == 4 << 20                   # the ceiling
     assert sb.collectives.fusion_bytes_for(torch.device("cuda")) == sb.collectives.DEVICE_FUSION_BYTES
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(50_000))) for i in range(40)]     # 2M elements in all
+    compressor = sb.SafeBits(params, budget_bits=4.4, collective="allgather")
+    params[-1][1].grad = torch.ones(50_000)
+    compressor.compress(params[-1][1].grad)
+    assert compressor.core.allgather.fusion_bytes == 4 * 125_000                         # by the model's size
     with pytest.raises(ValueError, match="fusion_bytes"):
         sb.SafeBits(bucket_of(1), fusion_bytes=-1)
     with pytest.raises(ValueError, match="fusion_bytes"):
