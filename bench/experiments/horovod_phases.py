@@ -1,0 +1,160 @@
+"""Where a Horovod training step's time goes, per compressor, on a rate-limited link (docs/RESULTS.md 3.3).
+
+Two ranks under ``horovodrun --gloo`` in a network namespace whose loopback ``tc`` limits (:mod:`bench.link`'s link),
+one thread each, bound to their own cores; the compressors' training steps interleaved in one launch, as
+``bench.link --interleave`` runs them. Per compressor, the median over the timed steps (rank 0) of: forward;
+backward, during which Horovod calls ``compress`` in each gradient's hook; the optimizer step, whose
+``synchronize()`` calls ``decompress`` (waiting for the collectives) before the update; the whole step; and the
+seconds spent inside ``compress`` and inside ``decompress``, summed over the step's tensors (SafeBits rows only).
+
+Compressors: ``bench.specs`` names (``none``, ``fp16``, ``safebits@4.4`` ...); ``--fusion-bytes B ...`` adds a
+SafeBits 4.4-bit row per size B (``fusion_bytes=B``; 0: each tensor alone), to compare fusion group sizes in one
+launch.
+
+Usage (root: it needs ``ip netns`` and ``tc``)::
+
+    python -m bench.experiments.horovod_phases --rate 1gbit --model gpt2_small --compressors none fp16 safebits@4.4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+WORKER_FLAG = "--worker"
+PHASES = ("forward", "backward", "optimizer step", "step", "in compress", "in decompress")
+
+
+class Timed:
+    """Seconds spent inside one method of every instance of a class, summed until :meth:`take`."""
+
+    def __init__(self, cls: type, name: str) -> None:
+        self.seconds = 0.0
+        inner = getattr(cls, name)
+
+        def timed(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(obj, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        setattr(cls, name, timed)
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def worker(args: argparse.Namespace) -> None:
+    import horovod.torch as hvd
+    import torch
+
+    import safebits_hvd as sb
+    from bench import specs
+    from bench.hvd_worker import build_compression
+    from bench.protocol import SEED, pin_rank
+    from bench.tasks import Workload
+    from safebits_hvd.compressor import CoreCompressor
+
+    torch.set_num_threads(1)
+    pin_rank()
+    hvd.init()
+    compress, decompress = Timed(CoreCompressor, "compress"), Timed(CoreCompressor, "decompress")
+    work = Workload(args.model, args.batch)
+    rows = [*args.compressors, *(f"safebits@4.4 fusion {b}" for b in args.fusion_bytes)]
+    cases: list[tuple[str, Callable[[], list[float]]]] = []
+    for case_id, row in enumerate(rows):
+        torch.manual_seed(SEED)
+        model = work.model()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        if " fusion " in row:
+            compression = sb.SafeBits(model.named_parameters(), budget_bits=4.4, name=f"phases.{case_id}",
+                                      fusion_bytes=int(row.split()[-1]))
+        else:
+            compression = build_compression(specs.parse(row), model, case_id)
+        named = [(f"case{case_id}.{n}", p) for n, p in model.named_parameters()]
+        opt = hvd.DistributedOptimizer(work.optimizer(model), named_parameters=named, compression=compression)
+        gen = torch.Generator().manual_seed(SEED * 7919 + hvd.rank())
+
+        def step(model: Any = model, opt: Any = opt, gen: Any = gen) -> list[float]:
+            compress.take(), decompress.take()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = work.loss(model, gen)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            return [t1 - t0, t2 - t1, t3 - t2, t3 - t0, compress.take(), decompress.take()]
+
+        cases.append((row, step))
+    times: dict[str, list[list[float]]] = {row: [] for row, _ in cases}
+    for i in range(args.warmup + args.steps):
+        hvd.allreduce(torch.zeros(1), name=f"phases.barrier.{i}")
+        for row, step in cases if i % 2 == 0 else reversed(cases):
+            phases = step()
+            if i >= args.warmup:
+                times[row].append(phases)
+    if hvd.rank() == 0:
+        print(table(args, times), flush=True)
+
+
+def table(args: argparse.Namespace, times: dict[str, list[list[float]]]) -> str:
+    """The medians, in milliseconds, one row per compressor."""
+    lines = [f"{args.model}, batch {args.batch} per rank, link {args.rate}, {args.steps} timed steps "
+             f"(medians, ms, rank 0)", "", "| compressor | " + " | ".join(PHASES) + " |",
+             "| --- |" + " --- |" * len(PHASES)]
+    for row, steps in times.items():
+        medians = [statistics.median(column) * 1e3 for column in zip(*steps, strict=True)]
+        lines.append(f"| {row} | " + " | ".join(f"{m:.1f}" for m in medians) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="1gbit", help="link rate (bench.link's syntax) or 'unlimited'")
+    parser.add_argument("--model", default="gpt2_small", help="a bench.tasks.Workload name")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--compressors", nargs="*", default=["none", "fp16", "safebits@4.4"])
+    parser.add_argument("--fusion-bytes", nargs="*", type=int, default=[])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    from bench.link import configure_link, delete_namespace, in_namespace, parse_rate
+    from bench.protocol import PIN_ENV
+    from safebits_hvd.launch import horovodrun
+
+    ns = f"sbphases-{os.getpid()}"
+    if os.system(f"ip netns add {ns} 2>/dev/null") != 0:
+        print("[phases] cannot create a network namespace: run as root with ip and tc (iproute2)")
+        return 0
+    try:
+        configure_link(ns, parse_rate(args.rate))
+        horovodrun(2, "-m", "bench.experiments.horovod_phases", *argv, WORKER_FLAG,
+                   prefix=in_namespace(ns), env={"OMP_NUM_THREADS": "1", PIN_ENV: "1"}, timeout=args.timeout,
+                   on_line=lambda line: print(line.split("<stdout>:", 1)[-1], flush=True)
+                   if "<stdout>" in line else None)
+    finally:
+        delete_namespace(ns)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
