@@ -25,3 +25,14 @@ def test_the_table_has_one_row_of_medians_per_compressor() -> None:
     text = phases.table(args, {"safebits@4.4": steps})
     assert "| safebits@4.4 | 200.0 | 300.0 | 400.0 | 900.0 | 60.0 | 20.0 |" in text
     assert text.startswith("gpt2_small, batch 4 per rank, link 1gbit, 14 timed steps")
+
+
+def test_the_race_s_text_task_steps_as_a_workload() -> None:
+    import torch
+
+    work = phases.RaceText()
+    model = work.model()
+    loss = work.loss(model, torch.Generator().manual_seed(0))
+    loss.backward()
+    assert loss.ndim == 0 and torch.isfinite(loss) and model.parameters().__next__().grad is not None
+    assert isinstance(work.optimizer(model), torch.optim.Optimizer)

@@ -51,6 +51,24 @@ class Timed:
         return seconds
 
 
+class RaceText:
+    """The race's text task (:class:`bench.tasks.TextGPT`, its own batch) as a :class:`~bench.tasks.Workload`."""
+
+    def __init__(self) -> None:
+        from bench.tasks import TextGPT
+
+        self.task = TextGPT(200)
+
+    def model(self) -> Any:
+        return self.task.model()
+
+    def optimizer(self, model: Any) -> Any:
+        return self.task.optimizer(model)
+
+    def loss(self, model: Any, gen: Any) -> Any:
+        return self.task.batch_loss(model, gen)
+
+
 def worker(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import torch
@@ -66,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     pin_rank()
     hvd.init()
     compress, decompress = Timed(CoreCompressor, "compress"), Timed(CoreCompressor, "decompress")
-    work = Workload(args.model, args.batch)
+    work = RaceText() if args.model == "gpt2_text" else Workload(args.model, args.batch)
     rows = [*args.compressors, *(f"safebits@4.4 fusion {b}" for b in args.fusion_bytes)]
     cases: list[tuple[str, Callable[[], list[float]]]] = []
     for case_id, row in enumerate(rows):
@@ -108,7 +126,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def table(args: argparse.Namespace, times: dict[str, list[list[float]]]) -> str:
     """The medians, in milliseconds, one row per compressor."""
-    lines = [f"{args.model}, batch {args.batch} per rank, link {args.rate}, {args.steps} timed steps "
+    batch = "the race's batch" if args.model == "gpt2_text" else f"batch {args.batch}"
+    lines = [f"{args.model}, {batch} per rank, link {args.rate}, {args.steps} timed steps "
              f"(medians, ms, rank 0)", "", "| compressor | " + " | ".join(PHASES) + " |",
              "| --- |" + " --- |" * len(PHASES)]
     for row, steps in times.items():
@@ -120,7 +139,8 @@ def table(args: argparse.Namespace, times: dict[str, list[list[float]]]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="1gbit", help="link rate (bench.link's syntax) or 'unlimited'")
-    parser.add_argument("--model", default="gpt2_small", help="a bench.tasks.Workload name")
+    parser.add_argument("--model", default="gpt2_small", help="a bench.tasks.Workload name, or gpt2_text: the "
+                        "race's text task (bench.tasks.TextGPT, its own batch)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--compressors", nargs="*", default=["none", "fp16", "safebits@4.4"])
     parser.add_argument("--fusion-bytes", nargs="*", type=int, default=[])
