@@ -34,5 +34,5 @@ def test_the_race_s_text_task_steps_as_a_workload() -> None:
     model = work.model()
     loss = work.loss(model, torch.Generator().manual_seed(0))
     loss.backward()
-    assert loss.ndim == 0 and torch.isfinite(loss) and model.parameters().__next__().grad is not None
+    assert loss.ndim == 0 and torch.isfinite(loss) and next(model.parameters()).grad is not None
     assert isinstance(work.optimizer(model), torch.optim.Optimizer)

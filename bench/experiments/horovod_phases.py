@@ -55,9 +55,10 @@ class RaceText:
     """The race's text task (:class:`bench.tasks.TextGPT`, its own batch) as a :class:`~bench.tasks.Workload`."""
 
     def __init__(self) -> None:
-        from bench.tasks import TextGPT
+        from bench.race import STEPS
+        from bench.race_worker import make_race_task
 
-        self.task = TextGPT(200)
+        self.task = make_race_task("gpt2_text", STEPS["gpt2_text"])
 
     def model(self) -> Any:
         return self.task.model()
@@ -85,15 +86,17 @@ def worker(args: argparse.Namespace) -> None:
     hvd.init()
     compress, decompress = Timed(CoreCompressor, "compress"), Timed(CoreCompressor, "decompress")
     work = RaceText() if args.model == "gpt2_text" else Workload(args.model, args.batch)
-    rows = [*args.compressors, *(f"safebits@4.4 fusion {b}" for b in args.fusion_bytes)]
+    # (row label, fusion_bytes of a SafeBits 4.4-bit row, or None for a bench.specs compressor)
+    rows = [*((name, None) for name in args.compressors),
+            *((f"safebits@4.4 fusion {b}", b) for b in args.fusion_bytes)]
     cases: list[tuple[str, Callable[[], list[float]]]] = []
-    for case_id, row in enumerate(rows):
+    for case_id, (row, fusion_bytes) in enumerate(rows):
         torch.manual_seed(SEED)
         model = work.model()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        if " fusion " in row:
+        if fusion_bytes is not None:
             compression = sb.SafeBits(model.named_parameters(), budget_bits=4.4, name=f"phases.{case_id}",
-                                      fusion_bytes=int(row.split()[-1]))
+                                      fusion_bytes=fusion_bytes)
         else:
             compression = build_compression(specs.parse(row), model, case_id)
         named = [(f"case{case_id}.{n}", p) for n, p in model.named_parameters()]
