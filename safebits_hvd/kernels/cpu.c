@@ -181,54 +181,58 @@ static inline double sb_lane_sum(const float *restrict v, int len, int square) {
     return total;
 }
 
-/* The lane-ordered float32 sum of sb_lm_err2 over one bucket at a candidate scale; with out != NULL also
- * out[i] = Q(v[i]) at that scale (the same code and value functions, so the final pass can be skipped). */
-static inline __attribute__((always_inline)) float sb_lm_candidate(const float *restrict v, int len, float scale,
-                                                                   int levels, int trits, float *restrict out) {
-    float lane[SB_SUM_LANES] = {0};
+/* err[f] = the lane-ordered float32 sum of sb_lm_err2 over one bucket at scale[f], for every candidate f at once:
+ * each candidate keeps its own 8 lanes and their order, so each sum is bitwise that of a pass of its own, while the
+ * candidates' independent additions overlap (one pass per candidate waits on its single chain of lane additions). */
+#if SB_LM_NFACTORS != 3
+#error "sb_lm_candidates measures exactly three candidate scales (safebits_hvd.actions.LLOYD_MAX_SCALE_FACTORS)"
+#endif
+static inline __attribute__((always_inline)) void sb_lm_candidates(const float *restrict v, int len,
+                                                                    const float *restrict scale, int levels,
+                                                                    float *restrict err) {
+    float lane0[SB_SUM_LANES] = {0}, lane1[SB_SUM_LANES] = {0}, lane2[SB_SUM_LANES] = {0};
+    float s0 = scale[0], s1 = scale[1], s2 = scale[2];
     int i, l;
-    if (out) {
-        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
-            for (l = 0; l < SB_SUM_LANES; l++) {
-                float x = v[i + l], c = sb_lm_code(x, scale, levels), mag = sb_lm_magnitude(x, scale, levels);
-                float d = mag * scale - sb_u2f(sb_f2u(x) & 0x7fffffffu);
-                lane[l] += d * d; /* sb_lm_err2(x, scale, levels) */
-                out[i + l] = sb_lm_signed(mag, sb_quant_sign(x, c, trits), scale); /* sb_lm(x, ...) */
-            }
-        for (l = 0; i + l < len; l++) {
-            lane[l] += sb_lm_err2(v[i + l], scale, levels);
-            out[i + l] = sb_lm(v[i + l], scale, levels, trits);
+    for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
+        for (l = 0; l < SB_SUM_LANES; l++) {
+            float x = v[i + l];
+            lane0[l] += sb_lm_err2(x, s0, levels);
+            lane1[l] += sb_lm_err2(x, s1, levels);
+            lane2[l] += sb_lm_err2(x, s2, levels);
         }
-    } else {
-        for (i = 0; i + SB_SUM_LANES <= len; i += SB_SUM_LANES)
-            for (l = 0; l < SB_SUM_LANES; l++) lane[l] += sb_lm_err2(v[i + l], scale, levels);
-        for (l = 0; i + l < len; l++) lane[l] += sb_lm_err2(v[i + l], scale, levels);
+    for (l = 0; i + l < len; l++) {
+        float x = v[i + l];
+        lane0[l] += sb_lm_err2(x, s0, levels);
+        lane1[l] += sb_lm_err2(x, s1, levels);
+        lane2[l] += sb_lm_err2(x, s2, levels);
     }
-    float err = lane[0];
-    for (l = 1; l < SB_SUM_LANES; l++) err += lane[l];
-    return err;
+    err[0] = lane0[0];
+    err[1] = lane1[0];
+    err[2] = lane2[0];
+    for (l = 1; l < SB_SUM_LANES; l++) {
+        err[0] += lane0[l];
+        err[1] += lane1[l];
+        err[2] += lane2[l];
+    }
 }
 
 /* LLOYD_MAX for one bucket (safebits_math.h): the scale is the candidate rms * factor whose lane-ordered float32 sum
  * of sb_lm_err2 is least, the first on a tie (a later NaN sum never wins; the CUDA backend sums the same way); then
- * q, and with word != NULL the wire words. Without words, q is written while the candidates are measured (scratch:
- * len floats). Always inlined into sb_lm_bucket's switch, so that `levels` is a constant there: the threshold and
- * select loops unroll and the element loops vectorize. */
+ * q, and with word != NULL the wire words. Always inlined into sb_lm_bucket's switch, so that `levels` is a constant
+ * there: the threshold and select loops unroll and the element loops vectorize. */
 static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *restrict v, float *restrict q,
-                                                                   sb_u32 *restrict word, float *restrict scratch,
-                                                                   int len, int levels, int trits,
-                                                                   float *scale_out) {
-    float rms = sb_lm_scale(sb_lane_sum(v, len, 1), len), scale = rms * sb_lm_factor[0], best_err = 0.0f;
-    int i;
-    for (int f = 0; f < SB_LM_NFACTORS; f++) {
-        float candidate = rms * sb_lm_factor[f];
-        float err = sb_lm_candidate(v, len, candidate, levels, trits, word ? NULL : f == 0 ? q : scratch);
-        if (f == 0 || err < best_err) {
-            scale = candidate;
-            best_err = err;
-            if (f > 0 && !word) memcpy(q, scratch, (size_t)len * sizeof(float));
+                                                                   sb_u32 *restrict word, int len, int levels,
+                                                                   int trits, float *scale_out) {
+    float rms = sb_lm_scale(sb_lane_sum(v, len, 1), len), candidate[SB_LM_NFACTORS], err[SB_LM_NFACTORS];
+    int i, f;
+    for (f = 0; f < SB_LM_NFACTORS; f++) candidate[f] = rms * sb_lm_factor[f];
+    sb_lm_candidates(v, len, candidate, levels, err);
+    float scale = candidate[0], best_err = err[0];
+    for (f = 1; f < SB_LM_NFACTORS; f++)
+        if (err[f] < best_err) {
+            scale = candidate[f];
+            best_err = err[f];
         }
-    }
     if (scale_out) *scale_out = scale;
     if (word) { /* packing pass: the same code and value functions, keeping the code */
         int cb = sb_lm_bits(levels);
@@ -238,37 +242,39 @@ static inline __attribute__((always_inline)) void sb_lm_bucket_at(const float *r
             q[i] = sb_lm_signed(sb_lm_magnitude(v[i], scale, levels), neg, scale); /* sb_lm_value(c, neg, ...) */
             word[i] = sb_quant_word(c, neg, cb, trits);
         }
+    } else {
+        for (i = 0; i < len; i++) q[i] = sb_lm(v[i], scale, levels, trits);
     }
 }
 
 /* The cases are the keys of safebits_hvd.actions.LLOYD_MAX_LEVELS (the wire decoder refuses any other count).
  * Cloned itself: a callee is compiled for the default target even when its caller is a clone. */
-SB_CLONES static void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word,
-                                float *restrict scratch, int len, int levels, float *scale_out) {
+SB_CLONES static void sb_lm_bucket(const float *restrict v, float *restrict q, sb_u32 *restrict word, int len,
+                                int levels, float *scale_out) {
     switch (levels) {
     case 3:
-        sb_lm_bucket_at(v, q, word, scratch, len, 3, 1, scale_out);
+        sb_lm_bucket_at(v, q, word, len, 3, 1, scale_out);
         break;
     case 4:
-        sb_lm_bucket_at(v, q, word, scratch, len, 4, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, len, 4, 0, scale_out);
         break;
     case 8:
-        sb_lm_bucket_at(v, q, word, scratch, len, 8, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, len, 8, 0, scale_out);
         break;
     case 16:
-        sb_lm_bucket_at(v, q, word, scratch, len, 16, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, len, 16, 0, scale_out);
         break;
     case 32:
-        sb_lm_bucket_at(v, q, word, scratch, len, 32, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, len, 32, 0, scale_out);
         break;
     default:
-        sb_lm_bucket_at(v, q, word, scratch, len, 64, 0, scale_out);
+        sb_lm_bucket_at(v, q, word, len, 64, 0, scale_out);
         break;
     }
 }
 
 /* q[0..len) = Q(v[0..len)) for one bucket whose first element has global index j0. kb: len scratch words (TOPK,
- * LLOYD_MAX, and QUANT's packing pass).
+ * and QUANT's packing pass).
  * With word != NULL (the packing pass) also the wire codes: QUANT: len sb_quant_word()s and *scale; SIGN: len
  * sign codes and *scale; TOPK: the kept local indices in ascending order. Returns the number of words written
  * (0 for the float kinds, whose wire values the packer takes from q). */
@@ -337,7 +343,7 @@ SB_CLONES int sb_quant_bucket(const sb_action *act, const float *restrict v, flo
         return 0;
     }
     case SB_LLOYD_MAX: /* levels is one of 3, 4, 8, 16 (checked in Python and by the wire decoder) */
-        sb_lm_bucket(v, q, word, (float *)kb, len, act->levels, scale_out);
+        sb_lm_bucket(v, q, word, len, act->levels, scale_out);
         return word ? len : 0;
     case SB_TOPK: {
         int kk = act->topk < len ? act->topk : len;
@@ -408,6 +414,40 @@ static void sb_stat_tree(double p[4][SB_STAT_PARTIALS], int w) {
     }
 }
 
+/* sb_bucket_stats of a full bucket of 2 * SB_STAT_PARTIALS elements (the default bucket): the same sums, with the
+ * tree's first two levels taken in registers as the partials are made. Partial t is (+0.0 + term t) + term t + P
+ * (P = SB_STAT_PARTIALS), and after the levels s = P/2 and P/4 the partial t < P/4 holds
+ * (partial t + partial t + P/2) + (partial t + P/4 + partial t + 3P/4): the operations sb_bucket_stats makes, in
+ * its order, without storing and reloading three quarters of the partials. */
+#define SB_STAT_TERMS(i, D, QV, QQ, VV)                                                                   \
+    double D, QV, QQ, VV;                                                                                  \
+    do {                                                                                                   \
+        double qd_ = (double)q[i], vd_ = (double)v[i], d_ = qd_ - vd_;                                     \
+        D = d_ * d_;                                                                                       \
+        QV = qd_ * vd_;                                                                                    \
+        QQ = qd_ * qd_;                                                                                    \
+        VV = vd_ * vd_;                                                                                    \
+    } while (0)
+SB_CLONES static void sb_full_bucket_stats(const float *restrict q, const float *restrict v, double *acc) {
+    enum { P = SB_STAT_PARTIALS, Q = SB_STAT_PARTIALS / 4 };
+    double p[4][SB_STAT_PARTIALS];
+    for (int t = 0; t < Q; t++) {
+        double r[4][4]; /* r[c][j]: column c's partial t + j * Q after both of its elements */
+        for (int j = 0; j < 4; j++) {
+            SB_STAT_TERMS(t + j * Q, d0, qv0, qq0, vv0);
+            SB_STAT_TERMS(t + j * Q + P, d1, qv1, qq1, vv1);
+            r[0][j] = (0.0 + d0) + d1;
+            r[1][j] = (0.0 + qv0) + qv1;
+            r[2][j] = (0.0 + qq0) + qq1;
+            r[3][j] = (0.0 + vv0) + vv1;
+        }
+        for (int c = 0; c < 4; c++) p[c][t] = (r[c][0] + r[c][2]) + (r[c][1] + r[c][3]);
+    }
+    sb_stat_tree(p, Q); /* the levels from P/8 down */
+    for (int k = 0; k < 4; k++) acc[k] = p[k][0];
+}
+#undef SB_STAT_TERMS
+
 /* acc[0..4) = [sum (q-v)^2, sum q v, sum q^2, sum v^2] in float64 in the shared order (SB_STAT_PARTIALS): element
  * i's terms go to partial i % SB_STAT_PARTIALS, the first from +0.0, then the tree. If e != NULL also e = v - q. */
 SB_CLONES void sb_bucket_stats(const float *restrict q, const float *restrict v, float *restrict e, int len,
@@ -416,6 +456,10 @@ SB_CLONES void sb_bucket_stats(const float *restrict q, const float *restrict v,
     int w = len < SB_STAT_PARTIALS ? len : SB_STAT_PARTIALS;
     if (e)
         for (int i = 0; i < len; i++) e[i] = v[i] - q[i];
+    if (len == 2 * SB_STAT_PARTIALS) {
+        sb_full_bucket_stats(q, v, acc);
+        return;
+    }
     for (int t = 0; t < w; t++) {
         double qd = (double)q[t], vd = (double)v[t], d = qd - vd;
         p[0][t] = 0.0 + d * d;
