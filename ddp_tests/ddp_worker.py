@@ -184,7 +184,7 @@ def decoded_sends(state: sbddp.SafeBitsState, transport: RecordingTransport, col
     payloads = sb.collectives.split_payloads(transport.alltoall_buffers[-1], ranks * tensors, "alltoall")
     for index, name in enumerate(state.names):
         out = torch.zeros(numels[name])
-        bounds = segment_bounds(numels[name], state.core.menu.bucket_size, ranks)
+        bounds = segment_bounds(numels[name], state.core.menu.bucket_size, ranks, index)
         for segment, (start, stop) in enumerate(bounds):
             sb.kernels.decode_add(payloads[segment * tensors + index], out[start:stop], name=name)
         sent[name] = out

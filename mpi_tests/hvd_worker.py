@@ -230,7 +230,8 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         second = hvd.allgather_object({n: t.numpy() for n, t in compression.core.two_phase.memory.residuals.items()},
                                       name=f"{sc.name}.second_hop")
         for n, p in trainable:
-            bounds = sb.collectives.segment_bounds(p.numel(), compression.menu.bucket_size, hvd.size())
+            bounds = sb.collectives.segment_bounds(p.numel(), compression.menu.bucket_size, hvd.size(),
+                                                  compression.names.index(n))
             residual = np.concatenate([second[owner][n] for owner in range(hvd.size())]).astype(np.float64)
             check(len(residual) == p.numel() and [stop - start for start, stop in bounds] == [len(second[o][n])
                   for o in range(hvd.size())], f"second-hop residuals of {n} do not tile the tensor")

@@ -549,11 +549,15 @@ class AllgatherPath(PackedCodec, CollectivePath):
                                              self.tables, names, what)
 
 
-def segment_bounds(n: int, bucket_size: int, ranks: int) -> list[tuple[int, int]]:
-    """Two-phase: ``ranks`` element ranges of a tensor of ``n`` elements, cut at bucket boundaries (some may be
-    empty), so every segment quantizes exactly as the same buckets of the whole tensor would."""
+def segment_bounds(n: int, bucket_size: int, ranks: int, index: int) -> list[tuple[int, int]]:
+    """Two-phase: ``ranks`` element ranges of tensor ``index`` of ``n`` elements, cut at bucket boundaries (some may
+    be empty), so every segment quantizes exactly as the same buckets of the whole tensor would. Segments differ by at
+    most one bucket; where the buckets do not divide evenly, tensor ``index`` gives its extra ones to the owners
+    before ``P - 1 - index mod P``: a model's one-bucket tensors (biases, norms) spread over every owner instead of
+    all landing on the last, whose larger payloads every rank's allgather would be padded to."""
     buckets = -(-n // bucket_size)
-    cuts = [min(n, (r * buckets // ranks) * bucket_size) for r in range(ranks)] + [n]
+    shift = index % ranks
+    cuts = [0, *(min(n, ((r * buckets + shift) // ranks) * bucket_size) for r in range(1, ranks)), n]
     return list(itertools.pairwise(cuts))
 
 

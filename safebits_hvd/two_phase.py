@@ -74,8 +74,8 @@ class TwoPhasePath(CollectivePath):
         feedback), so the error it holds is sent later, not lost: the sum over ranks of what is not yet sent stays
         the same (docs/DESIGN.md, "Elastic training")."""
         self.transport = self.configured_for = transport
-        self.segments = [collectives.segment_bounds(int(n), self.menu.bucket_size, transport.size)
-                         for n in self.numels]
+        self.segments = [collectives.segment_bounds(int(n), self.menu.bucket_size, transport.size, index)
+                         for index, n in enumerate(self.numels)]
         lengths = np.array([[stop - start for start, stop in bounds] for bounds in self.segments], dtype=np.int64)
         self.segment_tables = kernels.GroupTables(self.menu, lengths.reshape(-1),
                                                   np.repeat(self.policy.cost_order, transport.size, axis=0))

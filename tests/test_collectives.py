@@ -196,7 +196,8 @@ def test_two_phase_is_bitwise_identical_and_conserves_the_second_hop(ranks: int)
         n = p.numel()
         first_hop = sum(results[r]["sent"][s][name] for r in range(ranks) for s in range(steps)).double()
         second_hop = sum(results[0]["reduced"][s][name].reshape(-1) for s in range(steps)).double()
-        for owner, (start, stop) in enumerate(collectives.segment_bounds(n, bucket, ranks)):
+        index = results[0]["compressor"].names.index(name)
+        for owner, (start, stop) in enumerate(collectives.segment_bounds(n, bucket, ranks, index)):
             residual = results[owner]["compressor"].core.two_phase.memory.residuals[name].double()
             lhs = second_hop[start:stop] + residual
             scale = first_hop[start:stop].abs().sum() / max(1, stop - start) + 1e-12
@@ -328,12 +329,29 @@ def test_auto_chooses_the_collective_that_moves_fewer_bytes(bits: float, ranks: 
         assert collectives.choose(fixed, bits, ranks) == fixed
 
 
+@pytest.mark.parametrize("index", [0, 1, 5])
 @pytest.mark.parametrize(("n", "ranks"), [(0, 2), (7, 3), (512, 2), (513, 2), (5000, 4), (70_000, 3)])
-def test_segments_cover_the_tensor_at_bucket_boundaries(n: int, ranks: int) -> None:
-    bounds = collectives.segment_bounds(n, 512, ranks)
+def test_segments_cover_the_tensor_at_bucket_boundaries(n: int, ranks: int, index: int) -> None:
+    bounds = collectives.segment_bounds(n, 512, ranks, index)
     assert len(bounds) == ranks and bounds[0][0] == 0 and bounds[-1][1] == n
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert all(start % 512 == 0 or start == n for start, _ in bounds)
+    buckets = [-(-(stop - start) // 512) for start, stop in bounds]
+    assert max(buckets) - min(buckets) <= 1
+
+
+def test_one_bucket_tensors_spread_over_every_owner() -> None:
+    """Biases and norms (one bucket each) go to a different owner each, so no owner's second-hop payloads (which
+    torch.distributed's all_gather pads every rank's to) grow with the model's count of small tensors."""
+    ranks = 8
+    owners = [next(r for r, (start, stop) in enumerate(collectives.segment_bounds(300, 512, ranks, index))
+                   if stop > start) for index in range(2 * ranks)]
+    assert sorted(owners) == sorted(list(range(ranks)) * 2)
+    per_owner = np.zeros(ranks, dtype=np.int64)
+    for index, n in enumerate([262_144, 512] * 4 + [1000] * 6):
+        for owner, (start, stop) in enumerate(collectives.segment_bounds(n, 512, ranks, index)):
+            per_owner[owner] += stop - start
+    assert per_owner.max() - per_owner.min() <= 2 * 512
 
 
 def test_gathered_payloads_that_do_not_add_up_are_a_clear_error() -> None:
