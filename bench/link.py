@@ -85,7 +85,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -270,7 +270,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             r["steps_at_best_budget"] = None if target is None or not bits else [
                 sum(math.isclose(b, target, rel_tol=1e-3) for b in bits), len(bits)]
             # How far the launch's own noise leaves those ratios: the median of 20 steps that differ by a third
-            # from one to the next is uncertain by about 5% (docs/RESULTS.md 4.3, "How sure is a cell").
+            # from one to the next is uncertain by about 5% (docs/RESULTS.md 4.2, "How sure is a cell").
             mine = times[r["rate"], r["model"], r["compressor"]]
             none = times.get((r["rate"], r["model"], front + "none"))
             for name, theirs in (("best", [times[o["rate"], o["model"], o["compressor"]] for o in fixed]),
@@ -516,6 +516,41 @@ def configure_link(ns: str, rate_bps: int | None) -> str:
     return _run(in_namespace(ns, "tc", "qdisc", "show", "dev", "lo")).stdout.strip()
 
 
+@contextlib.contextmanager
+def limited_namespace(name: str, rate: str) -> Iterator[list[str] | None]:
+    """A network namespace of its own (``name`` and this process's id) whose loopback runs at ``rate`` (this
+    module's syntax, or ``unlimited``); yields the command prefix that runs a launcher in it, or None where none can
+    be made (not root, no iproute2), and deletes it afterwards with whatever still runs in it."""
+    ns = f"{name}-{os.getpid()}"
+    if os.system(f"ip netns add {ns} 2>/dev/null") != 0:
+        yield None
+        return
+    try:
+        configure_link(ns, parse_rate(rate))
+        yield in_namespace(ns)
+    finally:
+        delete_namespace(ns)
+
+
+def run_on_link(name: str, argv: list[str] | None, parse_args: Callable[[list[str]], argparse.Namespace],
+                worker: Callable[[argparse.Namespace], None],
+                launch: Callable[[list[str], list[str], argparse.Namespace], None]) -> int:
+    """An experiment that launches itself on a limited link: with ``--worker`` (``args.worker``) this process is a
+    rank and runs ``worker(args)``; else ``launch(prefix, argv, args)`` starts the ranks in a namespace of their own
+    at ``args.rate`` (:func:`limited_namespace`). Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    with limited_namespace(name, args.rate) as prefix:
+        if prefix is None:
+            print(f"[{name}] cannot create a network namespace: run as root with ip and tc (iproute2)")
+            return 1
+        launch(prefix, argv, args)
+    return 0
+
+
 def qdisc_stats(ns: str) -> str:
     return _run(in_namespace(ns, "tc", "-s", "qdisc", "show", "dev", "lo"), check=False).stdout.strip()
 
@@ -660,7 +695,7 @@ def launch_env(args: argparse.Namespace, horovod: bool) -> dict[str, str]:
     """The ranks' environment: one thread each (two ranks share two cores: more threads slow every compressor).
     Horovod's ranks bind themselves to their own cores unless ``--no-pin``, as ``mpirun`` binds ranks; torchrun's
     are left unbound, as torchrun leaves them: bound, Horovod's steps ran faster and evener, DDP's ResNet-18 steps
-    slower (docs/RESULTS.md 4.3, "Ranks bound to cores")."""
+    slower (docs/RESULTS.md 4.2, "Ranks bound to cores")."""
     return {"OMP_NUM_THREADS": "1", PIN_ENV: "1" if horovod and not args.no_pin else "0"}
 
 

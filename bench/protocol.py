@@ -33,7 +33,7 @@ PIN_ENV = "SAFEBITS_BENCH_PIN"
 def pin_rank() -> list[int] | None:
     """Bind this process, and the threads it starts from now on (Horovod's background thread, Gloo's), to its local
     rank's share of the cores it may run on, as ``mpirun`` binds ranks to cores by default: unbound, two ranks on
-    two cores migrate between them, and Horovod's steps run longer and more unevenly (docs/RESULTS.md 4.3, "Ranks
+    two cores migrate between them, and Horovod's steps run longer and more unevenly (docs/RESULTS.md 4.2, "Ranks
     bound to cores"). Only when :data:`PIN_ENV` is 1 and there are at least as many cores as local ranks;
     the local rank and count come from Horovod's or torchrun's environment. Returns the cores, or None."""
     if os.environ.get(PIN_ENV) != "1":

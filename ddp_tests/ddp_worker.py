@@ -17,7 +17,6 @@ DDP's bucket rebuild after the first iteration), non-finite gradients, checkpoin
 as the Horovod front end, and clear errors for a mismatched registration or budget.
 """
 
-import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -35,11 +34,12 @@ from scenario_runner import (
     CLASSES,
     IN_FEATURES,
     Net,
+    TorchRanks,
     check,
     checkpoint_through_bytes,
     params_digest,
     restore_checkpoint,
-    run_scenarios,
+    run_torch_worker,
 )
 
 import safebits_hvd as sb
@@ -50,24 +50,6 @@ from safebits_hvd.launch import exit_without_finalization
 from safebits_hvd.transports import TorchDistributedTransport
 
 BATCH = 64
-
-
-class TorchRanks:
-    """The ranks of the default process group, in the shape the scenario runner takes."""
-
-    @staticmethod
-    def rank() -> int:
-        return dist.get_rank()
-
-    @staticmethod
-    def size() -> int:
-        return dist.get_world_size()
-
-    @staticmethod
-    def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
 
 
 RANKS = TorchRanks()
@@ -500,20 +482,7 @@ def scenarios() -> dict[str, Callable[[], dict[str, Any]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", default="all", help="comma-separated names, or 'all'")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    table = scenarios()
-    names = list(table) if args.scenarios == "all" else args.scenarios.split(",")
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        print(f"unknown scenarios {unknown}; known: {list(table)}", file=sys.stderr)
-        return 2
-    failed = run_scenarios(names, lambda name: table[name](), RANKS)
-    dist.destroy_process_group()
-    return 1 if failed else 0
+    return run_torch_worker(__doc__.splitlines()[0], scenarios())
 
 
 if __name__ == "__main__":

@@ -88,6 +88,31 @@ class Ranks(Protocol):
     def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]: ...
 
 
+class TorchRanks:
+    """The ranks of ``torch.distributed``'s default process group, in the shape :func:`run_scenarios` takes (the
+    DDP and FSDP workers)."""
+
+    @staticmethod
+    def rank() -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    @staticmethod
+    def size() -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    @staticmethod
+    def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+
 def run_scenarios(names: list[str], run: Callable[[str], Any], ranks: Ranks | None = None) -> int:
     """Run ``run(name)`` for every scenario on every rank; a scenario passes only if it passed on every rank (an
     exception fails it, and the ranks stay in step). Returns the number of scenarios that failed."""
@@ -115,3 +140,26 @@ def run_scenarios(names: list[str], run: Callable[[str], Any], ranks: Ranks | No
     if ranks.rank() == 0:
         print(f"SUMMARY {len(names) - failed}/{len(names)} scenarios passed", flush=True)
     return failed
+
+
+def run_torch_worker(description: str, table: dict[str, Callable[[], Any]]) -> int:
+    """A ``torchrun`` worker's main: ``--scenarios a,b`` (or ``all``) of ``table`` on the default Gloo group, one
+    thread per rank; the exit status (2: an unknown scenario)."""
+    import argparse
+    import sys
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--scenarios", default="all", help="comma-separated names, or 'all'")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    names = list(table) if args.scenarios == "all" else args.scenarios.split(",")
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        print(f"unknown scenarios {unknown}; known: {list(table)}", file=sys.stderr)
+        return 2
+    failed = run_scenarios(names, lambda name: table[name](), TorchRanks())
+    dist.destroy_process_group()
+    return 1 if failed else 0

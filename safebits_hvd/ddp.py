@@ -27,11 +27,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import host
 from .actions import DEFAULT_MENU, Menu
-from .errors import SafeBitsConsistencyError
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
-from .frontend import CoreRecords, build_core, check_transports
+from .frontend import AllocationCheck, CoreRecords, build_core, check_transports
 from .transports import LocalTransport, PayloadTransport, TorchDistributedTransport
 
 CHUNK_BYTES = 1 << 18
@@ -130,7 +128,7 @@ class SafeBitsState(CoreRecords):
         self._numels: list[int] = core.numels.tolist()
         self._params = params
         self._pending: list[_PendingBucket] = []
-        self._allocation_check: tuple[int, Any] | None = None    # (step, the all_gather in flight)
+        self._allocation_check = AllocationCheck("SafeBitsState")
 
     @property
     def world_size(self) -> int:
@@ -174,9 +172,9 @@ class SafeBitsState(CoreRecords):
         core.begin()
         step, collective = core.step, core.path.name
         if began:
-            self._allocation_check = None
-            if core.path.front_end_groups:
-                self._start_allocation_check(step)      # the step's first collective, on every rank alike
+            self._allocation_check.drop()
+            if core.path.front_end_groups:      # the step's first collective, on every rank alike
+                self._allocation_check.start(core, self.chunk_bytes)
         pieces: list[_Piece] = []     # passing through, none: DDP all-reduces the bucket as its default hook does
         if not (in_place and core.pass_on_unchanged(indices, buffer)):
             pieces = self._send(buffer, bucket, indices, numels, in_place)
@@ -231,47 +229,16 @@ class SafeBitsState(CoreRecords):
         """Start the allgather of the payloads queued since the last launch, which total ``expected`` bytes at
         their allocated actions on every rank, so nothing waits for a size exchange (only an escalated rest waits
         for the step's close)."""
-        self._finish_allocation_check()       # before the step's first payload moves
+        self._allocation_check.finish(self.core, f"chunk_bytes {self.chunk_bytes}")   # before the first payload
         transport = self.core.transport
         if isinstance(transport, TorchDistributedTransport):      # else one rank: nothing moves
             transport.flush(expected)
-
-    def _start_allocation_check(self, step: int) -> None:
-        """At the step's begin: every rank must have allocated alike and cut its buckets into the same chunks (else
-        the payload collectives' sizes or counts differ and would fail inside Gloo or NCCL, or hang). Starts one
-        small all_gather of the allocation digest, the tensor count, the step's payload bytes at the allocated
-        actions and ``chunk_bytes``; :meth:`_finish_allocation_check` compares them before the step's first payload
-        moves, so the round trip overlaps the packing of the first chunk."""
-        core = self.core
-        transport = core.transport
-        if not isinstance(transport, TorchDistributedTransport):
-            return              # one rank, or a custom transport: nothing to compare
-        digest = int(core.allocation_digest, 16)
-        total = int(core.allgather.allocated_payload_bytes(np.arange(len(core.names))).sum())
-        words = host.upload(transport.device, {"words": np.array(
-            [*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total, self.chunk_bytes])})["words"]
-        self._allocation_check = (step, transport.start_gather(words))
-
-    def _finish_allocation_check(self) -> None:
-        """Wait for the check :meth:`_start_allocation_check` started, if any; a mismatch raises
-        :class:`~.errors.SafeBitsConsistencyError` on every rank."""
-        if self._allocation_check is None:
-            return
-        (step, handle), self._allocation_check = self._allocation_check, None
-        transport = self.core.transport
-        assert isinstance(transport, TorchDistributedTransport)
-        everyone = transport.finish_gather(handle, f"the allocation digest of step {step}")
-        if not np.all(everyone == everyone[0]):
-            raise SafeBitsConsistencyError(
-                f"ranks disagree on the allocation of step {step} (this rank's digest "
-                f"{self.core.allocation_digest}, chunk_bytes {self.chunk_bytes}); every rank must build "
-                f"SafeBitsState with the same parameters, menu, budget, thresholds and chunk_bytes")
 
     def _close_step(self, step: int, collective: str) -> None:
         """The last bucket: every bucket's mean into its buffer, the step finished, every future completed."""
         core = self.core
         pending, self._pending = self._pending, []
-        self._finish_allocation_check()
+        self._allocation_check.finish(core, f"chunk_bytes {self.chunk_bytes}")
         if core.in_step:
             missing = [core.names[i] for i, unsent in enumerate(core.unsent) if unsent]
             core.finish()

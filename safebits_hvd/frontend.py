@@ -12,15 +12,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, host
 from .actions import Menu, make_menu
 from .core import SafeBitsCore
+from .errors import SafeBitsConsistencyError
 from .exchange import StatisticsExchange
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
 from .schedules import Constant, as_schedule
 from .telemetry import StepLog, StepRecord
-from .transports import PayloadTransport
+from .transports import PayloadTransport, TorchDistributedTransport
 
 NONFINITE_MODES = ("propagate", "raise", "skip")
 
@@ -96,6 +97,24 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
     ``requires_grad``. ``exchange`` and ``transport`` are the front end's, or callables of the checked ``timeout``
     that make them when the first step needs them; ``fusion_bytes``: see :class:`~.core.SafeBitsCore`."""
     names, params = registered_parameters(named_parameters)
+    core = build_core_over(
+        names, np.array([p.numel() for p in params], dtype=np.int64), budget_bits, max_distortion, min_cosine, menu,
+        seed, log_path, sample_buckets=sample_buckets, consistency_check_every=consistency_check_every,
+        nonfinite=nonfinite, screen=screen, name=name, max_history=max_history, collective=collective,
+        timeout=timeout, exchange=exchange, transport=transport, fusion_bytes=fusion_bytes)
+    return params, core
+
+
+def build_core_over(names: list[str], numels: np.ndarray, budget_bits: float | Callable[[int], float],
+                    max_distortion: float, min_cosine: float, menu: Menu | Iterable[str], seed: int,
+                    log_path: str | os.PathLike[str] | None, *, sample_buckets: int, consistency_check_every: int,
+                    nonfinite: str, screen: bool, name: str, max_history: int, collective: str,
+                    timeout: float | None,
+                    exchange: StatisticsExchange | Callable[[float | None], StatisticsExchange],
+                    transport: PayloadTransport | Callable[[float | None], PayloadTransport],
+                    fusion_bytes: int | None = None) -> SafeBitsCore:
+    """:func:`build_core` over tensors given by name and size (a front end whose members are not parameters: the
+    FSDP front end's rows of a parameter's reduce-scatter buffer)."""
     schedule = as_schedule(budget_bits)
     if isinstance(schedule, Constant):
         schedule(0)    # a constant is checked now
@@ -113,7 +132,6 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
                         f"is_local, rank, size), got {type(exchange).__name__}")
     if fusion_bytes is not None:
         fusion_bytes = check_count("fusion_bytes", fusion_bytes, 0)
-    numels = np.array([p.numel() for p in params], dtype=np.int64)
     policy = BudgetPolicy(menu, numels, max_distortion, min_cosine, screen=bool(screen))
     core = SafeBitsCore(
         names, numels, policy=policy, schedule=schedule, seed=seed,
@@ -123,7 +141,48 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
         max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
         transport=transport if isinstance(transport, PayloadTransport) else (lambda: transport(timeout)),
         name=name, fusion_bytes=fusion_bytes)
-    return params, core
+    return core
+
+
+class AllocationCheck:
+    """Before a step's first payload moves through ``torch.distributed``: every rank allocated alike and groups its
+    payloads alike (else the collectives' sizes or counts differ, and Gloo or NCCL fails inside, or hangs).
+    :meth:`start`, at the step's begin, launches one small all_gather of the allocation digest, the tensor count,
+    the step's payload bytes at the allocated actions and the front end's own ``grouping`` word;
+    :meth:`finish` compares them before the first payload moves (the round trip overlaps the first packing). A
+    mismatch raises :class:`~.errors.SafeBitsConsistencyError` on every rank."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what                          # how the front end's state is built, for the error message
+        self._pending: tuple[int, Any] | None = None      # (step, the all_gather in flight)
+
+    def start(self, core: SafeBitsCore, grouping: int) -> None:
+        self._pending = None
+        transport = core.transport
+        if not isinstance(transport, TorchDistributedTransport):
+            return              # one rank, or a custom transport: nothing to compare
+        digest = int(core.allocation_digest, 16)
+        total = int(core.allgather.allocated_payload_bytes(np.arange(len(core.names))).sum())
+        words = host.upload(transport.device, {"words": np.array(
+            [*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total, grouping])})["words"]
+        self._pending = (core.step, transport.start_gather(words))
+
+    def finish(self, core: SafeBitsCore, grouping: str) -> None:
+        """Wait for the check :meth:`start` started, if any (``grouping``: the word's meaning, for the error)."""
+        if self._pending is None:
+            return
+        (step, handle), self._pending = self._pending, None
+        transport = core.transport
+        assert isinstance(transport, TorchDistributedTransport)
+        everyone = transport.finish_gather(handle, f"the allocation digest of step {step}")
+        if not np.all(everyone == everyone[0]):
+            raise SafeBitsConsistencyError(
+                f"ranks disagree on the allocation of step {step} (this rank's digest {core.allocation_digest}, "
+                f"{grouping}); every rank must build {self.what} with the same parameters, menu, budget, thresholds "
+                f"and options")
+
+    def drop(self) -> None:
+        self._pending = None
 
 
 def check_transports(exchange: Any, transport: Any) -> None:

@@ -12,10 +12,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "safebits_hvd"
 MAX_CLASS_LINES = 300
 FORBIDDEN_IMPORTS = {
     "wire.py": {"kernels"},                     # the kernels import the wire format, not the reverse
-    "ddp.py": {"compressor"},                   # both front ends import frontend.py, not each other
-    "compressor.py": {"ddp"},
-    "closing.py": {"core", "compressor", "ddp"},
-    "auto.py": {"core", "compressor", "ddp"},
+    "ddp.py": {"compressor", "fsdp"},           # the front ends import frontend.py, not each other
+    "compressor.py": {"ddp", "fsdp"},
+    "fsdp.py": {"compressor", "ddp"},
+    "closing.py": {"core", "compressor", "ddp", "fsdp"},
+    "auto.py": {"core", "compressor", "ddp", "fsdp"},
 }
 
 

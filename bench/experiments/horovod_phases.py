@@ -19,7 +19,6 @@ Usage (root: it needs ``ip netns`` and ``tc``)::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -154,29 +153,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    from bench.link import configure_link, delete_namespace, in_namespace, parse_rate
+def launch(prefix: list[str], argv: list[str], args: argparse.Namespace) -> None:
     from bench.protocol import PIN_ENV
     from safebits_hvd.launch import horovodrun
 
-    ns = f"sbphases-{os.getpid()}"
-    if os.system(f"ip netns add {ns} 2>/dev/null") != 0:
-        print("[phases] cannot create a network namespace: run as root with ip and tc (iproute2)")
-        return 0
-    try:
-        configure_link(ns, parse_rate(args.rate))
-        horovodrun(2, "-m", "bench.experiments.horovod_phases", *argv, WORKER_FLAG,
-                   prefix=in_namespace(ns), env={"OMP_NUM_THREADS": "1", PIN_ENV: "1"}, timeout=args.timeout,
-                   on_line=lambda line: print(line.split("<stdout>:", 1)[-1], flush=True)
-                   if "<stdout>" in line else None)
-    finally:
-        delete_namespace(ns)
-    return 0
+    horovodrun(2, "-m", "bench.experiments.horovod_phases", *argv, WORKER_FLAG, prefix=prefix,
+               env={"OMP_NUM_THREADS": "1", PIN_ENV: "1"}, timeout=args.timeout,
+               on_line=lambda line: print(line.split("<stdout>:", 1)[-1], flush=True) if "<stdout>" in line else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.link import run_on_link
+
+    return run_on_link("sbphases", argv, parse_args, worker, launch)
 
 
 if __name__ == "__main__":

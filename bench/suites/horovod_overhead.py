@@ -11,7 +11,7 @@ Run as ``horovodrun -np 2 --gloo python -m bench.suites.horovod_overhead --parts
   ``--against fixed`` the first is ``budget_bits="auto"`` held at ``--budget-bits``
   (``sb.Auto(min_bits=B, max_bits=B)``: its rule runs every step on the telemetry the statistics exchange carries,
   its choice cannot move) and the second SafeBits at that budget fixed: the ratio is what ``auto``'s telemetry
-  costs (docs/RESULTS.md 4.4).
+  costs (docs/RESULTS.md 4.3).
 * ``exchange``: SafeBits over 1,000 tensors; per step, the time of starting the statistics exchange, finishing it
   (the MAX allreduce and the step record) and computing the next allocation. Per step the smallest figure over
   ranks is kept: the rank that arrives last at the exchange waits for nobody, so its time is the exchange's own
