@@ -7,8 +7,10 @@ every step the full parameters are bitwise identical on every rank; this rank's 
 ranks of the gradients within the compression's error (the exact mean taken beside it, through a reduce-scatter
 that wraps SafeBits': right row, right divisor); one ``StepRecord`` per step with the digest identical on every
 rank. Also: steps without gradient sync send nothing and the next one reduces the accumulated gradients; FSDP's
-``reduce_dtype=bfloat16``; a checkpoint round trip; and clear errors for a model never sharded,
-``budget_bits="auto"`` and a gradient divide factor.
+``reduce_dtype=bfloat16``; the hop across replicas only (``replicate_group=``: at np 4, shards of 2 ranks and 2
+replicas; at np 2, 2 replicas of unsharded modules), each rank's shard against the exact mean over the replicas; a
+checkpoint round trip; and clear errors for a model never sharded, ``budget_bits="auto"``, a gradient divide factor
+and native HSDP.
 """
 
 import os
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi_tests"))
@@ -29,14 +32,14 @@ from safebits_hvd.launch import exit_without_finalization
 WIDTH, CLASSES, STEPS = 48, 5, 8
 
 
-def sharded_model(reduce_dtype: torch.dtype | None = None) -> nn.Module:
+def sharded_model(reduce_dtype: torch.dtype | None = None, mesh: Any = None) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, 33), nn.ReLU(), nn.Linear(33, CLASSES))
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
     return model
 
 
@@ -70,14 +73,41 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, :CLASSES] > 0).long().argmax(dim=1)
 
 
-def train(reduce_dtype: torch.dtype | None = None) -> dict[str, Any]:
-    model = sharded_model(reduce_dtype)
-    state = sbfsdp.compress(model, budget_bits=4.4)
-    wrappers = []
-    for module in state.modules:
-        wrapper = ExactBeside(sbfsdp.SafeBitsReduceScatter(state, module))
-        module.module.set_custom_reduce_scatter(wrapper)
-        wrappers.append(wrapper)
+class ExactAcross:
+    """Wraps SafeBits' all-reduce hook of one module (the hop across replicas): the exact mean over the replicate
+    group taken first, both shards kept."""
+
+    def __init__(self, state: Any, module: Any, group: Any) -> None:
+        self.state, self.module, self.group = state, module, group
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, shard: torch.Tensor) -> None:
+        exact = shard.float().clone()
+        dist.all_reduce(exact, group=self.group)
+        exact /= dist.get_world_size(self.group)
+        self.state.all_reduce(self.module, shard)
+        self.pairs.append((exact, shard.float().clone()))
+
+
+def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False) -> dict[str, Any]:
+    if replicas:      # the hop across replicas only: shard inside pairs of ranks (or not at all on 2), replicate across
+        world = dist.get_world_size()
+        shard = 2 if world >= 4 else 1
+        mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        group = mesh["replicate"].get_group()
+        model = sharded_model(reduce_dtype, mesh["shard"])
+        state = sbfsdp.compress(model, budget_bits=4.4, replicate_group=group)
+        wrappers: list[Any] = []
+        for module in state.modules:
+            wrappers.append(ExactAcross(state, module, group))
+            module.module.set_all_reduce_hook(wrappers[-1])
+    else:
+        model = sharded_model(reduce_dtype)
+        state = sbfsdp.compress(model, budget_bits=4.4)
+        wrappers = []
+        for module in state.modules:
+            wrappers.append(ExactBeside(sbfsdp.SafeBitsReduceScatter(state, module)))
+            module.module.set_custom_reduce_scatter(wrappers[-1])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, failures = [], []      # checked after the loop: a rank that stopped early would leave the others waiting
     for step in range(STEPS):
@@ -102,8 +132,10 @@ def train(reduce_dtype: torch.dtype | None = None) -> dict[str, Any]:
     check(not failures, "; ".join(failures[:3]))
     record = state.last_step
     check(record is not None and record.collective == "allgather", f"no allgather record: {record}")
-    records = TorchRanks.allgather_object([(r.step, r.allocation_digest) for r in state.history])
-    check(all(r == records[0] for r in records), "records differ across ranks")
+    # One core per shard position: its records are alike on the ranks that hold that shard (every rank, unsharded).
+    position = state.rank if replicas else 0
+    records = TorchRanks.allgather_object((position, [(r.step, r.allocation_digest) for r in state.history]))
+    check(all(r == q for p, r in records for p2, q in records if p == p2), "records differ across ranks")
     check(len(state.history) == STEPS, f"{len(state.history)} records for {STEPS} steps")
     check(sum(losses[-3:]) < sum(losses[:3]), f"the loss did not fall: {losses}")
     return {"collective": record.collective, "ratio": round(record.modeled_compression_ratio, 2),
@@ -150,6 +182,13 @@ def errors() -> str:
         raise AssertionError("budget_bits='auto' was accepted")
     except ValueError as exc:
         check("auto" in str(exc), str(exc))
+    if dist.get_world_size() >= 4:
+        try:
+            sbfsdp.compress(sharded_model(mesh=init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                                                                mesh_dim_names=("replicate", "shard"))))
+            raise AssertionError("native HSDP was accepted")
+        except ValueError as exc:
+            check("replicate_group" in str(exc), str(exc))
     model = sharded_model()
     sbfsdp.compress(model, budget_bits=4.4)
     for module in model.modules():
@@ -164,8 +203,8 @@ def errors() -> str:
     return "clear errors"
 
 
-SCENARIOS = {"train": train, "bf16_reduce": lambda: train(torch.bfloat16), "no_sync": no_sync,
-             "checkpoint": checkpoint, "errors": errors}
+SCENARIOS = {"train": train, "bf16_reduce": lambda: train(torch.bfloat16), "replicas": lambda: train(replicas=True),
+             "no_sync": no_sync, "checkpoint": checkpoint, "errors": errors}
 
 
 def main() -> int:

@@ -14,14 +14,15 @@ import pytest
 from safebits_hvd import launch
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
-SCENARIOS = 5
+SCENARIOS = 6
 
 
 @pytest.mark.parametrize("ranks", [2, 4], ids=["np2", "np4"])
 def test_fsdp_scenarios(ranks: int) -> None:
     """Every scenario of ``fsdp_worker`` passes on every rank: the loss falls, replicas hold equal parameters,
     each rank's shard is the mean over ranks within the compression's error, one record a step, accumulation steps
-    send nothing, FSDP's bf16 reduce dtype, the checkpoint round trip and the errors."""
+    send nothing, FSDP's bf16 reduce dtype, the hop across replicas only, the checkpoint round trip and the
+    errors."""
     try:
         output = launch.torchrun(ranks, WORKER, timeout=150, env={"OMP_NUM_THREADS": "1"})
     except launch.LaunchError as exc:

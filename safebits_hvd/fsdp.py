@@ -26,6 +26,13 @@ output as soon as the call returns, so each call is a whole collective of its ow
 4. **Close**: after the step's last module the core ends the step: its statistics exchange runs during the
    optimizer step and the next forward, as under DDP.
 
+**The inter-node hop only** (HSDP): shard each module over the GPUs of a node (``fully_shard(m,
+mesh=mesh["shard"])``, a 1-D mesh: FSDP's own reduce-scatter stays inside the node) and pass the group across nodes,
+``sbfsdp.compress(model, replicate_group=mesh["replicate"].get_group())``: SafeBits then all-reduces each module's
+shard across the replicas (FSDP's all-reduce hook, run after its reduce-scatter), one member per parameter's row
+of this rank's shard, the same steps 1-4 over the replicate group (``AVG``: by its size). FSDP's native HSDP (a 2-D
+mesh given to ``fully_shard``) runs its own all-reduce before any hook: refused.
+
 Steps without gradient synchronization (``set_requires_gradient_sync(False)``) call no reduce-scatter: nothing is
 sent, FSDP accumulates. The allgather moves every rank's payloads to every rank, ``(P - 1)`` payloads a rank:
 below FSDP's float32 reduce-scatter, ``(P - 1) / P`` gradients, while ``b < 32 / P`` bits (docs/RESULTS.md 8.2 for
@@ -37,6 +44,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -58,18 +66,25 @@ except ImportError:  # pragma: no cover - a torch without FSDP2
 
 @dataclass(frozen=True)
 class ShardedModule:
-    """One ``fully_shard`` module's reduce-scatter buffer: its members' first core index, its parameters' names
-    and the elements of each parameter's row (its padded dim-0 chunk)."""
+    """One ``fully_shard`` module's buffer: its members' first core index, its parameters' names, the elements of
+    each parameter's row (its padded dim-0 chunk) and the rows this rank sends (every row of the reduce-scatter's
+    buffer; this rank's own across replicas)."""
 
     module: Any
-    first: int                  # core index of (parameter 0, row 0); member (j, r) is first + r * len(names) + j
+    first: int              # core index of (parameter 0, rows[0]); (j, rows[k]) is first + k * len(names) + j
     names: tuple[str, ...]
     row_numels: tuple[int, ...]
+    rows: tuple[int, ...]
 
     @property
     def row(self) -> int:
         """Elements of one rank's row of the buffer."""
         return sum(self.row_numels)
+
+    @property
+    def indices(self) -> list[int]:
+        """The core indices of the module's members, row by row."""
+        return list(range(self.first, self.first + len(self.rows) * len(self.names)))
 
 
 def _row_numel(size: torch.Size, ranks: int) -> int:
@@ -80,10 +95,11 @@ def _row_numel(size: torch.Size, ranks: int) -> int:
     return rows * rest
 
 
-def sharded_modules(model: torch.nn.Module, ranks: int) -> list[ShardedModule]:
-    """The modules of ``model`` that ``fully_shard`` made FSDP modules with parameters, in ``model.modules()``
-    order, and the layout of each one's reduce-scatter buffer. ``ValueError`` for what this front end cannot
-    reduce: no FSDP module, a module with several parameter groups, or a parameter sharded on another dimension."""
+def sharded_modules(model: torch.nn.Module, ranks: int, rows: tuple[int, ...]) -> list[ShardedModule]:
+    """The modules of ``model`` that ``fully_shard`` made FSDP modules with parameters (sharded over ``ranks``), in
+    ``model.modules()`` order, and the layout of each one's buffer, of which this rank sends ``rows``.
+    ``ValueError`` for what this front end cannot reduce: no FSDP module, a module with several parameter groups,
+    or a parameter sharded on another dimension."""
     if FSDPModule is None:
         raise RuntimeError("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
     if not isinstance(model, torch.nn.Module):
@@ -101,15 +117,15 @@ def sharded_modules(model: torch.nn.Module, ranks: int) -> list[ShardedModule]:
         params = [p for g in groups for p in g.fsdp_params]
         if not params:
             continue
-        names, rows = [], []
+        names, numels = [], []
         for p in params:
             if p.fsdp_placement.dim != 0:
                 raise ValueError(f"parameter {names_by_id.get(id(p.sharded_param), '?')!r} is sharded on dimension "
                                  f"{p.fsdp_placement.dim}; SafeBits' reduce-scatter takes dimension 0 only")
             names.append(names_by_id.get(id(p.sharded_param), f"{type(module).__name__}.{len(names)}"))
-            rows.append(_row_numel(p._orig_size, ranks))
-        out.append(ShardedModule(module, first, tuple(names), tuple(rows)))
-        first += ranks * len(names)
+            numels.append(_row_numel(p._orig_size, ranks))
+        out.append(ShardedModule(module, first, tuple(names), tuple(numels), rows))
+        first += len(rows) * len(names)
     if not out:
         raise ValueError("the model holds no FSDP module with parameters: call fully_shard on it (and its blocks) "
                          "before safebits_hvd.fsdp.compress")
@@ -121,7 +137,8 @@ class FSDPState(CoreRecords):
     docstring). Made by :func:`compress`; ``last_step``, ``history``, ``memory``, ``state_dict`` and
     ``load_state_dict`` as on the other front ends (each rank saves its own residuals)."""
 
-    def __init__(self, model: torch.nn.Module, process_group: Any, budget_bits: float | Callable[[int], float],
+    def __init__(self, model: torch.nn.Module, process_group: Any, replicate_group: Any,
+                 budget_bits: float | Callable[[int], float],
                  max_distortion: float, min_cosine: float, menu: Menu | Iterable[str], seed: int,
                  log_path: str | os.PathLike[str] | None, *, sample_buckets: int, consistency_check_every: int,
                  nonfinite: str, screen: bool, name: str, max_history: int, timeout: float | None) -> None:
@@ -129,23 +146,29 @@ class FSDPState(CoreRecords):
             raise ValueError(f"budget_bits={budget_bits!r}: the FSDP front end takes a number of bits or a schedule; "
                              f"'auto' (which passes through on a fast link) needs a float32 reduce-scatter path it "
                              f"does not have yet")
-        self.process_group = process_group
+        self.process_group, self.replicate_group = process_group, replicate_group
         self.ranks = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.modules = sharded_modules(model, self.ranks)
-        names = [f"{n}#row{r}" for m in self.modules for r in range(self.ranks) for n in m.names]
-        numels = np.array([k for m in self.modules for _ in range(self.ranks) for k in m.row_numels], dtype=np.int64)
+        # The group SafeBits' collectives run on: the shard group's reduce-scatter, or the replicas' all-reduce.
+        self.group = process_group if replicate_group is None else replicate_group
+        self.group_size = dist.get_world_size(self.group)
+        rows = tuple(range(self.ranks)) if replicate_group is None else (self.rank,)
+        self.modules = sharded_modules(model, self.ranks, rows)
+        names = [f"{n}#row{r}" for m in self.modules for r in m.rows for n in m.names]
+        numels = np.array([k for m in self.modules for _ in m.rows for k in m.row_numels], dtype=np.int64)
+        group = self.group
         self.core = build_core_over(
             names, numels, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
             screen=screen, name=name, max_history=max_history, collective="allgather", timeout=timeout,
-            exchange=lambda t: TorchDistributedExchange(process_group, t),
-            transport=lambda t: TorchDistributedTransport(process_group, t), fusion_bytes=0)
+            exchange=lambda t: TorchDistributedExchange(group, t),
+            transport=lambda t: TorchDistributedTransport(group, t), fusion_bytes=0)
         self.names = self.core.names
         self._check = AllocationCheck("safebits_hvd.fsdp.compress")
 
     def reduce_scatter(self, module: ShardedModule, output: torch.Tensor, values: torch.Tensor, op: Any) -> None:
-        """Steps 1-4 of the module docstring for one module's buffer ``values``; this rank's row into ``output``."""
+        """Steps 1-4 of the module docstring for one module's reduce-scatter buffer ``values`` (every row); this
+        rank's row of the reduced buffer into ``output``."""
         if op == dist.ReduceOp.AVG:
             divisor = float(self.ranks)
         elif op == dist.ReduceOp.SUM:
@@ -153,39 +176,53 @@ class FSDPState(CoreRecords):
         else:
             raise ValueError(f"FSDP asked for a reduce-scatter with {op}; SafeBits' takes AVG and SUM (leave "
                              f"set_gradient_divide_factor unset)")
-        ranks, row = self.ranks, module.row
-        if values.numel() != ranks * row or output.numel() != row:
+        if values.numel() != self.ranks * module.row or output.numel() != module.row:
             raise ValueError(
-                f"the reduce-scatter of {module.names[0]!r}... holds {values.numel()} elements for {ranks} rows of "
-                f"{row}: SafeBits' FSDP reduce-scatter needs a gradient for every parameter of each FSDP module "
-                f"every step (a parameter without one is left out of FSDP's buffer)")
+                f"the reduce-scatter of {module.names[0]!r}... holds {values.numel()} elements for {self.ranks} rows "
+                f"of {module.row}: SafeBits' FSDP reduce-scatter needs a gradient for every parameter of each FSDP "
+                f"module every step (a parameter without one is left out of FSDP's buffer)")
+        totals = self._reduce(module, values, divisor)
+        mine = totals[self.rank * len(module.names):(self.rank + 1) * len(module.names)]
+        output.reshape(-1).copy_(torch.cat([t.reshape(-1) for t in mine]))
+
+    def all_reduce(self, module: ShardedModule, shard: torch.Tensor) -> None:
+        """Steps 1-4 for this rank's shard of one module across the replicas (FSDP's all-reduce hook): the mean
+        over the replicate group, written over ``shard``."""
+        if shard.numel() != module.row:
+            raise ValueError(f"the all-reduce hook of {module.names[0]!r}... got {shard.numel()} elements for a "
+                             f"shard of {module.row}: SafeBits needs a gradient for every parameter of each FSDP "
+                             f"module every step")
+        totals = self._reduce(module, shard, float(self.group_size))
+        if not (shard.dtype == torch.float32 and shard.is_contiguous()):
+            shard.reshape(-1).copy_(torch.cat([t.reshape(-1) for t in totals]))
+
+    def _reduce(self, module: ShardedModule, values: torch.Tensor, divisor: float) -> list[torch.Tensor]:
+        """Steps 1-4 over ``values`` (the module's rows this rank sends, back to back): the sums over
+        :attr:`group`, divided by ``divisor``; in place where ``values`` is contiguous float32."""
         core = self.core
         began = not core.in_step
         core.begin()
         step = core.step
         if began:
             self._check.start(core, 0)
-        # 1. Send: every (parameter, row) of the module; a float32 buffer is decoded back in place.
-        count = len(module.names)
-        indices = list(range(module.first, module.first + ranks * count))
+        # 1. Send: every member of the module; a contiguous float32 buffer is decoded back in place.
+        indices = module.indices
         in_place = values.dtype == torch.float32 and values.is_contiguous()
-        pieces = list(values.reshape(-1).split(list(module.row_numels) * ranks))
-        core.send_group(indices, pieces, pieces if in_place else [None] * len(pieces), close=False)
+        pieces = list(values.reshape(-1).split(list(module.row_numels) * len(module.rows)))
+        intos = pieces if in_place else [None] * len(pieces)
+        core.send_group(indices, pieces, intos, close=False)
         # 2. Gather: the sizes at the allocated actions are the same on every rank, so nothing waits to launch.
         self._check.finish(core, "the FSDP modules' layout")
-        expected = int(core.allgather.allocated_payload_bytes(indices).sum())
         transport = core.transport
         if isinstance(transport, TorchDistributedTransport):
-            transport.flush(expected)
+            transport.flush(int(core.allgather.allocated_payload_bytes(indices).sum()))
         core.close()
-        # 3. Sum, in rank order; this rank's row is FSDP's output.
-        totals = core.reduced_sums(indices, step, core.path.name, pieces if in_place else [None] * len(pieces),
-                                   divisor=divisor)
-        mine = totals[self.rank * count:(self.rank + 1) * count]
-        output.reshape(-1).copy_(torch.cat([t.reshape(-1) for t in mine]))
+        # 3. Sum, in rank order.
+        totals = core.reduced_sums(indices, step, core.path.name, intos, divisor=divisor)
         # 4. Close: the step's last module ends it.
         if not core.in_step:
             core.end(step)
+        return totals
 
 
 class SafeBitsReduceScatter(ReduceScatter):
@@ -211,12 +248,13 @@ def compress(model: torch.nn.Module, budget_bits: float | Callable[[int], float]
              min_cosine: float = 0.7, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
              log_path: str | os.PathLike[str] | None = None, *, sample_buckets: int = 16,
              consistency_check_every: int = 1, nonfinite: str = "propagate", screen: bool = True,
-             name: str = "safebits.fsdp", max_history: int = 1000,
-             timeout: float | None = DEFAULT_TIMEOUT) -> FSDPState:
+             name: str = "safebits.fsdp", max_history: int = 1000, timeout: float | None = DEFAULT_TIMEOUT,
+             replicate_group: Any = None) -> FSDPState:
     """Install SafeBits as the reduce-scatter of every FSDP module of ``model`` (after ``fully_shard``); returns the
     model's :class:`FSDPState`. Options as :class:`~safebits_hvd.SafeBits` (``budget_bits``: a number of bits per
     parameter or a schedule). Call on every rank of the model's mesh, after ``torch.distributed`` is initialized.
-    HSDP (a 2-D mesh) is refused: its inter-node hop is not compressed yet."""
+    ``replicate_group``: compress only the hop across replicas (see the module docstring; the model sharded on a
+    1-D mesh within each replica); None: compress FSDP's reduce-scatter. Native HSDP (a 2-D mesh) is refused."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("safebits_hvd.fsdp.compress needs torch.distributed initialized and fully_shard applied")
     modules = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
@@ -226,13 +264,18 @@ def compress(model: torch.nn.Module, budget_bits: float | Callable[[int], float]
                          "before safebits_hvd.fsdp.compress")
     mesh_info = groups[0].mesh_info
     if getattr(mesh_info, "replicate_mesh_dim", None) is not None:
-        raise ValueError("a 2-D (HSDP) mesh: SafeBits compresses FSDP's reduce-scatter on a 1-D mesh only so far")
+        raise ValueError("native HSDP (a 2-D mesh given to fully_shard) all-reduces across replicas itself, before "
+                         "any hook: shard on the 1-D mesh of a replica and pass replicate_group= to compress only "
+                         "that hop")
     process_group = mesh_info.shard_process_group
-    state = FSDPState(model, process_group, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
-                      sample_buckets=sample_buckets, consistency_check_every=consistency_check_every,
+    state = FSDPState(model, process_group, replicate_group, budget_bits, max_distortion, min_cosine, menu, seed,
+                      log_path, sample_buckets=sample_buckets, consistency_check_every=consistency_check_every,
                       nonfinite=nonfinite, screen=screen, name=name, max_history=max_history, timeout=timeout)
     for module in state.modules:
-        module.module.set_custom_reduce_scatter(SafeBitsReduceScatter(state, module))
+        if replicate_group is None:
+            module.module.set_custom_reduce_scatter(SafeBitsReduceScatter(state, module))
+        else:
+            module.module.set_all_reduce_hook(partial(state.all_reduce, module))
     return state
 
 
