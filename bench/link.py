@@ -138,9 +138,9 @@ def burst_bytes(rate_bps: int) -> int:
     return max(math.ceil(rate_bps / 8 * BURST_TIME_S), MIN_BURST)
 
 
-def tbf_command(rate_bps: int) -> list[str]:
-    """``tc`` arguments that limit ``lo`` to ``rate_bps``."""
-    return ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate_bps}bit",
+def tbf_command(rate_bps: int, dev: str = "lo") -> list[str]:
+    """``tc`` arguments that limit what ``dev`` sends (``lo``: the namespace's loopback) to ``rate_bps``."""
+    return ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bps}bit",
             "burst", str(burst_bytes(rate_bps)), "latency", "100ms"]
 
 
@@ -532,22 +532,85 @@ def limited_namespace(name: str, rate: str) -> Iterator[list[str] | None]:
         delete_namespace(ns)
 
 
+TWO_NODE_ADDRESSES = ("10.213.0.1", "10.213.0.2")
+
+
+@contextlib.contextmanager
+def two_nodes(name: str, rate: str) -> Iterator[list[tuple[list[str], str]] | None]:
+    """Two network namespaces, "nodes", joined by a veth pair whose ends each send at most ``rate`` (``tc``); inside
+    a node ranks talk over its loopback, unlimited (an address of the node's own never leaves it). Yields per node
+    the command prefix that runs in it and its veth's name (for ``GLOO_SOCKET_IFNAME``; the first node's address,
+    :data:`TWO_NODE_ADDRESSES`, is the rendezvous), or None where namespaces cannot be made; deletes both after."""
+    tag = f"{os.getpid() % 100000}"
+    nodes = [(f"{name}{k}-{tag}", f"sbv{tag}{k}") for k in range(2)]
+    if os.system(f"ip netns add {nodes[0][0]} 2>/dev/null") != 0:
+        yield None
+        return
+    try:
+        _run(["ip", "netns", "add", nodes[1][0]])
+        _run(["ip", "link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1]])
+        rate_bps = parse_rate(rate)
+        for (ns, dev), address in zip(nodes, TWO_NODE_ADDRESSES, strict=True):
+            _run(["ip", "link", "set", dev, "netns", ns])
+            _run(in_namespace(ns, "ip", "addr", "add", f"{address}/24", "dev", dev))
+            for link in (dev, "lo"):
+                _run(in_namespace(ns, "ip", "link", "set", link, "up"))
+            if rate_bps is not None:
+                _run(in_namespace(ns, *tbf_command(rate_bps, dev)))
+        yield [(in_namespace(ns), dev) for ns, dev in nodes]
+    finally:
+        for ns, _ in nodes:
+            delete_namespace(ns)      # the veth pair goes with its namespaces
+
+
+def torchrun_two_nodes(nodes: list[tuple[list[str], str]], ranks_per_node: int, module: str, args: list[str],
+                       timeout: float) -> str:
+    """``python -m module args`` on ``ranks_per_node`` ranks in each of :func:`two_nodes`' nodes (one ``torchrun``
+    per node, a static rendezvous at the first node's address); the first node's output. Both launches are killed
+    after ``timeout`` seconds; a non-zero exit raises :class:`~safebits_hvd.launch.LaunchError`."""
+    from safebits_hvd.launch import REPO, LaunchError, launch_env
+
+    port = str(29500 + os.getpid() % 1000)
+    procs = []
+    for rank, (prefix, dev) in enumerate(nodes):
+        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
+                   "--nproc_per_node", str(ranks_per_node), "--master_addr", TWO_NODE_ADDRESSES[0],
+                   "--master_port", port, "-m", module, *args]
+        env = launch_env(ranks_per_node, {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": dev})
+        procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired as exc:
+        raise LaunchError(f"two-node launch of {module} timed out after {timeout:g} s", "".join(outputs)) from exc
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    if any(proc.returncode for proc in procs):
+        raise LaunchError(f"two-node launch of {module} failed ({[p.returncode for p in procs]})", "\n".join(outputs))
+    return outputs[0]
+
+
 def run_on_link(name: str, argv: list[str] | None, parse_args: Callable[[list[str]], argparse.Namespace],
                 worker: Callable[[argparse.Namespace], None],
-                launch: Callable[[list[str], list[str], argparse.Namespace], None]) -> int:
+                launch: Callable[[Any, list[str], argparse.Namespace], None]) -> int:
     """An experiment that launches itself on a limited link: with ``--worker`` (``args.worker``) this process is a
-    rank and runs ``worker(args)``; else ``launch(prefix, argv, args)`` starts the ranks in a namespace of their own
-    at ``args.rate`` (:func:`limited_namespace`). Returns the exit status."""
+    rank and runs ``worker(args)``; else ``launch(link, argv, args)`` starts the ranks at ``args.rate``: ``link`` is
+    the command prefix of a namespace of their own (:func:`limited_namespace`), or with ``args.nodes == 2`` the two
+    nodes of :func:`two_nodes`. Returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    with limited_namespace(name, args.rate) as prefix:
-        if prefix is None:
+    with (two_nodes(name, args.rate) if getattr(args, "nodes", 1) == 2 else limited_namespace(name, args.rate)) as link:
+        if link is None:
             print(f"[{name}] cannot create a network namespace: run as root with ip and tc (iproute2)")
             return 1
-        launch(prefix, argv, args)
+        launch(link, argv, args)
     return 0
 
 

@@ -28,6 +28,7 @@ Usage (root: it needs ``ip netns`` and ``tc``)::
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -61,8 +62,9 @@ class AllToAllReduceScatter:
         output_tensor.copy_(total)
 
 
-def shard(model: Any, blocks: list[Any], row: str, reshard_after_forward: bool = True) -> None:
-    """``fully_shard`` every block and the root as ``row`` asks (its reduce dtype, its reduce-scatter)."""
+def shard(model: Any, blocks: list[Any], row: str, reshard_after_forward: bool = True, mesh: Any = None) -> None:
+    """``fully_shard`` every block and the root as ``row`` asks (its reduce dtype, its reduce-scatter; ``hsdp`` rows:
+    across ``mesh``'s two dimensions, FSDP's own or with SafeBits on the hop across replicas)."""
     import torch
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -70,13 +72,16 @@ def shard(model: Any, blocks: list[Any], row: str, reshard_after_forward: bool =
 
     base = row.removesuffix("+a2a")
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if base == "fsdp-bf16" else None)
+    on = None if not row.startswith("hsdp") else mesh if row == "hsdp" else mesh["shard"]
     for block in blocks:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    if row.startswith("safebits@"):
-        sbfsdp.compress(model, budget_bits=float(row.split("@", 1)[1]), name=f"fsdp_link.{row}")
-    elif base not in ("fsdp", "fsdp-bf16"):
-        raise SystemExit(f"unknown row {row!r}: fsdp, fsdp-bf16 (+a2a) or safebits@B")
+        fully_shard(block, mesh=on, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=on, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if row.startswith(("safebits@", "hsdp-safebits@")):
+        replicate = mesh["replicate"].get_group() if row.startswith("hsdp") else None
+        sbfsdp.compress(model, budget_bits=float(row.split("@", 1)[1]), name=f"fsdp_link.{row}",
+                        replicate_group=replicate)
+    elif base not in ("fsdp", "fsdp-bf16", "hsdp"):
+        raise SystemExit(f"unknown row {row!r}: fsdp, fsdp-bf16 (+a2a), safebits@B, hsdp or hsdp-safebits@B")
     elif row.endswith("+a2a"):
         for module in model.modules():
             if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
@@ -125,8 +130,22 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     work = Workload(args.model, args.batch)
+    mesh = None
+    if args.nodes == 2:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    device = os.environ.get("GLOO_SOCKET_IFNAME")
+
+    def sent_bytes() -> int:
+        """Bytes sent: over the loopback (one node), or across nodes by this rank's node (two)."""
+        if args.nodes == 2 and device:
+            with open(f"/sys/class/net/{device}/statistics/tx_bytes", encoding="ascii") as f:
+                return int(f.read())
+        return read_tx_bytes()
+
     if args.quality:
         quality(args, rank)
         dist.destroy_process_group()
@@ -135,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
     for row in args.rows:
         torch.manual_seed(SEED)
         model = work.model()
-        shard(model, list(model.blocks), row, args.reshard_after_forward)
+        shard(model, list(model.blocks), row, args.reshard_after_forward, mesh)
         cases.append((row, model, work.optimizer(model), torch.Generator().manual_seed(SEED * 7919 + rank)))
     times: dict[str, list[float]] = {row: [] for row in args.rows}
     moved: dict[str, list[int]] = {row: [] for row in args.rows}
@@ -143,7 +162,7 @@ def worker(args: argparse.Namespace) -> None:
     for i in range(args.warmup + args.steps):
         for row, model, opt, gen in cases if i % 2 == 0 else reversed(cases):
             dist.barrier()
-            sent, start = read_tx_bytes(), time.perf_counter()
+            sent, start = sent_bytes(), time.perf_counter()
             opt.zero_grad()
             loss = work.loss(model, gen)
             loss.backward()
@@ -152,13 +171,15 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             if i >= args.warmup:
                 times[row].append(seconds)
-                moved[row].append(read_tx_bytes() - sent)
+                moved[row].append(sent_bytes() - sent)
             losses[row] = float(loss.detach())
     if rank == 0:
         base = statistics.median(times[args.rows[0]])
-        lines = [f"{args.model}, batch {args.batch} per rank, link {args.rate}, 2 ranks, reshard_after_forward="
+        where = "2 nodes of 2 ranks" if args.nodes == 2 else "2 ranks"
+        moved_what = "MB a step across nodes, node 0's" if args.nodes == 2 else "link MB a step"
+        lines = [f"{args.model}, batch {args.batch} per rank, link {args.rate}, {where}, reshard_after_forward="
                  f"{args.reshard_after_forward}, {args.steps} timed steps (medians, rank 0)", "",
-                 f"| row | step, ms | throughput over {args.rows[0]} | link MB a step | last loss |",
+                 f"| row | step, ms | throughput over {args.rows[0]} | {moved_what} | last loss |",
                  "| --- | --- | --- | --- | --- |"]
         for row in args.rows:
             step = statistics.median(times[row])
@@ -177,6 +198,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                         help="fully_shard(..., reshard_after_forward=False): parameters stay gathered from forward to "
                              "backward (one all-gather a step, not two; ZeRO-2's traffic)")
+    parser.add_argument("--nodes", type=int, choices=[1, 2], default=1,
+                        help="2: two nodes of 2 ranks (bench.link.two_nodes: the link between them limited, inside "
+                             "each free); rows hsdp (FSDP's own) and hsdp-safebits@B (SafeBits across nodes only)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quality", nargs="*", type=int, default=[], metavar="SEED",
@@ -186,11 +210,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def launch(prefix: list[str], argv: list[str], args: argparse.Namespace) -> None:
+def launch(link: Any, argv: list[str], args: argparse.Namespace) -> None:
+    from bench.link import torchrun_two_nodes
     from safebits_hvd.launch import torchrun
 
-    out = torchrun(2, "-m", "bench.experiments.fsdp_link", *argv, WORKER_FLAG, prefix=prefix,
-                   env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
+    if args.nodes == 2:
+        out = torchrun_two_nodes(link, 2, "bench.experiments.fsdp_link", [*argv, WORKER_FLAG], args.timeout)
+    else:
+        out = torchrun(2, "-m", "bench.experiments.fsdp_link", *argv, WORKER_FLAG, prefix=link,
+                       env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
     shown = ("|", "gpt2", "make demo")
     print("\n".join(line for line in out.splitlines() if line.startswith(shown) or not line), flush=True)
 
