@@ -269,4 +269,6 @@ def safebits_hook(state: SafeBitsState, bucket: dist.GradBucket) -> torch.future
     return state.reduce_bucket(bucket)
 
 
-__all__ = ["SafeBitsState", "safebits_hook"]
+from .ddp_nodes import AcrossNodesState  # noqa: E402  (the hop across nodes only: the same hook)
+
+__all__ = ["AcrossNodesState", "SafeBitsState", "safebits_hook"]

@@ -15,6 +15,7 @@ FORBIDDEN_IMPORTS = {
     "ddp.py": {"compressor", "fsdp"},           # the front ends import frontend.py, not each other
     "compressor.py": {"ddp", "fsdp"},
     "fsdp.py": {"compressor", "ddp"},
+    "ddp_nodes.py": {"compressor", "ddp", "fsdp"},
     "closing.py": {"core", "compressor", "ddp", "fsdp"},
     "auto.py": {"core", "compressor", "ddp", "fsdp"},
 }

@@ -15,6 +15,9 @@ no reduce-scatter of its own: torch runs FSDP's as an all-reduce, twice the byte
 ``+a2a`` (``fsdp+a2a``, ``fsdp-bf16+a2a``) reduce-scatters through :class:`AllToAllReduceScatter` instead: one
 ``all_to_all`` of the rows and a sum in rank order, the ``(P - 1) / P`` of a buffer a ring moves: the fair peer.
 
+DDP rows, for ``--nodes 2`` above all: ``ddp`` (its all-reduce), ``ddp+safebits@B`` (SafeBits' hook over every rank)
+and ``ddp-nodes+safebits@B`` (:class:`safebits_hvd.ddp.AcrossNodesState`: SafeBits on the hop across nodes only).
+
 ``--quality SEED [SEED ...]``: instead of timing, train ``make demo``'s byte LM (``bench.tasks``, 104,192
 parameters, each encoder layer and the root sharded) for its 160 steps per seed and row, and report the final
 validation bits per byte, mean and standard deviation over the seeds (the link does not change them).
@@ -88,6 +91,29 @@ def shard(model: Any, blocks: list[Any], row: str, reshard_after_forward: bool =
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
+def replicate(model: Any, row: str, nodes: int) -> Any:
+    """``row``'s DDP model: ``ddp`` (its all-reduce), ``ddp+safebits@B`` (SafeBits' hook over every rank) or
+    ``ddp-nodes+safebits@B`` (SafeBits on the hop across nodes only, :class:`~safebits_hvd.ddp.AcrossNodesState`)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from safebits_hvd import ddp as sbddp
+
+    ddp = DistributedDataParallel(model)
+    if row == "ddp":
+        return ddp
+    base, _, bits = row.partition("+safebits@")
+    if not bits or base not in ("ddp", "ddp-nodes"):
+        raise SystemExit(f"unknown row {row!r}: ddp, ddp+safebits@B or ddp-nodes+safebits@B")
+    if base == "ddp":
+        state: Any = sbddp.SafeBitsState(ddp.named_parameters(), budget_bits=float(bits), name=f"fsdp_link.{row}")
+    else:
+        state = sbddp.AcrossNodesState(ddp.named_parameters(), node_size=dist.get_world_size() // nodes,
+                                       budget_bits=float(bits), name=f"fsdp_link.{row}")
+    ddp.register_comm_hook(state, sbddp.safebits_hook)
+    return ddp
+
+
 def quality(args: argparse.Namespace, rank: int) -> None:
     """``--quality``: ``make demo``'s byte LM per seed and row; rank 0 prints the final validation bits per byte."""
     import math
@@ -154,7 +180,10 @@ def worker(args: argparse.Namespace) -> None:
     for row in args.rows:
         torch.manual_seed(SEED)
         model = work.model()
-        shard(model, list(model.blocks), row, args.reshard_after_forward, mesh)
+        if row.startswith("ddp"):
+            model = replicate(model, row, args.nodes)
+        else:
+            shard(model, list(model.blocks), row, args.reshard_after_forward, mesh)
         cases.append((row, model, work.optimizer(model), torch.Generator().manual_seed(SEED * 7919 + rank)))
     times: dict[str, list[float]] = {row: [] for row in args.rows}
     moved: dict[str, list[int]] = {row: [] for row in args.rows}
