@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi_tests"))
-from scenario_runner import TorchRanks, check, params_digest, run_torch_worker
+from scenario_runner import TorchRanks, check, params_digest, run_torch_worker, step_failures
 
 from safebits_hvd import ddp as sbddp
 from safebits_hvd.launch import exit_without_finalization
@@ -60,17 +60,7 @@ def train() -> dict[str, Any]:
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-        exact = torch.cat([e.flatten() for e, _ in pairs])
-        got = torch.cat([g.flatten() for _, g in pairs])
-        pairs.clear()
-        cosine = float(nn.functional.cosine_similarity(exact, got, dim=0))
-        ratio = float(got.norm() / exact.norm().clamp_min(1e-12))
-        if not (cosine > 0.8 and 0.7 < ratio < 1.4):
-            failures.append(f"step {step}: the buckets are not the mean over ranks (cosine {cosine:.3f}, norm "
-                            f"ratio {ratio:.3f})")
-        digests = TorchRanks.allgather_object(params_digest(model))
-        if not all(d == digests[0] for d in digests):
-            failures.append(f"step {step}: parameters differ across ranks")
+        failures += step_failures(step, pairs, "the buckets are", params_digest(model))
     check(not failures, "; ".join(failures[:3]))
     records = TorchRanks.allgather_object((state.place, [(r.step, r.allocation_digest) for r in state.history]))
     check(all(r == q for p, r in records for p2, q in records if p == p2), "records differ across ranks")

@@ -88,6 +88,24 @@ class Ranks(Protocol):
     def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]: ...
 
 
+def step_failures(step: int, pairs: list[tuple[torch.Tensor, torch.Tensor]], what: str, digest: str) -> list[str]:
+    """One step's checks of a torchrun worker that takes the exact mean beside SafeBits': what this rank got
+    (``pairs`` of (exact, got), emptied here) is the mean within the compression's error (cosine above 0.8, norm
+    ratio 0.7-1.4), and ``digest`` (of the parameters) is the same on every rank. Returns what failed; collected,
+    not raised, so that every rank makes the same collectives whatever fails on one."""
+    exact = torch.cat([e.flatten() for e, _ in pairs])
+    got = torch.cat([g.flatten() for _, g in pairs])
+    pairs.clear()
+    failures = []
+    cosine = float(torch.nn.functional.cosine_similarity(exact, got, dim=0))
+    ratio = float(got.norm() / exact.norm().clamp_min(1e-12))
+    if not (cosine > 0.8 and 0.7 < ratio < 1.4):
+        failures.append(f"step {step}: {what} not the mean over ranks (cosine {cosine:.3f}, norm ratio {ratio:.3f})")
+    if len(set(TorchRanks.allgather_object(digest))) != 1:
+        failures.append(f"step {step}: parameters differ across ranks")
+    return failures
+
+
 class TorchRanks:
     """The ranks of ``torch.distributed``'s default process group, in the shape :func:`run_scenarios` takes (the
     DDP and FSDP workers)."""

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .actions import DEFAULT_MENU, Menu
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
-from .frontend import AllocationCheck, CoreRecords, build_core, check_transports
+from .frontend import AllocationCheck, CoreRecords, build_core, check_transports, refuse_unsent
 from .transports import LocalTransport, PayloadTransport, TorchDistributedTransport
 
 CHUNK_BYTES = 1 << 18
@@ -239,11 +239,7 @@ class SafeBitsState(CoreRecords):
         core = self.core
         pending, self._pending = self._pending, []
         self._allocation_check.finish(core, f"chunk_bytes {self.chunk_bytes}")
-        if core.in_step:
-            missing = [core.names[i] for i, unsent in enumerate(core.unsent) if unsent]
-            core.finish()
-            raise ValueError(f"SafeBitsState registered parameters DDP does not reduce (e.g. {missing[:3]}); build "
-                             f"it from the same model's named_parameters() as DDP")
+        refuse_unsent(core, "SafeBitsState")
         ranks = self.world_size
         for bucket in pending:
             if collective == "dense":

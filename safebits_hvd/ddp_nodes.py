@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .actions import DEFAULT_MENU, Menu
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, TorchDistributedExchange
-from .frontend import AllocationCheck, CoreRecords, build_core_over, registered_parameters
+from .frontend import AllocationCheck, CoreRecords, build_core_over, refuse_unsent, registered_parameters
 from .transports import LocalTransport, TorchDistributedTransport
 
 
@@ -166,11 +166,7 @@ class AcrossNodesState(CoreRecords):
         """Steps 3 and 4: the means of the owned parameters, shared inside the node; every future completed."""
         core, pending, self._pending = self.core, self._pending, []
         self._check.finish(core, f"node_size {self.node_size}")
-        if core.in_step:
-            missing = [core.names[i] for i, unsent in enumerate(core.unsent) if unsent]
-            core.finish()
-            raise ValueError(f"AcrossNodesState registered parameters DDP does not reduce (e.g. {missing[:3]}); "
-                             f"build it from the same model's named_parameters() as DDP")
+        refuse_unsent(core, "AcrossNodesState")
         step = self._step
         world = self.node_size * self.nodes
         for bucket in pending:

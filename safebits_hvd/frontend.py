@@ -185,6 +185,16 @@ class AllocationCheck:
         self._pending = None
 
 
+def refuse_unsent(core: SafeBitsCore, what: str) -> None:
+    """At a DDP step's last bucket: ``ValueError`` if the core still waits for tensors DDP never reduced (the
+    state was built from other parameters than DDP's), after finishing the step's exchange."""
+    if core.in_step:
+        missing = [core.names[i] for i, unsent in enumerate(core.unsent) if unsent]
+        core.finish()
+        raise ValueError(f"{what} registered parameters DDP does not reduce (e.g. {missing[:3]}); build it from the "
+                         f"same model's named_parameters() as DDP")
+
+
 def check_transports(exchange: Any, transport: Any) -> None:
     """``TypeError`` unless ``exchange`` and ``transport`` are None or implement their protocols."""
     if exchange is not None and not isinstance(exchange, StatisticsExchange):
