@@ -268,6 +268,9 @@ def compress(model: torch.nn.Module, budget_bits: float | Callable[[int], float]
                          "any hook: shard on the 1-D mesh of a replica and pass replicate_group= to compress only "
                          "that hop")
     process_group = mesh_info.shard_process_group
+    if any(g.mesh_info.shard_process_group is not process_group for g in groups):
+        raise ValueError("the model's FSDP modules are sharded over different meshes; SafeBits takes one mesh for "
+                         "the whole model")
     state = FSDPState(model, process_group, replicate_group, budget_bits, max_distortion, min_cosine, menu, seed,
                       log_path, sample_buckets=sample_buckets, consistency_check_every=consistency_check_every,
                       nonfinite=nonfinite, screen=screen, name=name, max_history=max_history, timeout=timeout)

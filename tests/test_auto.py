@@ -42,7 +42,7 @@ half the nominal rate), as :func:`resnet18_timing` reads them."""
 
 
 def resnet18_timing(bits: float, bytes_per_s: float) -> dict[str, float]:
-    """ResNet-18, batch 4, 2 ranks on 2 cores, fitted to the step times of docs/RESULTS.md 4.4 (unlimited: none
+    """ResNet-18, batch 4, 2 ranks on 2 cores, fitted to earlier link step times (RESULTS' history; unlimited: none
     0.36 s, 2 bits 0.46, 4.4 bits 0.50, 8 bits 0.50; 100 Mbit/s: 7.3, 0.59, 1.12, 1.95; 1 Gbit/s: 0.91, 0.46,
     0.49, 0.51) within 0.04 s each: backward 0.36 s; SafeBits' own work 0.10 s at 2 bits, 0.14 s from 4.4 bits
     on (three quarters in the sends); the collectives start 0.12 s after the first gradient (0.19 s for Horovod's
@@ -229,7 +229,7 @@ def test_the_warm_up_pass_through_is_measured_again_before_other_budgets_are_pro
 
 
 def test_the_runs_cold_second_compressed_step_is_not_measured() -> None:
-    # The transformer at 1 Gbit/s under Horovod (docs/RESULTS.md 4.3): the second compressed step of a run spans
+    # The transformer at 1 Gbit/s under Horovod (RESULTS' history): the second compressed step of a run spans
     # 1.9x a warm one, slower than passing through (1.7x 2 bits there; 1.9x in close_timing, so 2.2x here).
     # Measured, that span made auto pass through for the rest of the window, at 0.6x the speed of 2 bits.
     gigabit = RESNET18_RATES["1 Gbit/s"]
@@ -254,7 +254,7 @@ def test_a_pass_through_measured_warm_is_not_measured_again() -> None:
 
 
 def test_a_pass_through_slow_in_its_communication_is_not_measured_again() -> None:
-    # ResNet-18 at 1 Gbit/s under Horovod (docs/RESULTS.md 4.3, the 20-step window): the pass-through of step 2
+    # ResNet-18 at 1 Gbit/s under Horovod (a 20-step window, RESULTS' history): the pass-through of step 2
     # spanned 868 ms, 615 of them waiting for the link, against 436-583 ms at 2 bits; its compute was 1.27x the
     # 2-bit steps' (400 ms against a median of 314), too little to explain a span 1.6-2x as long, yet it was measured
     # again for four steps (`32 x1, 2 x5, 32 x4, 2 x10`). Here: passing through 0.65 s, 2 bits 0.46 s, step 2 1.27x
@@ -310,7 +310,7 @@ def test_on_short_steps_a_hiccup_is_a_time_not_a_ratio() -> None:
 
 
 def test_a_slow_link_seen_in_pass_through_jumps_to_the_predicted_fastest_budget() -> None:
-    # RESULTS 4.4's link: unlimited for 30 steps, then 100 Mbit/s (2 bits 0.59 s, 4.4 bits 1.12, none 7.3)
+    # A changing link (RESULTS' history): unlimited 30 steps, then 100 Mbit/s (2 bits 0.59 s, 4.4 bits 1.12, none 7.3)
     rate = _phases((RESNET18_RATES["unlimited"], 30), (RESNET18_RATES["100 Mbit/s"], 25))
     for noise, seed in ((0.0, 0), (0.1, 1), (0.1, 2)):
         chosen = drive(Auto(), rate, 55, resnet18_timing, noise=noise, seed=seed)
@@ -599,8 +599,8 @@ TRANSFORMER_PARAMETERS = 11_607_552
 
 
 def fast_transformer_timing(bits: float, bytes_per_s: float) -> dict[str, float]:
-    """The GPT-2-shaped transformer under the DDP hook on the link benchmark's unlimited link (docs/RESULTS.md 4.3,
-    f5c7a39): passing through 0.255 s (backward 0.23 s, the allreduce 25 ms after it); 2 bits 0.29 s, SafeBits'
+    """The GPT-2-shaped transformer under the DDP hook on the link benchmark's unlimited link (f5c7a39,
+    RESULTS' history): passing through 0.255 s (backward 0.23 s, the allreduce 25 ms after it); 2 bits 0.29 s, SafeBits'
     own work 0.07 s (0.055 s of it in the sends, inside backward), its collectives ending 5 ms after backward."""
     wire = TRANSFORMER_PARAMETERS * bits / 8
     if bits >= PASS_THROUGH_BITS:
