@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .actions import DEFAULT_MENU, Menu
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
-from .frontend import AllocationCheck, CoreRecords, build_core, check_transports, refuse_unsent
+from .frontend import AllocationCheck, CoreRecords, build_core, check_transports, refuse_unsent, send_and_launch
 from .transports import LocalTransport, PayloadTransport, TorchDistributedTransport
 
 CHUNK_BYTES = 1 << 18
@@ -216,23 +216,14 @@ class SafeBitsState(CoreRecords):
             for position, size in enumerate(sizes):
                 queued += size
                 if queued >= self.chunk_bytes or position == len(indices) - 1:
-                    core.send_group(indices[first:position + 1], grads[first:position + 1],
-                                    targets[first:position + 1], close=False)
-                    self._launch(queued)
+                    send_and_launch(core, self._allocation_check, f"chunk_bytes {self.chunk_bytes}",
+                                    indices[first:position + 1], grads[first:position + 1],
+                                    targets[first:position + 1], expected=queued)
                     first, queued = position + 1, 0
             # Closing starts the statistics exchange: only after the allocation check and the payloads' launch,
             # so every rank issues its collectives in the same order even when the check fails.
             core.close()
         return pieces
-
-    def _launch(self, expected: int) -> None:
-        """Start the allgather of the payloads queued since the last launch, which total ``expected`` bytes at
-        their allocated actions on every rank, so nothing waits for a size exchange (only an escalated rest waits
-        for the step's close)."""
-        self._allocation_check.finish(self.core, f"chunk_bytes {self.chunk_bytes}")   # before the first payload
-        transport = self.core.transport
-        if isinstance(transport, TorchDistributedTransport):      # else one rank: nothing moves
-            transport.flush(expected)
 
     def _close_step(self, step: int, collective: str) -> None:
         """The last bucket: every bucket's mean into its buffer, the step finished, every future completed."""

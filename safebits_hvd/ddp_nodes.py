@@ -34,7 +34,14 @@ import torch.distributed as dist
 
 from .actions import DEFAULT_MENU, Menu
 from .exchange import DEFAULT_TIMEOUT, LocalExchange, TorchDistributedExchange
-from .frontend import AllocationCheck, CoreRecords, build_core_over, refuse_unsent, registered_parameters
+from .frontend import (
+    AllocationCheck,
+    CoreRecords,
+    build_core_over,
+    refuse_unsent,
+    registered_parameters,
+    send_and_launch,
+)
 from .transports import LocalTransport, TorchDistributedTransport
 
 
@@ -121,7 +128,8 @@ class AcrossNodesState(CoreRecords):
             exchange=lambda t: TorchDistributedExchange(inter, t) if several else LocalExchange(),
             transport=lambda t: TorchDistributedTransport(inter, t) if several else LocalTransport(), fusion_bytes=0)
         self.names = self.core.names
-        self._index = {id(p): (mine.index(i) if i in mine else -1) for i, p in enumerate(params)}
+        slot = {i: k for k, i in enumerate(mine)}
+        self._index = {id(p): slot.get(i, -1) for i, p in enumerate(params)}
         self._pending: list[_Bucket] = []
         self._step = 0
         self._check = AllocationCheck("AcrossNodesState")
@@ -149,11 +157,7 @@ class AcrossNodesState(CoreRecords):
         owned = [s for s in slots if s >= 0]
         mine = [v for v, s in zip(views, slots, strict=True) if s >= 0]
         if owned:
-            core.send_group(owned, mine, mine, close=False)
-            self._check.finish(core, f"node_size {self.node_size}")
-            transport = core.transport
-            if isinstance(transport, TorchDistributedTransport):
-                transport.flush(int(core.allgather.allocated_payload_bytes(owned).sum()))
+            send_and_launch(core, self._check, f"node_size {self.node_size}", owned, mine, list(mine))
             core.close()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         others = [v for v, s in zip(views, slots, strict=True) if s < 0]

@@ -185,6 +185,23 @@ class AllocationCheck:
         self._pending = None
 
 
+def send_and_launch(core: SafeBitsCore, check: AllocationCheck, grouping: str, indices: list[int],
+                    grads: list[torch.Tensor], intos: list[torch.Tensor | None], expected: int | None = None) -> None:
+    """One group of a front end's step on the allgather path, its collective started at once: sent in one batched
+    pass (``close=False``: the front end closes the step), the step's ``check`` finished before its first payload
+    moves (``grouping``: the front end's word, for the error), and ``torch.distributed``'s collective launched at the
+    bytes the group's allocated actions take (``expected``, else computed; identical on every rank), so nothing
+    waits for a size exchange (only an escalated rest waits for the step's close). One rank, or a custom transport:
+    nothing to launch."""
+    core.send_group(indices, grads, intos, close=False)
+    check.finish(core, grouping)
+    transport = core.transport
+    if isinstance(transport, TorchDistributedTransport):
+        if expected is None:
+            expected = int(core.allgather.allocated_payload_bytes(indices).sum())
+        transport.flush(expected)
+
+
 def refuse_unsent(core: SafeBitsCore, what: str) -> None:
     """At a DDP step's last bucket: ``ValueError`` if the core still waits for tensors DDP never reduced (the
     state was built from other parameters than DDP's), after finishing the step's exchange."""

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from .actions import DEFAULT_MENU, Menu
 from .exchange import DEFAULT_TIMEOUT, TorchDistributedExchange
-from .frontend import AllocationCheck, CoreRecords, build_core_over
+from .frontend import AllocationCheck, CoreRecords, build_core_over, send_and_launch
 from .transports import TorchDistributedTransport
 
 try:
@@ -62,6 +62,10 @@ try:
 except ImportError:  # pragma: no cover - a torch without FSDP2
     FSDPModule = None
     ReduceScatter = object
+
+
+NOT_SHARDED = ("the model holds no FSDP module with parameters: call fully_shard on it (and its blocks) before "
+               "safebits_hvd.fsdp.compress")
 
 
 @dataclass(frozen=True)
@@ -127,8 +131,7 @@ def sharded_modules(model: torch.nn.Module, ranks: int, rows: tuple[int, ...]) -
         out.append(ShardedModule(module, first, tuple(names), tuple(numels), rows))
         first += len(rows) * len(names)
     if not out:
-        raise ValueError("the model holds no FSDP module with parameters: call fully_shard on it (and its blocks) "
-                         "before safebits_hvd.fsdp.compress")
+        raise ValueError(NOT_SHARDED)
     return out
 
 
@@ -205,17 +208,13 @@ class FSDPState(CoreRecords):
         step = core.step
         if began:
             self._check.start(core, 0)
-        # 1. Send: every member of the module; a contiguous float32 buffer is decoded back in place.
+        # 1. Send (and 2): every member of the module; a contiguous float32 buffer is decoded back in place.
         indices = module.indices
         in_place = values.dtype == torch.float32 and values.is_contiguous()
         pieces = list(values.reshape(-1).split(list(module.row_numels) * len(module.rows)))
         intos = pieces if in_place else [None] * len(pieces)
-        core.send_group(indices, pieces, intos, close=False)
         # 2. Gather: the sizes at the allocated actions are the same on every rank, so nothing waits to launch.
-        self._check.finish(core, "the FSDP modules' layout")
-        transport = core.transport
-        if isinstance(transport, TorchDistributedTransport):
-            transport.flush(int(core.allgather.allocated_payload_bytes(indices).sum()))
+        send_and_launch(core, self._check, "the FSDP modules' layout", indices, pieces, intos)
         core.close()
         # 3. Sum, in rank order.
         totals = core.reduced_sums(indices, step, core.path.name, intos, divisor=divisor)
@@ -260,8 +259,7 @@ def compress(model: torch.nn.Module, budget_bits: float | Callable[[int], float]
     modules = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
     groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
     if not groups:
-        raise ValueError("the model holds no FSDP module with parameters: call fully_shard on it (and its blocks) "
-                         "before safebits_hvd.fsdp.compress")
+        raise ValueError(NOT_SHARDED)
     mesh_info = groups[0].mesh_info
     if getattr(mesh_info, "replicate_mesh_dim", None) is not None:
         raise ValueError("native HSDP (a 2-D mesh given to fully_shard) all-reduces across replicas itself, before "

@@ -46,9 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -238,6 +236,7 @@ def measure_inputs(model: str, budget_bits: float = BUDGET_BITS, elements: int =
     import torch
 
     from bench.suites import bench_step, model_shapes
+    from bench.suites.timing import min_seconds
     from safebits_hvd import actions as A
     from safebits_hvd import kernels as K
     from safebits_hvd import rng, wire
@@ -263,13 +262,8 @@ def measure_inputs(model: str, budget_bits: float = BUDGET_BITS, elements: int =
     payload, _ = K.quantize_pack_ef(g, e, action, key)
 
     def best(fn: Any) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        fn()                        # warm: the kernels compiled, the memory touched
+        return min_seconds(fn, 5)
 
     encode = best(lambda: K.quantize_pack_ef(g, e, action, key, payload))
     decode = best(lambda: K.decode_add(payload, out))
@@ -344,19 +338,15 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_measure(ranks: int, args: argparse.Namespace, json_path: Path) -> list[dict[str, Any]]:
     """One torchrun launch of :func:`worker` on ``ranks`` ranks in a namespace of its own (unlimited loopback)."""
-    from bench.link import configure_link, delete_namespace, in_namespace
+    from bench.link import limited_namespace
     from safebits_hvd.launch import torchrun
 
-    ns = f"sbscale-{os.getpid()}-{ranks}"
-    if os.system(f"ip netns add {ns} 2>/dev/null") != 0:
-        raise SystemExit("[scale] cannot create a network namespace: run as root with ip and tc (iproute2)")
-    try:
-        configure_link(ns, None)
+    with limited_namespace(f"sbscale{ranks}", "unlimited") as prefix:
+        if prefix is None:
+            raise SystemExit("[scale] cannot create a network namespace: run as root with ip and tc (iproute2)")
         torchrun(ranks, "-m", "bench.experiments.scale", WORKER_FLAG, "--json", str(json_path),
-                 "--steps", str(args.steps), "--warmup", str(args.warmup), prefix=in_namespace(ns),
+                 "--steps", str(args.steps), "--warmup", str(args.warmup), prefix=prefix,
                  env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
-    finally:
-        delete_namespace(ns)
     return json.loads(json_path.read_text())
 
 
