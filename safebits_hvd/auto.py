@@ -92,6 +92,10 @@ AUTO_NOISE_BAND = 3.0
 absolute deviation), and by ``change`` at least, to say the link changed (5): noise as wide as the byte LM's
 steps on localhost (a fifth of a step, most of it the wait for the other rank) otherwise reads as changes."""
 
+AUTO_RATE_EXPOSED = 0.1
+"""The share of a step its exposed wait must reach for its bytes and link time to measure the link's rate (1); a
+wait hidden under backward only says the link is at least that fast."""
+
 AUTO_EXPOSED_SHARE = 0.25
 """The share of a step its exposed wait must reach (now or before) for a single span to say the link changed (5)."""
 
@@ -104,6 +108,18 @@ def far_slower(early: float, now: float) -> bool:
     """:class:`Auto` 3: whether a span measured while the run warmed up is too much slower than the choice's for the
     warm-up to explain it (:data:`AUTO_WARM_SLOWDOWN` times, and :data:`AUTO_HICCUP_S` at least)."""
     return early >= AUTO_WARM_SLOWDOWN * now and early - now >= AUTO_HICCUP_S
+
+
+def first_budget(unmeasured: list[float], pending: set[float], warm_start: bool) -> float:
+    """:class:`Auto` 3: the budget while nothing predicts the others: one whose telemetry is on its way (the most
+    bits); in the warm start, the pass-through; else the fewest bits from :data:`AUTO_FIRST_PROBE_BITS` up (8:
+    next to nothing added, and its step predicts every budget's error and measures the link), else the most."""
+    waiting = [b for b in unmeasured if b in pending]
+    if waiting:
+        return max(waiting)
+    if warm_start and PASS_THROUGH_BITS in unmeasured:
+        return PASS_THROUGH_BITS
+    return min((b for b in unmeasured if b >= AUTO_FIRST_PROBE_BITS), default=max(unmeasured))
 
 
 def own_compute(figures: dict[str, float]) -> float:
@@ -140,7 +156,7 @@ class SpanModel:
         if timing["link_s"] > 0 and timing["wire_bytes"] > 0:
             measured = timing["wire_bytes"] / timing["link_s"]
             # Exposed communication measures the link; hidden, it only says the link is at least this fast.
-            if timing["exposed_s"] > 0.1 * span or measured > self.rate:
+            if timing["exposed_s"] > AUTO_RATE_EXPOSED * span or measured > self.rate:
                 self.rate, self.rate_bits = measured, bits
         estimate = self.estimate(bits)
         if (len(self.spans[bits]) >= 3 and estimate is not None and span > AUTO_JUMP ** 2 * estimate
@@ -240,7 +256,15 @@ class SpanModel:
         send, receive = self.own_time(bits, allowance) if compressed else (0.0, 0.0)
         backward = own_compute(f)
         current = [b for b in measured if self.spans[b] and (b < PASS_THROUGH_BITS) == compressed]
-        if current:
+        below = max((b for b in current if b < bits), default=None) if compressed else None
+        above = min((b for b in current if b > bits), default=None) if compressed else None
+        if below is not None and above is not None:
+            # Bracketed by two compressed budgets measured on this link: their collectives' ends, interpolated in
+            # the bytes (proportional to the bits), carry the link's rate without the start latency that a rate
+            # read from one step's bytes and time includes.
+            low, high = self.scaled(below), self.scaled(above)
+            link = low["link_s"] + (high["link_s"] - low["link_s"]) * (bits - below) / (above - below)
+        elif current:
             # One of the same kind measured on this link: the collectives start as its did (compressed ones late,
             # once their group is packed) and end later (sooner) by the bytes added (taken away) at the link rate.
             same = nearest(current)
@@ -282,6 +306,23 @@ class SpanModel:
         return f["send_s"] / (1 + allowance), f["receive_s"] / (1 + allowance)
 
 
+    def rules_out_pass_through(self, fastest: float, guess: float | None) -> bool:
+        """:class:`Auto` 3: whether the compressed steps measured on this link (their spans kept) put the
+        pass-through far slower than ``fastest`` (:func:`far_slower`). Only if some waited for its collectives
+        after backward (:data:`AUTO_RATE_EXPOSED`; else they only say the link is at least that fast). From one
+        budget, ``guess`` (its prediction at the link rate); from two, their collectives' ends extrapolated in the
+        bytes to 32 bits, which carry the link's rate without the start latency that one step's bytes and time
+        include (on ``make demo``'s byte LM on localhost every compressed collective ends alike: a latency)."""
+        current = sorted(b for b in self.figures if b < PASS_THROUGH_BITS and self.spans[b])
+        if not any(self.figures[b]["exposed_s"] > AUTO_RATE_EXPOSED * self.figures[b]["span_s"] for b in current):
+            return False
+        if len(current) < 2:
+            return guess is not None and far_slower(guess, fastest)
+        low, high = self.scaled(current[0]), self.scaled(current[-1])
+        per_bit = (high["link_s"] - low["link_s"]) / (current[-1] - current[0])
+        link = high["link_s"] + max(per_bit, 0.0) * (PASS_THROUGH_BITS - current[-1])
+        return far_slower(max(own_compute(high), link), fastest)
+
     def state_dict(self) -> dict[str, Any]:
         return {"spans": {str(b): list(v) for b, v in self.spans.items()},
                 "measured_at": {str(b): s for b, s in self.measured_at.items()},
@@ -320,48 +361,47 @@ class Auto:
        switch: the start policy, the residual flush), unless a switch into pass-through took as long as a link that
        fell (5): the link may fall on any step; a switch between two compressed budgets is measured, so a
        compressed probe costs one step.
-    2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the
-       same kind, compressed or not (its last step's figures scaled to its estimate):
-       ``max(backward + send, link) + receive``. SafeBits' own time (send, receive) is none without compression,
-       interpolated in log bits between the nearest compressed budgets measured on either side, else the nearest
-       one's, and none while no compressed step is measured (a lower bound). ``link``, when the collectives end:
-       from one of the same kind measured on this link, its end moved by the bytes added (or taken away) at the
-       link rate (compressed collectives start late, once their group is packed, so only the same kind tells
-       when); else the bytes at the link rate from the first gradient on. The link rate comes from the steps whose
-       communication was exposed. A rate read through compressed payloads (small, so mostly their start latency
-       and the ranks' skew) does not say how fast an allreduce of every gradient is: a pass-through measured
-       before keeps its own link time.
-    3. **Probe** the candidate the rule of 4 would choose if every unmeasured candidate took a lower bound,
-       when that is an unmeasured one: so only candidates that could win are probed, the predicted fastest
-       first, and a link seen slower jumps straight to it. The lower bound takes the model's error allowance
-       ``prune`` off what was not measured at that budget (the transfer; SafeBits' own time unless bracketed);
-       below the fewest compressed bits measured on this link, where nothing bounds a budget from below, off
-       its whole span, and there only the fewest bits allowed are probed (they bound the rest: the least to send, the
-       least own work) and nothing else until their telemetry is in. One whose telemetry is still on its way
-       (a step not observed yet) is held, not probed again. From a compressed choice, no other compressed budget
-       is probed before the choice has :data:`AUTO_MEDIAN_OF` spans. Before the first measurement the costliest
-       is held (no compression first, as PowerSGD's hook starts), and through the warm start, if asked for (the
-       first ``warm_start`` steps, :data:`AUTO_WARM_START_S`), the pass-through while its step is short.
+    2. **Predict** one never measured (or measured at another link rate) from the nearest measured one of the same kind,
+       compressed or not (its last step's figures scaled to its estimate): ``max(backward + send, link) + receive``.
+       SafeBits' own time (send, receive) is none without compression, interpolated in log bits between the nearest
+       compressed budgets measured on either side, else the nearest one's, and none while no compressed step is measured
+       (a lower bound). ``link``, when the collectives end: between two compressed budgets measured on this link on
+       either side, their ends interpolated in the bytes; else from one of the same kind measured on this link, its end
+       moved by the bytes added (or taken away) at the link rate (compressed collectives start late, once their group is
+       packed, so only the same kind tells when); else the bytes at the link rate from the first gradient on. The link
+       rate comes from the steps whose communication was exposed. A rate read through compressed payloads (small, so
+       mostly their start latency and the ranks' skew) does not say how fast an allreduce of every gradient is: a
+       pass-through measured before keeps its own link time.
+    3. **Probe** the candidate the rule of 4 would choose if every unmeasured candidate took a lower bound, when that is
+       an unmeasured one: so only candidates that could win are probed, the predicted fastest first, and a link seen
+       slower jumps straight to it. The lower bound takes the model's error allowance ``prune`` off what was not
+       measured at that budget (the transfer; SafeBits' own time unless bracketed); below the fewest compressed bits
+       measured on this link, where nothing bounds a budget from below, off its whole span, and there only the fewest
+       bits allowed are probed (they bound the rest: the least to send, the least own work) and nothing else until their
+       telemetry is in. One whose telemetry is still on its way (a step not observed yet) is held, not probed again.
+       From a compressed choice, no other compressed budget is probed before the choice has :data:`AUTO_MEDIAN_OF`
+       spans. Before the first measurement the first probe's budget is held (:func:`first_budget`), and through the warm
+       start, if asked for (the first ``warm_start`` steps, :data:`AUTO_WARM_START_S`), the pass-through while its step
+       is short. The pass-through, never measured, is probed next unless :meth:`SpanModel.rules_out_pass_through`.
 
-       Measured again: (a) **after the warm-up**: the pass-through, held first, is measured in a run's first
-       steps, which run slow. Once a compressed budget is the choice with three spans, a candidate measured only
-       before step :data:`AUTO_WARM_AFTER` is measured again for three steps after the switch (its early spans
-       dropped; one span cannot tell a warm run's 15% from its noise), unless its step computed no slower than
-       the choice's do (:data:`AUTO_WARM_COMPUTE`: it was warm already), or its span divided by its compute's
-       slowdown over the choice's is still slower than the choice by more than ``prune`` (its communication made
-       it slow, which a warm run does not change; (b) measures it later), or it is estimated
-       :data:`AUTO_WARM_SLOWDOWN` times slower than the choice and :data:`AUTO_HICCUP_S` or more (the first
-       steps' excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN); before any
-       other budget is probed, since a span from the slow first steps makes every other budget look closer than
-       it is. (b) **Now and then**: every ``probe_every`` steps the one measured longest ago (two steps into or
-       out of pass-through), unless predicted above ``1 + prune`` times the fastest estimate; the pass-through
-       measured only before step :data:`AUTO_WARM_AFTER` whatever it predicts (an early step can be slow in its
-       communication too, which (a) does not test), unless it is far slower than the choice as in (a).
-    4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse
-       for quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of
-       the spans measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond
-       ``tolerance`` is no tie. The pass-through is tied within ``tolerance`` plus that error: compressing must
-       show it is faster (it loses bits, and the target is never to be slower than no compression).
+       Measured again: (a) **after the warm-up**: a run's first steps run slow. Once a compressed budget is the choice
+       with three spans, a candidate measured only before step :data:`AUTO_WARM_AFTER` is measured again for three steps
+       after the switch (its early spans dropped; one span cannot tell a warm run's 15% from its noise), unless its step
+       computed no slower than the choice's do (:data:`AUTO_WARM_COMPUTE`: it was warm already), or its span divided by
+       its compute's slowdown over the choice's is still slower than the choice by more than ``prune`` (its
+       communication made it slow, which a warm run does not change; (b) measures it later), or it is estimated
+       :data:`AUTO_WARM_SLOWDOWN` times slower than the choice and :data:`AUTO_HICCUP_S` or more (the first steps'
+       excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN); before any other budget
+       is probed, since a span from the slow first steps makes every other budget look closer than it is. (b) **Now and
+       then**: every ``probe_every`` steps the one measured longest ago (two steps into or out of pass-through), unless
+       predicted above ``1 + prune`` times the fastest estimate; the pass-through measured only before step
+       :data:`AUTO_WARM_AFTER` whatever it predicts (an early step can be slow in its communication too, which (a) does
+       not test), unless it is far slower than the choice as in (a).
+    4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse for
+       quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of the spans
+       measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond ``tolerance`` is no tie.
+       The pass-through is tied within ``tolerance`` plus that error: compressing must show it is faster (it loses bits,
+       and the target is never to be slower than no compression).
     5. **Follow the link**. The link (or the load) changed when the last spans of the candidate just measured
        are, against its estimate before them:
 
@@ -496,8 +536,7 @@ class Auto:
         unmeasured = [b for b in allowed if b not in known]
         predicted = {b: model.predict(b) for b in unmeasured}
         if any(p is None for p in predicted.values()):           # nothing to predict from yet
-            waiting = [b for b in unmeasured if b in pending]
-            return max(waiting) if waiting else max(unmeasured)
+            return first_budget(unmeasured, pending, step < self.warm_start)
         if step < self.warm_start and known.get(PASS_THROUGH_BITS, (math.inf, 0.0))[0] < AUTO_WARM_START_S:
             return PASS_THROUGH_BITS                             # the warm start (3): early steps decide quality
         # Probe what could win if the model erred by ``prune``: on what it did not measure at that budget (the
@@ -527,6 +566,9 @@ class Auto:
         again = self._measure_again(known, pending, allowed)
         if again is not None:
             return again
+        if (known and PASS_THROUGH_BITS in predicted.keys() - model.figures.keys() - pending and not
+                model.rules_out_pass_through(min(e for e, _ in known.values()), predicted[PASS_THROUGH_BITS])):
+            return PASS_THROUGH_BITS                 # 3: never measured, and compressed steps cannot rule it out
         if hoped:
             bits = self._pick({**known, **hoped})
             if bits in hoped:

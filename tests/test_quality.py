@@ -113,10 +113,10 @@ def test_ranks_whose_gradients_differ_agree_on_the_noise_and_choose_alike() -> N
             random_grads(params, step - 1, seed=seed)
             out.extend(p.grad.reshape(-1) for _, p in params)
         spread = sum(float(((x - y) ** 2).sum()) for x, y in zip(g1, g2, strict=True)) / 4
-        # Exact before anything was compressed; after, the decoded mean carries residuals (a pass-through flushes
-        # them once), whose cross terms with the mean move G a little.
-        assert ra.gradient_noise == pytest.approx(spread, rel=1e-4 if step == 1 else 2e-2)
-    assert a[0].pass_through and not all(r.pass_through for r in a)
+        # The decoded mean carries residuals (a pass-through flushes them once), whose cross terms with the mean
+        # move G a little: least after the one 8-bit step that starts the run.
+        assert ra.gradient_noise == pytest.approx(spread, rel=1e-3 if step == 1 else 2e-2)
+    assert not a[0].pass_through and any(r.pass_through for r in a)      # the first probe (8 bits), then others
     assert math.isnan(a[0].gradient_noise) and math.isnan(a[2].gradient_noise)
 
 
@@ -216,10 +216,11 @@ def test_the_gate_takes_medians_and_is_checkpointed() -> None:
 
 
 def test_measuring_the_noise_reads_nothing_back() -> None:
-    """``auto``'s first steps pass through, as 32 bits do: measuring the noise adds no read to them (it is copied
-    to the host at a step's end and read at the next one's, :func:`safebits_hvd.host.copy_to_host`)."""
+    """``auto`` held at 32 bits passes through, as 32 bits do: measuring the noise adds no read to those steps (it
+    is copied to the host at a step's end and read at the next one's, :func:`safebits_hvd.host.copy_to_host`)."""
     with host.counting() as fixed:
         _two_ranks(3, budget_bits=32.0)
     with host.counting() as auto:
-        records = _two_ranks(3)
+        records = _two_ranks(3, budget_bits=sb.Auto(min_bits=32.0))      # one schedule, always 32: shared safely
     assert all(r.pass_through for r in records[0]) and auto.traffic.reads == fixed.traffic.reads
+    assert records[0][1].noise_step == 0                                  # and the noise was measured

@@ -9,7 +9,8 @@ hands the schedule each step's telemetry before the next step's budget is chosen
 - ``tight``: ``tight_timing``, ResNet-18 where compressing costs only 10-20% of a step on the unlimited link
   (results/issue30/link_b4.md), through unlimited (30), 1 Gbit/s (30) and 100 Mbit/s (25);
 - ``demo_lm``: ``latency_bound_timing``, ``make demo``'s byte LM on localhost, where every transfer is a latency and
-  passing through beats compressing by 15%, 160 steps whose first ones run slow (``LM_WARMUP``).
+  passing through beats compressing by 15%, 160 steps whose first ones run slow (``LM_WARMUP``);
+- ``slow_start``: ``resnet18_timing`` starting on the slow link: 100 Mbit/s (25 steps), then unlimited (30).
 
 Per phase: auto's total against the best fixed budget's (the per-phase oracle), and the steps until auto settles
 (its first of 3 steps in a row within 10% of the best fixed step time, the criterion of RESULTS 4.4). The floor is
@@ -81,6 +82,8 @@ SCENARIOS = [
                                      ("1 Gbit/s", RESNET18_RATES["1 Gbit/s"], 30),
                                      ("100 Mbit/s", RESNET18_RATES["100 Mbit/s"], 25)]),
     Scenario("demo_lm", latency_bound_timing, [("localhost", 2e9, 160)], LM_WARMUP),
+    Scenario("slow_start", resnet18_timing, [("100 Mbit/s", RESNET18_RATES["100 Mbit/s"], 25),
+                                             ("unlimited", RESNET18_RATES["unlimited"], 30)]),
 ]
 
 
