@@ -264,7 +264,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             r["ratio_to_best"] = (r["samples_per_s"] / best["samples_per_s"]
                                   if best is not None and best["samples_per_s"] > 0 else None)
             # Whether it chose right, apart from its instance's speed: two instances of one fixed row differ by up
-            # to 10% here (``results/issue30/``, dd535ed).
+            # to 10% here (dd535ed).
             target = None if best is None else fixed_budget(best["compressor"])
             bits = [b for b in r["budget_bits_per_step"] if b is not None]
             r["steps_at_best_budget"] = None if target is None or not bits else [

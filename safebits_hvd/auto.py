@@ -54,7 +54,7 @@ They touch memory the process has not used before (residuals, payload and decodi
 the kernel a page fault: ResNet-18 at batch 16 spent 0.76 s and 1.17 s of system time in its first two compressed
 steps and 0.22 s in the third (``bench.experiments.cold_compressed_steps``). The second compressed step of the
 transformer of ``bench.link`` at 1 Gbit/s spanned 1.9x a warm one; measured, that span made passing through look
-faster than 2 bits, and :class:`Auto` passed through for the rest of the window (``results/issue30/``). So a run's
+faster than 2 bits, and :class:`Auto` passed through for the rest of the window (RESULTS' history). So a run's
 first compressed probe holds one step longer: the switch, the cold step, one measured."""
 
 AUTO_WARM_AFTER = 6

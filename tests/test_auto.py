@@ -58,7 +58,7 @@ def resnet18_timing(bits: float, bytes_per_s: float) -> dict[str, float]:
 
 
 def tight_timing(bits: float, bytes_per_s: float) -> dict[str, float]:
-    """ResNet-18, batch 4, 2 ranks, Horovod, on the machine of results/issue30/link_b4.md, where compressing costs
+    """ResNet-18, batch 4, 2 ranks, Horovod, on the machine of results/link/link_b4.md, where compressing costs
     only 10-20% of a step on the unlimited link (none 0.234 s, 2 bits 0.272, 8 bits 0.278; 1 Gbit/s: none 0.823,
     2 bits 0.281, 4.4 bits 0.308): backward 0.17 s; SafeBits' own work 0.09 s at 2 bits to 0.10 s at 8 (three
     quarters in the sends); the compressed collectives end 0.18 s after the first gradient plus the transfer at
@@ -177,7 +177,7 @@ def test_probing_costs_at_most_three_steps_on_a_fast_link() -> None:
 
 
 def test_where_compressing_costs_little_the_fewest_bits_are_probed_first_and_no_ladder_follows() -> None:
-    # results/issue30/link_b4.md: on the unlimited link every compressed budget is 11-15% slower than passing
+    # results/link/link_b4.md: on the unlimited link every compressed budget is 11-15% slower than passing
     # through, and the pass-through's exposed tail makes each lower bound look faster. After the first probe
     # (8 bits) and the pass-through, no compressed budget is probed. At 1 Gbit/s 2 bits are the fastest (3 bits 4%
     # slower): from 8 bits the fewest bits are probed next, and then only budgets bracketed by two measured ones,

@@ -4,16 +4,16 @@ hands the schedule each step's telemetry before the next step's budget is chosen
 
 - ``modeled``: ``simulated_timing`` (10M parameters, backward 100 ms) through unlimited (10 GB/s, 100 steps),
   100 Mbit/s (100 steps) and 1 Gbit/s (100 steps);
-- ``resnet18``: ``resnet18_timing``, fitted to the step times measured in docs/RESULTS.md 4.4 (ResNet-18, batch 4,
+- ``resnet18``: ``resnet18_timing``, fitted to earlier link step times (RESULTS' history; ResNet-18, batch 4,
   2 ranks), through unlimited (30 steps), 100 Mbit/s (25) and 1 Gbit/s (30), as that run's phases;
 - ``tight``: ``tight_timing``, ResNet-18 where compressing costs only 10-20% of a step on the unlimited link
-  (results/issue30/link_b4.md), through unlimited (30), 1 Gbit/s (30) and 100 Mbit/s (25);
+  (results/link/link_b4.md), through unlimited (30), 1 Gbit/s (30) and 100 Mbit/s (25);
 - ``demo_lm``: ``latency_bound_timing``, ``make demo``'s byte LM on localhost, where every transfer is a latency and
   passing through beats compressing by 15%, 160 steps whose first ones run slow (``LM_WARMUP``);
 - ``slow_start``: ``resnet18_timing`` starting on the slow link: 100 Mbit/s (25 steps), then unlimited (30).
 
 Per phase: auto's total against the best fixed budget's (the per-phase oracle), and the steps until auto settles
-(its first of 3 steps in a row within 10% of the best fixed step time, the criterion of RESULTS 4.4). The floor is
+(its first of 3 steps in a row within 10% of the best fixed step time). The floor is
 what the lag alone costs: a rule that knows every budget's step time but sees the link one step late. With
 ``--noise``, each step's telemetry is multiplied by ``exp(noise * z)`` and the totals (of the noise-free step times)
 are the mean over ``--seeds`` runs, settling the median.
@@ -41,7 +41,7 @@ from tests.test_auto import (
     tight_timing,
 )
 
-SETTLED_WITHIN = 0.10          # RESULTS 4.4: within 10% of the phase's best fixed step time...
+SETTLED_WITHIN = 0.10          # within 10% of the phase's best fixed step time...
 SETTLED_STEPS = 3              # ... for 3 steps in a row
 
 
