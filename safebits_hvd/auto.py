@@ -24,26 +24,26 @@ the core passes the gradients through (no screen, no packing: ``StepRecord.pass_
 AUTO_CANDIDATES = (2.0, 3.0, 4.4, 6.0, 8.0, 16.0, PASS_THROUGH_BITS)
 """The budgets :class:`Auto` chooses among (those within its bounds), bits per parameter; 32 is no compression."""
 
+# The figures behind these constants (the step-to-step noise, hiccups, cold and warming steps of the machines
+# measured) are in docs/DESIGN.md, "budget_bits='auto'", and docs/RESULTS.md 4.
+
 AUTO_JUMP = 2.0
 """A span this many times smaller than its candidate's estimate, two in a row this many times larger, or one this
-squared times larger, mean the link changed: beyond the step-to-step noise measured here (the byte LM of
-``make demo`` on localhost, ``bench.experiments.demo_lm_spans``: single steps down to 0.6x their median and up to
-2.5-4x, a hiccup of the machine, never two in a row)."""
+squared times larger, mean the link changed (5): beyond the step-to-step noise of shared machines, where a single
+step may run several times slower (a hiccup), never two in a row."""
 
 AUTO_HICCUP_S = 0.25
-"""How long a hiccup of the machine may hold one step (the digits CNN of ``make demo`` on localhost,
-``bench.experiments.demo_lm_spans --task digits_cnn``: 4 ms steps, single ones up to 87 ms): a single span longer by
-less waits for the next to confirm a change (5); confirming costs one step, short when the steps are."""
+"""How long a hiccup of the machine may hold one step: a single span longer by less waits for the next to confirm a
+change (5); confirming costs one step, short when the steps are (on short steps a hiccup is a time, not a ratio)."""
 
 AUTO_WINDOW = 7
 """Spans :class:`Auto` keeps per candidate (their median is its estimate): enough to see through the step-to-step
-noise of shared machines (a third of a step, between consecutive steps of one budget, on 2 busy cores)."""
+noise of shared machines."""
 
 AUTO_MEDIAN_OF = 3
-"""Spans a compressed choice is measured over before :class:`Auto` probes another compressed budget from it (3):
-with 10% noise on steps 4% apart, one span often made the second-best look better, and it was kept for much of the
-run (``tests/test_auto.py``, 1 Gbit/s in ``tight_timing``: 388 steps of 2,240 off the best over 40 seeds with one
-span, 116 with three)."""
+"""Spans a compressed choice is measured over before :class:`Auto` probes another compressed budget from it: with
+noise wider than the differences, one span often made the second-best look better, and it was kept for much of the
+run (``tests/test_auto.py``, ``tight_timing`` at 1 Gbit/s)."""
 
 AUTO_WARMUP = 2
 """The first steps of a run, whose spans :class:`Auto` does not keep (allocation, connection set-up)."""
@@ -51,46 +51,39 @@ AUTO_WARMUP = 2
 AUTO_COLD = 2
 """The first steps a run compresses, whose spans :class:`Auto` does not keep either: the compressed path starts cold.
 They touch memory the process has not used before (residuals, payload and decoding buffers), and a first touch costs
-the kernel a page fault: ResNet-18 at batch 16 spent 0.76 s and 1.17 s of system time in its first two compressed
-steps and 0.22 s in the third (``bench.experiments.cold_compressed_steps``). The second compressed step of the
-transformer of ``bench.link`` at 1 Gbit/s spanned 1.9x a warm one; measured, that span made passing through look
-faster than 2 bits, and :class:`Auto` passed through for the rest of the window (RESULTS' history). So a run's
-first compressed probe holds one step longer: the switch, the cold step, one measured."""
+the kernel a page fault (``bench.experiments.cold_compressed_steps``); measured, a cold span made passing through look
+faster than compressing. So a run's first compressed probe holds one step longer."""
 
 AUTO_WARM_AFTER = 6
-"""Steps after which a run is warm: the spans of the steps before, kept, still run slow (the byte LM of
-``make demo`` on localhost: 2.7x and 1.5x its steady step at steps 2 and 3), so a candidate measured only before
-this step is measured again once the run is warm (:class:`Auto`, 3)."""
+"""Steps after which a run is warm: the spans of the steps before, kept, still run slow, so a candidate measured
+only before this step is measured again once the run is warm (:class:`Auto`, 3)."""
 
 AUTO_WARM_SLOWDOWN = 2.0
-"""How much slower than warm steps a run's first steps may be (the byte LM of ``make demo`` on localhost: 1.8x over
-steps 2 and 3): a candidate measured only then and estimated slower than the choice by more (and by
-:data:`AUTO_HICCUP_S` at least) is not measured again (3 (a) and (b)): on a slow link an uncompressed step costs
-the time of several compressed ones (docs/RESULTS.md, the race)."""
+"""How much slower than warm steps a run's first steps may be: a candidate measured only then and estimated slower
+than the choice by more (and by :data:`AUTO_HICCUP_S` at least) is not measured again (3 (a) and (b)): on a slow link
+an uncompressed step costs the time of several compressed ones."""
 
 AUTO_WARM_COMPUTE = 1.0
 """A step whose own compute (its backward span less SafeBits' sends) took at most this times the choice's was warm
 already, and its span is not measured again (3): a run's first steps are slow in their compute (the warm-up
-multiplies it with the rest), while a warm pass-through computes faster than a compressed step (the transformer of
-``bench.link`` at 1 Gbit/s: 0.27-0.31 s at step 2 against 0.31-0.38 s at 2 bits). Without it the pass-through of
-step 2, warm and 1.7-1.9x slower than 2 bits, was measured again for four steps: a third of a 14-step window."""
+multiplies it with the rest), while a warm pass-through computes faster than a compressed step."""
 
 AUTO_FIRST_PROBE_BITS = 8.0
 """The fewest bits :class:`Auto` allows before its first compressed step has told the quality gate what each budget
-would add (0), where its figures are fed: a run's first steps decide much of its quality (a few 2-bit steps cost
-more there than later: docs/RESULTS.md 2.1b), and 8 bits add next to nothing, while that one step predicts the
-error of every budget. Where no error is measured (one rank), the bound lifts once the first probe is measured."""
+would add (0), where its figures are fed, and the budget a run starts at: a run's first steps decide much of its
+quality (docs/RESULTS.md 2.1b), 8 bits add next to nothing, and that one step predicts the error of every budget and
+measures the link. Where no error is measured (one rank), the bound lifts once the first probe is measured."""
 
 AUTO_WARM_START = 0
 AUTO_WARM_START_S = 0.25
 """The warm start, off by default: for its first ``warm_start`` steps :class:`Auto` passes through while that costs
 less than :data:`AUTO_WARM_START_S` a step, as PyTorch's PowerSGD hook starts uncompressed. The first probe's bound
-(:data:`AUTO_FIRST_PROBE_BITS`) and the quality gate guard the first steps without it (docs/RESULTS.md, the race)."""
+(:data:`AUTO_FIRST_PROBE_BITS`) and the quality gate guard the first steps without it."""
 
 AUTO_NOISE_BAND = 3.0
 """A span must be off its estimate by this many times the spans' relative spread (:meth:`SpanModel.spread`, a median
-absolute deviation), and by ``change`` at least, to say the link changed (5): noise as wide as the byte LM's
-steps on localhost (a fifth of a step, most of it the wait for the other rank) otherwise reads as changes."""
+absolute deviation), and by ``change`` at least, to say the link changed (5): noise as wide as a fifth of a step
+(most of it the wait for the other rank) otherwise reads as changes."""
 
 AUTO_RATE_EXPOSED = 0.1
 """The share of a step its exposed wait must reach for its bytes and link time to measure the link's rate (1); a
