@@ -52,8 +52,8 @@ class FrontEnd:
             self.rank, self.size = hvd.rank(), hvd.size()
 
     def close(self) -> None:
-        """Take the process group down before the interpreter exits: left to exit, Gloo's threads of a torchrun
-        launch aborted one in 13 (``terminate called without an active exception``) after a finished race."""
+        """Take the process group down before the interpreter exits: left to exit, Gloo's threads aborted one of
+        18 torchrun launches after a finished race (``terminate called without an active exception``)."""
         if self.ddp:
             import torch.distributed as dist
 
