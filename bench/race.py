@@ -240,14 +240,23 @@ def case_key(case: dict[str, Any]) -> tuple[str, int, str, str]:
 
 def merged(races: list[dict[str, Any]]) -> dict[str, Any]:
     """Races' race.json contents as one: a later race's cases replace the earlier ones' with the same
-    :func:`case_key` (rows run again), in the earlier order; their commands joined, their seconds added."""
+    :func:`case_key` (rows run again), in the earlier order; their commands joined, their seconds added; a failed
+    launch stays listed unless a later race ran its case."""
     cases: dict[tuple[str, int, str, str], dict[str, Any]] = {}
+    failed: list[str] = []
     for race in races:
         for case in race["cases"]:
             cases[case_key(case)] = case
+        ran = {failed_prefix(*key) for key in cases}
+        failed = [line for line in failed if not line.startswith(tuple(ran))] + race.get("failed", [])
     return {"command": "`; cases replaced by `".join(race.get("command", "python -m bench.race") for race in races),
             "seconds": sum(race.get("seconds", math.nan) for race in races), "cases": list(cases.values()),
-            "failed": [line for race in races for line in race.get("failed", [])]}
+            "failed": failed}
+
+
+def failed_prefix(task: str, seed: int, rate: str, compressor: str) -> str:
+    """How a failed launch's line (in race.json's ``failed``) starts."""
+    return f"{compressor} on {task} seed {seed} at {rate}: "
 
 
 def launches(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -281,8 +290,7 @@ def _race(args: argparse.Namespace, ns: str) -> int:
                                on_line=_progress)
                     except LaunchError as error:      # the other launches still run; the tables say what failed
                         print(f"[race] {compressor} on {task} seed {seed} at {rate} failed: {error}", flush=True)
-                        failed.append(f"{compressor} on {task} seed {seed} at {rate}: "
-                                      f"{str(error).splitlines()[0]}")
+                        failed.append(failed_prefix(task, seed, rate, compressor) + str(error).splitlines()[0])
                         continue
                     with open(raw, encoding="utf-8") as f:
                         for case in json.load(f)["cases"]:

@@ -154,3 +154,11 @@ def test_rows_run_again_replace_the_earlier_race_s_rows(tmp_path: Any) -> None:
     assert both["command"] == "python -m bench.race first`; cases replaced by `python -m bench.race again"
     text = (tmp_path / "both" / "race.md").read_text()
     assert "| fp16 | **30** (30) |" in text                   # the second race's row, against ddp:none's target
+
+
+def test_a_failed_launch_run_again_is_no_longer_listed_as_failed() -> None:
+    earlier = {"cases": [case("none", (5.0, 4.0, 3.0, 2.5, 2.0))],
+               "failed": [race.failed_prefix("gpt2_text", 0, "1gbit", "fp16") + "exit status 1",
+                          race.failed_prefix("gpt2_text", 0, "1gbit", "qsgd4") + "exit status 1"]}
+    again = {"cases": [case("fp16", (5.0, 4.0, 3.0, 2.5, 2.0))], "failed": []}
+    assert race.merged([earlier, again])["failed"] == [earlier["failed"][1]]
