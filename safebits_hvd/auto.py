@@ -303,20 +303,25 @@ class SpanModel:
         """:class:`Auto` 3: whether the compressed steps measured put the pass-through far slower than ``fastest``
         (:func:`far_slower`). Only if one of them, measured at a link rate no slower than now (``change``), waited for
         its collectives after backward (:data:`AUTO_RATE_EXPOSED`; else they only say the link is at least that
-        fast). ``guess``: its prediction at the link rate; better, where two budgets measured on this link (their
-        spans kept) end their collectives later with more bytes, those ends extrapolated in the bytes to 32 bits,
-        which carry the link's rate without the start latency that one step's bytes and time include."""
+        fast), and if ``guess``, its prediction at the link rate, says so. A rate read from one step's bytes and
+        time includes the collectives' start latency, so where two budgets measured on this link (their spans kept)
+        end their collectives later with more bytes, those ends extrapolated in the bytes to 32 bits must say so too:
+        they carry the rate without it (they can clear the pass-through, never condemn it: a slope between budgets
+        a few bits apart, extrapolated, carries their noise many times over)."""
         compressed = [b for b in self.figures if b < PASS_THROUGH_BITS]
         if not any(self.figures[b]["exposed_s"] > AUTO_RATE_EXPOSED * self.figures[b]["span_s"]
                    and self.rate_at.get(b, 0.0) * (1 + self.change) >= self.rate for b in compressed):
+            return False
+        if guess is None or not far_slower(guess, fastest):
             return False
         current = sorted(b for b in compressed if self.spans[b])
         if len(current) >= 2:
             low, high = self.scaled(current[0]), self.scaled(current[-1])
             per_bit = (high["link_s"] - low["link_s"]) / (current[-1] - current[0])
             if per_bit > 0:
-                guess = max(own_compute(high), high["link_s"] + per_bit * (PASS_THROUGH_BITS - current[-1]))
-        return guess is not None and far_slower(guess, fastest)
+                link = high["link_s"] + per_bit * (PASS_THROUGH_BITS - current[-1])
+                return far_slower(max(own_compute(high), link), fastest)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"spans": {str(b): list(v) for b, v in self.spans.items()},
