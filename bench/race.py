@@ -254,6 +254,18 @@ def merged(races: list[dict[str, Any]]) -> dict[str, Any]:
             "failed": failed}
 
 
+def finished_cases(raw: str, compressor: str) -> list[dict[str, Any]] | None:
+    """The cases a launch of ``compressor`` wrote to ``raw`` once it had trained them all (rank 0 writes the file
+    last), else None: a torchrun launch can still end with an error after that, when Gloo's threads abort in the
+    interpreter's teardown (``terminate called without an active exception``), which changes none of its figures."""
+    try:
+        with open(raw, encoding="utf-8") as f:
+            cases = json.load(f)["cases"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return cases if cases and all(case["compressor"] == compressor for case in cases) else None
+
+
 def failed_prefix(task: str, seed: int, rate: str, compressor: str) -> str:
     """How a failed launch's line (in race.json's ``failed``) starts."""
     return f"{compressor} on {task} seed {seed} at {rate}: "
@@ -285,16 +297,21 @@ def _race(args: argparse.Namespace, ns: str) -> int:
                     worker = [*WORKER, "--task", task, "--compressors", compressor, "--seed", str(seed),
                               "--steps", str(steps), "--eval-every", str(EVAL_EVERY[task]), "--out", raw]
                     launch = torchrun if front == "ddp" else horovodrun
+                    if os.path.exists(raw):
+                        os.remove(raw)                # a failed launch's: never read as this one's
                     try:
                         launch(2, *worker, prefix=in_namespace(ns), env=env, timeout=args.timeout,
                                on_line=_progress)
                     except LaunchError as error:      # the other launches still run; the tables say what failed
-                        print(f"[race] {compressor} on {task} seed {seed} at {rate} failed: {error}", flush=True)
-                        failed.append(failed_prefix(task, seed, rate, compressor) + str(error).splitlines()[0])
-                        continue
-                    with open(raw, encoding="utf-8") as f:
-                        for case in json.load(f)["cases"]:
-                            cases.append({**case, "task": task, "rate": rate, "front_end": front})
+                        if finished_cases(raw, compressor) is None:
+                            print(f"[race] {compressor} on {task} seed {seed} at {rate} failed: {error}", flush=True)
+                            failed.append(failed_prefix(task, seed, rate, compressor) + str(error).splitlines()[0])
+                            continue
+                        print(f"[race] {compressor} on {task} seed {seed} at {rate}: its results were written, then "
+                              f"the launch ended with an error (kept): {str(error).splitlines()[0]}", flush=True)
+                    finished = finished_cases(raw, compressor)
+                    assert finished is not None, raw
+                    cases += [{**case, "task": task, "rate": rate, "front_end": front} for case in finished]
                     os.remove(raw)
                     _write(args, command, cases, failed, time.perf_counter() - start)    # what has run so far
     print(f"[race] wrote race.json, race.md and race.png in {args.out_dir}; total "

@@ -52,8 +52,9 @@ class FrontEnd:
             self.rank, self.size = hvd.rank(), hvd.size()
 
     def close(self) -> None:
-        """Take the process group down before the interpreter exits: left to exit, Gloo's threads aborted one of
-        18 torchrun launches after a finished race (``terminate called without an active exception``)."""
+        """Take the process group down before the interpreter exits. Gloo's threads can still abort the teardown
+        (``terminate called without an active exception``, 2 of 36 torchrun launches with or without this), after
+        the results are written: :func:`bench.race.finished_cases` keeps them."""
         if self.ddp:
             import torch.distributed as dist
 

@@ -162,3 +162,16 @@ def test_a_failed_launch_run_again_is_no_longer_listed_as_failed() -> None:
                           race.failed_prefix("gpt2_text", 0, "1gbit", "qsgd4") + "exit status 1"]}
     again = {"cases": [case("fp16", (5.0, 4.0, 3.0, 2.5, 2.0))], "failed": []}
     assert race.merged([earlier, again])["failed"] == [earlier["failed"][1]]
+
+
+def test_a_launch_that_wrote_its_results_before_failing_keeps_them(tmp_path: Any) -> None:
+    import json
+
+    raw = tmp_path / "raw.json"
+    assert race.finished_cases(str(raw), "fp16") is None                  # nothing written: failed
+    raw.write_text("{\"cases\": [")
+    assert race.finished_cases(str(raw), "fp16") is None                  # cut short
+    raw.write_text(json.dumps({"cases": [case("none", (5.0, 4.0))]}))
+    assert race.finished_cases(str(raw), "fp16") is None                  # another launch's
+    raw.write_text(json.dumps({"cases": [case("fp16", (5.0, 4.0))]}))
+    assert [c["compressor"] for c in race.finished_cases(str(raw), "fp16") or []] == ["fp16"]
