@@ -53,7 +53,7 @@ class FrontEnd:
 
     def close(self) -> None:
         """Take the process group down before the interpreter exits. Gloo's threads can still abort the teardown
-        (``terminate called without an active exception``, 2 of 36 torchrun launches with or without this), after
+        (``terminate called without an active exception``: 2 of 48 torchrun launches, 1 of 30 with this), after
         the results are written: :func:`bench.race.finished_cases` keeps them."""
         if self.ddp:
             import torch.distributed as dist
