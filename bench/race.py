@@ -247,8 +247,8 @@ def merged(races: list[dict[str, Any]]) -> dict[str, Any]:
     for race in races:
         for case in race["cases"]:
             cases[case_key(case)] = case
-        ran = {failed_prefix(*key) for key in cases}
-        failed = [line for line in failed if not line.startswith(tuple(ran))] + race.get("failed", [])
+        ran = tuple(failed_prefix(*case_key(case)) for case in race["cases"])
+        failed = [line for line in failed if not line.startswith(ran)] + race.get("failed", [])
     return {"command": "`; cases replaced by `".join(race.get("command", "python -m bench.race") for race in races),
             "seconds": sum(race.get("seconds", math.nan) for race in races), "cases": list(cases.values()),
             "failed": failed}

@@ -175,3 +175,9 @@ def test_a_launch_that_wrote_its_results_before_failing_keeps_them(tmp_path: Any
     assert race.finished_cases(str(raw), "fp16") is None                  # another launch's
     raw.write_text(json.dumps({"cases": [case("fp16", (5.0, 4.0))]}))
     assert [c["compressor"] for c in race.finished_cases(str(raw), "fp16") or []] == ["fp16"]
+
+
+def test_a_failed_launch_stays_listed_when_only_an_earlier_race_ran_its_case() -> None:
+    earlier = {"cases": [case("fp16", (5.0, 4.0, 3.0, 2.5, 2.0))], "failed": []}
+    later = {"cases": [], "failed": [race.failed_prefix("gpt2_text", 0, "1gbit", "fp16") + "exit status 1"]}
+    assert race.merged([earlier, later])["failed"] == later["failed"]
