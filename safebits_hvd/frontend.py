@@ -14,16 +14,30 @@ import torch
 
 from . import checkpoint, host
 from .actions import Menu, make_menu
+from .auto import Auto
 from .core import SafeBitsCore
 from .errors import SafeBitsConsistencyError
 from .exchange import StatisticsExchange
 from .memory import ErrorFeedback
 from .policy import BudgetPolicy
-from .schedules import Constant, as_schedule
+from .schedules import Constant
 from .telemetry import StepLog, StepRecord
 from .transports import PayloadTransport, TorchDistributedTransport
 
 NONFINITE_MODES = ("propagate", "raise", "skip")
+
+
+def as_schedule(budget_bits: float | str | Callable[[int], float]) -> Callable[[int], float]:
+    """The ``budget_bits`` a user gave: a number becomes :class:`~.schedules.Constant`, ``"auto"``
+    :class:`~.auto.Auto`; a callable is used as it is (its values are checked when read)."""
+    if isinstance(budget_bits, str) and budget_bits == "auto":
+        return Auto()
+    if callable(budget_bits):
+        return budget_bits
+    if isinstance(budget_bits, bool) or not isinstance(budget_bits, int | float):
+        raise TypeError(f"budget_bits must be a number of bits per parameter, 'auto' or a callable step -> bits, "
+                        f"got {budget_bits!r}")
+    return Constant(budget_bits)
 
 
 def check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:

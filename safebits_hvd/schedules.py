@@ -127,20 +127,6 @@ class SNRAware:
 
 
 
-def as_schedule(budget_bits: float | str | Callable[[int], float]) -> Callable[[int], float]:
-    """A number becomes :class:`Constant`, ``"auto"`` :class:`Auto`; a callable is used as it is (its values are
-    checked when read)."""
-    if isinstance(budget_bits, str) and budget_bits == "auto":
-        from .auto import Auto  # auto.py imports this module
-        return Auto()
-    if callable(budget_bits):
-        return budget_bits
-    if isinstance(budget_bits, bool) or not isinstance(budget_bits, int | float):
-        raise TypeError(f"budget_bits must be a number of bits per parameter, 'auto' or a callable step -> bits, "
-                        f"got {budget_bits!r}")
-    return Constant(budget_bits)
-
-
 def budget_at(schedule: Callable[[int], float], step: int) -> float:
     """``schedule(step)``, checked: a finite number of bits per parameter > 0 (else ``ValueError``)."""
     bits = schedule(step)

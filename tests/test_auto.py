@@ -15,7 +15,7 @@ import safebits_hvd as sb
 from safebits_hvd.auto import PASS_THROUGH_BITS, Auto
 from safebits_hvd.clock import TIMING_FIELDS
 from safebits_hvd.exchange import TimedExchange
-from safebits_hvd.schedules import as_schedule
+from safebits_hvd.frontend import as_schedule
 from safebits_hvd.transports import LocalTransport
 
 from .helpers import many_tensor_params, random_grads

@@ -59,3 +59,44 @@ def test_the_import_checker_sees_relative_imports() -> None:
     """The checker itself: it must see both forms, or the tests above pass vacuously."""
     tree = ast.parse("from .kernels import cpu\nfrom . import wire\nfrom ..actions import Menu\nimport numpy\n")
     assert imported_modules(tree) == {"kernels", "wire", "actions"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each top-level module (the ``kernels`` subpackage as one) to the package modules it imports, at module level
+    or inside a function alike."""
+    graph: dict[str, set[str]] = {}
+    for path in modules():
+        relative = path.relative_to(PACKAGE)
+        node = relative.parts[0].removesuffix(".py")
+        imported = imported_modules(ast.parse(path.read_text())) - {node, "__init__"}
+        graph.setdefault(node, set()).update(imported)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: each as the path from a module back to it (one per module on one)."""
+    found = []
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start:
+                    found.append([*path, start])
+                elif nxt not in seen and nxt in graph:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """docs/DESIGN.md's layers run one way: no import circle, not even through a function-level import (``auto.py``
+    and ``schedules.py`` made one, broken by ``frontend.as_schedule``)."""
+    assert not circles(import_graph()), circles(import_graph())
+
+
+def test_the_circle_checker_finds_a_circle() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"], ["b", "c", "a", "b"],
+                                                                          ["c", "a", "b", "c"]]
+    assert not circles({"a": {"b"}, "b": {"c"}, "c": set()})
