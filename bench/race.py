@@ -299,18 +299,21 @@ def _race(args: argparse.Namespace, ns: str) -> int:
                     launch = torchrun if front == "ddp" else horovodrun
                     if os.path.exists(raw):
                         os.remove(raw)                # a failed launch's: never read as this one's
+                    error: LaunchError | None = None
                     try:
                         launch(2, *worker, prefix=in_namespace(ns), env=env, timeout=args.timeout,
                                on_line=_progress)
-                    except LaunchError as error:      # the other launches still run; the tables say what failed
-                        if finished_cases(raw, compressor) is None:
-                            print(f"[race] {compressor} on {task} seed {seed} at {rate} failed: {error}", flush=True)
-                            failed.append(failed_prefix(task, seed, rate, compressor) + str(error).splitlines()[0])
-                            continue
+                    except LaunchError as raised:     # the other launches still run; the tables say what failed
+                        error = raised
+                    finished = finished_cases(raw, compressor)
+                    if finished is None:
+                        assert error is not None, raw     # a launch that exits 0 has written its results
+                        print(f"[race] {compressor} on {task} seed {seed} at {rate} failed: {error}", flush=True)
+                        failed.append(failed_prefix(task, seed, rate, compressor) + str(error).splitlines()[0])
+                        continue
+                    if error is not None:
                         print(f"[race] {compressor} on {task} seed {seed} at {rate}: its results were written, then "
                               f"the launch ended with an error (kept): {str(error).splitlines()[0]}", flush=True)
-                    finished = finished_cases(raw, compressor)
-                    assert finished is not None, raw
                     cases += [{**case, "task": task, "rate": rate, "front_end": front} for case in finished]
                     os.remove(raw)
                     _write(args, command, cases, failed, time.perf_counter() - start)    # what has run so far
