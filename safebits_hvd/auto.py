@@ -86,11 +86,12 @@ absolute deviation), and by ``change`` at least, to say the link changed (5): no
 (most of it the wait for the other rank) otherwise reads as changes."""
 
 AUTO_RATE_EXPOSED = 0.1
-"""The share of a step its exposed wait must reach for its bytes and link time to measure the link's rate (1); a
-wait hidden under backward only says the link is at least that fast."""
+"""The share of a step its wait for the link (:func:`link_wait`) must reach for its bytes and link time to measure the
+link's rate (1); a wait hidden under backward only says the link is at least that fast."""
 
 AUTO_EXPOSED_SHARE = 0.25
-"""The share of a step its exposed wait must reach (now or before) for a single span to say the link changed (5)."""
+"""The share of a step its wait for the link (:func:`link_wait`) must reach (now or before) for a single span to say
+the link changed (5)."""
 
 AUTO_MAD_TO_SE = 1.4826 * 1.2533
 """A window's relative median absolute deviation, times this over the square root of its length, is the relative
@@ -101,6 +102,31 @@ def far_slower(early: float, now: float) -> bool:
     """:class:`Auto` 3: whether a span measured while the run warmed up is too much slower than the choice's for the
     warm-up to explain it (:data:`AUTO_WARM_SLOWDOWN` times, and :data:`AUTO_HICCUP_S` at least)."""
     return early >= AUTO_WARM_SLOWDOWN * now and early - now >= AUTO_HICCUP_S
+
+
+def pass_through_to_confirm(model: SpanModel, known: dict[float, tuple[float, float]], choice: float,
+                            prune: float) -> int:
+    """:class:`Auto` 3 (c): the further steps to pass through for before a compressed ``choice`` replaces a
+    pass-through measured over fewer than :data:`AUTO_MEDIAN_OF` spans, one of which was within ``prune`` of the
+    choice's estimate (0: none): its estimate is then a median that a hiccup of the machine cannot carry. A span
+    that high in one or two, read as the estimate, kept a fast link's pass-through out for a hundred steps ((b)
+    probes only a candidate predicted near the fastest); one measured slower throughout is not measured again."""
+    spans = model.spans.get(PASS_THROUGH_BITS, [])
+    if choice >= PASS_THROUGH_BITS or not spans or len(spans) >= AUTO_MEDIAN_OF:
+        return 0
+    return AUTO_MEDIAN_OF - len(spans) if min(spans) <= (1 + prune) * known[choice][0] else 0
+
+
+def pick(tolerance: float, values: dict[float, tuple[float, float]]) -> float:
+    """:class:`Auto` 4 on ``{bits: (span, relative standard error)}``: the most bits among those tied with the
+    fastest."""
+    best_bits = min(values, key=lambda b: (values[b][0], -b))
+    best, best_error = values[best_bits]
+    # Compressing must show it is faster: the pass-through is tied unless the noise cannot explain the difference;
+    # between compressed budgets, unless the noise can.
+    tied = [b for b, (span, error) in values.items()
+            if span <= best * (1 + tolerance + (1 if b == PASS_THROUGH_BITS else -1) * math.hypot(error, best_error))]
+    return max([best_bits, *tied])
 
 
 def first_budget(unmeasured: list[float], pending: set[float], warm_start: bool) -> float:
@@ -115,6 +141,13 @@ def first_budget(unmeasured: list[float], pending: set[float], warm_start: bool)
     return min((b for b in unmeasured if b >= AUTO_FIRST_PROBE_BITS), default=max(unmeasured))
 
 
+def link_wait(figures: dict[str, float]) -> float:
+    """A step's wait for the link alone: the exposed wait of the rank that waited least (``least_exposed_s``); the
+    others' also holds their wait for it (on a fast link, most of theirs). ``exposed_s`` where figures predate it."""
+    least = figures.get("least_exposed_s", math.nan)
+    return least if math.isfinite(least) else figures["exposed_s"]
+
+
 def own_compute(figures: dict[str, float]) -> float:
     """A step's backward less SafeBits' sends in it: the compute SafeBits' choice does not change."""
     return figures["backward_s"] - figures["send_s"]
@@ -127,9 +160,11 @@ class SpanModel:
 
     def __init__(self, candidates: list[float], change: float) -> None:
         self.candidates, self.change = candidates, change
-        # Learned (checkpointed): per candidate, its last spans (oldest first), the step of the last, its last
-        # telemetry and the link rate then; the link rate now, and the budget of the step it was measured on.
+        # Learned (checkpointed): per candidate, its last spans (oldest first) and their waits for the link
+        # (link_wait), the step of the last, its last telemetry and the link rate then; the link rate now, and the
+        # budget of the step it was measured on.
         self.spans: dict[float, list[float]] = {b: [] for b in candidates}
+        self.waits: dict[float, list[float]] = {b: [] for b in candidates}
         self.measured_at: dict[float, int] = {}
         self.figures: dict[float, dict[str, float]] = {}
         self.rate_at: dict[float, float] = {}
@@ -149,13 +184,14 @@ class SpanModel:
         if timing["link_s"] > 0 and timing["wire_bytes"] > 0:
             measured = timing["wire_bytes"] / timing["link_s"]
             # Exposed communication measures the link; hidden, it only says the link is at least this fast.
-            if timing["exposed_s"] > AUTO_RATE_EXPOSED * span or measured > self.rate:
+            if link_wait(timing) > AUTO_RATE_EXPOSED * span or measured > self.rate:
                 self.rate, self.rate_bits = measured, bits
         estimate = self.estimate(bits)
         if (len(self.spans[bits]) >= 3 and estimate is not None and span > AUTO_JUMP ** 2 * estimate
                 and span - estimate < AUTO_HICCUP_S):
             return                                               # a hiccup of the machine: not the link (5)
         history = self.spans[bits] = (self.spans[bits] + [span])[-AUTO_WINDOW:]
+        waits = self.waits[bits] = (self.waits[bits] + [link_wait(timing)])[-AUTO_WINDOW:]
         kept = [span] if switched else self._changed(bits, history, timing)
         if kept is not None:
             # The link (or the load) changed: what was measured before no longer holds. Slower: the figures go too,
@@ -163,7 +199,7 @@ class SpanModel:
             slower = statistics.median(kept) > statistics.median(history[:-len(kept)])
             for b in self.candidates:
                 self.drop(b, forget=slower)
-            self.spans[bits] = kept
+            self.spans[bits], self.waits[bits] = kept, waits[-len(kept):]
         self.measured_at[bits] = step
         self.figures[bits] = dict(timing)
         self.rate_at[bits] = self.rate
@@ -182,7 +218,7 @@ class SpanModel:
             self.figures.pop(bits, None)
         elif bits in self.figures:
             self.figures[bits] = self.scaled(bits)
-        self.spans[bits] = []
+        self.spans[bits], self.waits[bits] = [], []
 
     def _changed(self, bits: float, history: list[float], timing: dict[str, float]) -> list[float] | None:
         """The spans to keep when the last span(s) say the link changed (5), else None."""
@@ -195,22 +231,31 @@ class SpanModel:
         earlier = statistics.median(history[:-2])
         if min(history[-2:]) > max(AUTO_JUMP * earlier, earlier + AUTO_HICCUP_S):
             return history[-2:]                                  # two in a row: a single one may be a hiccup
-        exposed_before = self.figures[bits]["exposed_s"] if bits in self.figures else math.nan
+        waited, waited_before = link_wait(timing), link_wait(self.figures[bits]) if bits in self.figures else math.nan
         moved = span - estimate
         band = max(self.change, AUTO_NOISE_BAND * self.spread())     # beyond the step-to-step noise too
         # The wait for the link shortened the span (off a median of three at least; a longer one may be a hiccup),
-        # and the link was a real part of the step: on a fast link the exposed wait is the ranks' skew.
-        if (len(history) > 3 and -moved > band * estimate
-                and (timing["exposed_s"] - exposed_before) * moved > 0.5 * moved ** 2
-                and max(timing["exposed_s"], exposed_before) > AUTO_EXPOSED_SHARE * span):
+        # and the link was a real part of the step.
+        if (len(history) > 3 and -moved > band * estimate and (waited - waited_before) * moved > 0.5 * moved ** 2
+                and max(waited, waited_before) > AUTO_EXPOSED_SHARE * span):
             return [span]                                        # the wait for the link moved the span
         before = history[:-3]
         if len(before) >= 2:
             estimate = statistics.median(before)
-            if (all(x > (1 + band) * estimate for x in history[-3:])
-                    or all(x < (1 - band) * estimate for x in history[-3:])):
+            if ((all(x > (1 + band) * estimate for x in history[-3:])
+                    or all(x < (1 - band) * estimate for x in history[-3:])) and self._link_moved(bits)):
                 return history[-3:]
         return None
+
+    def _link_moved(self, bits: float) -> bool:
+        """Whether the last three spans moved from those before because the link did: their waits for it
+        (:func:`link_wait`) moved the same way, by half as much at least. A machine that computes slower or faster
+        for a while (shared machines do) moves the spans alone, and its compute's drift read as the link's made a
+        fast link's pass-through give way to compressed probes."""
+        spans, waits = self.spans[bits], self.waits[bits]
+        moved = statistics.median(spans[-3:]) - statistics.median(spans[:-3])
+        waited = statistics.median(waits[-3:]) - statistics.median(waits[:-3])
+        return waited * moved >= 0.5 * moved ** 2
 
     def estimate(self, bits: float) -> float | None:
         """The candidate's measured span (the median of its last spans), None if it has none."""
@@ -309,7 +354,7 @@ class SpanModel:
         they carry the rate without it (they can clear the pass-through, never condemn it: a slope between budgets
         a few bits apart, extrapolated, carries their noise many times over)."""
         compressed = [b for b in self.figures if b < PASS_THROUGH_BITS]
-        if not any(self.figures[b]["exposed_s"] > AUTO_RATE_EXPOSED * self.figures[b]["span_s"]
+        if not any(link_wait(self.figures[b]) > AUTO_RATE_EXPOSED * self.figures[b]["span_s"]
                    and self.rate_at.get(b, 0.0) * (1 + self.change) >= self.rate for b in compressed):
             return False
         if guess is None or not far_slower(guess, fastest):
@@ -325,6 +370,7 @@ class SpanModel:
 
     def state_dict(self) -> dict[str, Any]:
         return {"spans": {str(b): list(v) for b, v in self.spans.items()},
+                "waits": {str(b): list(v) for b, v in self.waits.items()},
                 "measured_at": {str(b): s for b, s in self.measured_at.items()},
                 "figures": {str(b): dict(f) for b, f in self.figures.items()},
                 "rate_at": {str(b): r for b, r in self.rate_at.items()}, "rate": self.rate,
@@ -332,6 +378,9 @@ class SpanModel:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.spans = {b: [float(x) for x in state["spans"].get(str(b), [])] for b in self.candidates}
+        waits = state.get("waits", {})              # absent from checkpoints before them: unknown (NaN)
+        self.waits = {b: [float(x) for x in waits.get(str(b), [math.nan] * len(self.spans[b]))]
+                      for b in self.candidates}
         self.measured_at = {float(b): int(s) for b, s in state["measured_at"].items()}
         self.figures = {float(b): {k: float(v) for k, v in f.items()} for b, f in state["figures"].items()}
         self.rate_at = {float(b): float(r) for b, r in state["rate_at"].items()}
@@ -369,8 +418,8 @@ class Auto:
        either side, their ends interpolated in the bytes; else from one of the same kind measured on this link, its end
        moved by the bytes added (or taken away) at the link rate (compressed collectives start late, once their group is
        packed, so only the same kind tells when); else the bytes at the link rate from the first gradient on. The link
-       rate comes from the steps whose communication was exposed. A rate read through compressed payloads (small, so
-       mostly their start latency and the ranks' skew) does not say how fast an allreduce of every gradient is: a
+       rate comes from the steps that waited for the link (:func:`link_wait`). A rate read through compressed
+       payloads (small, so mostly their start latency) does not say how fast an allreduce of every gradient is: a
        pass-through measured before keeps its own link time.
     3. **Probe** the candidate the rule of 4 would choose if every unmeasured candidate took a lower bound, when that is
        an unmeasured one: so only candidates that could win are probed, the predicted fastest first, and a link seen
@@ -396,7 +445,9 @@ class Auto:
        then**: every ``probe_every`` steps the one measured longest ago (two steps into or out of pass-through), unless
        predicted above ``1 + prune`` times the fastest estimate; the pass-through measured only before step
        :data:`AUTO_WARM_AFTER` whatever it predicts (an early step can be slow in its communication too, which (a) does
-       not test), unless it is far slower than the choice as in (a).
+       not test), unless it is far slower than the choice as in (a). (c) **Confirmed**: a pass-through measured over
+       fewer spans than :data:`AUTO_MEDIAN_OF`, one within ``prune`` of a compressed choice's estimate, before that
+       choice replaces it (:func:`pass_through_to_confirm`).
     4. **Choose**, among the candidates tied with the fastest estimate, the most bits: more bits are never worse for
        quality. Tied is within ``tolerance`` less the standard error of the difference, from the spread of the spans
        measured (:data:`AUTO_MAD_TO_SE`): a difference the noise cannot tell from one beyond ``tolerance`` is no tie.
@@ -409,9 +460,10 @@ class Auto:
          longer, and by :data:`AUTO_HICCUP_S` or more (a single one, or a shorter excess, may be a hiccup of the
          machine; short steps wait for the third test). A single span its square longer by less is a hiccup,
          not kept;
-       - one shorter by more than the band, off a median of three spans or more, with the exposed wait falling
-         by at least half the difference and a quarter of the step (:data:`AUTO_EXPOSED_SHARE`);
-       - three in a row off by more than the band, on the same side.
+       - one shorter by more than the band, off a median of three spans or more, with the wait for the link
+         (:func:`link_wait`) falling by at least half the difference and a quarter of the step
+         (:data:`AUTO_EXPOSED_SHARE`);
+       - three in a row off by more than the band, on the same side, their waits for the link moving with them.
 
        The band is ``change``, or :data:`AUTO_NOISE_BAND` times the spans' spread where that is wider. That
        candidate keeps only the spans since; every other estimate is dropped, its figures scaled to it still
@@ -504,17 +556,6 @@ class Auto:
         return (bits < PASS_THROUGH_BITS and self.compressing_since is not None
                 and step < self.compressing_since + AUTO_COLD)
 
-    def _pick(self, values: dict[float, tuple[float, float]]) -> float:
-        """Step 4 on ``{bits: (span, relative standard error)}``: the most bits among those tied with the fastest."""
-        best_bits = min(values, key=lambda b: (values[b][0], -b))
-        best, best_error = values[best_bits]
-        # Compressing must show it is faster: the pass-through is tied unless the noise cannot explain the
-        # difference; between compressed budgets, unless the noise can.
-        tied = [b for b, (span, error) in values.items()
-                if span <= best * (1 + self.tolerance + (1 if b == PASS_THROUGH_BITS else -1)
-                                   * math.hypot(error, best_error))]
-        return max([best_bits, *tied])
-
     def _choose(self, step: int) -> float:
         model = self.model
         allowed = self.allowed()
@@ -566,17 +607,21 @@ class Auto:
         again = self._measure_again(known, pending, allowed)
         if again is not None:
             return again
+        confirm = pass_through_to_confirm(model, known, pick(self.tolerance, known), self.prune) if known else 0
+        if confirm and PASS_THROUGH_BITS not in pending:
+            self.probe = (PASS_THROUGH_BITS, confirm)            # the switch measures nothing (1), then its spans
+            return PASS_THROUGH_BITS
         if (known and PASS_THROUGH_BITS in predicted.keys() - model.figures.keys() - pending and not
                 model.rules_out_pass_through(min(e for e, _ in known.values()), predicted[PASS_THROUGH_BITS])):
             return PASS_THROUGH_BITS                 # 3: never measured, and compressed steps cannot rule it out
         if hoped:
-            bits = self._pick({**known, **hoped})
+            bits = pick(self.tolerance, {**known, **hoped})
             if bits in hoped:
                 current = self.chosen.get(step - 1, PASS_THROUGH_BITS)
                 # A compressed choice measured over fewer spans is no estimate to leave for another compressed budget.
                 young = current in known and len(model.spans[current]) < AUTO_MEDIAN_OF
                 return current if young and max(bits, current) < PASS_THROUGH_BITS else bits
-        choice = self._pick(known)
+        choice = pick(self.tolerance, known)
         if step % self.probe_every == 0 and len(known) > 1:      # now and then, the one measured longest ago
             stalest = min(known, key=lambda b: model.measured_at.get(b, -1))
             guess = model.predict(stalest)
@@ -601,7 +646,7 @@ class Auto:
         warmed up, unless its step was warm already, its slow compute does not explain its loss, or it is estimated far
         slower than the choice; None if there is none."""
         model = self.model
-        choice = self._pick(known) if known else PASS_THROUGH_BITS
+        choice = pick(self.tolerance, known) if known else PASS_THROUGH_BITS
         if choice >= PASS_THROUGH_BITS or len(model.spans[choice]) < 3:
             return None
         now = known[choice][0]

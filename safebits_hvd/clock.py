@@ -19,33 +19,48 @@ collective (payloads, the exchange, DDP's bucket all_reduce) adds to. From those
                     a receive call or to the last reduced tensor handed back, whichever is later
 ``wire_bytes``      bytes this rank handed to the collectives (``StepRecord.wire_bytes``)
 ``span_s``          first gradient to the end of the step (the part of the step SafeBits' choice can change)
+``least_exposed_s`` ``exposed_s`` of the rank that waited least (MIN over ranks, where the others are MAX): the rank
+                    that closed last waited for the link alone, where the others also waited for it (the ranks'
+                    skew, which on a fast link is most of ``exposed_s``)
 ==================  ==============================================================================================
 
 A step's figures are complete once its last reduced tensor is taken (the step ends); they travel in that step's
 statistics exchange, which starts then (MAX over ranks: the slowest rank's), and appear in its record
 (``StepRecord.timing``, ``StepRecord.timing_step``). Unknown figures are -1 in the vector (so that a MAX over ranks
-keeps a known one) and NaN in the record.
+keeps a known one) and NaN in the record; the MIN figure travels negated (MAX(-x) = -MIN(x)), -inf where unknown.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from .exchange import waited_seconds
 
-TIMING_FIELDS = ("backward_s", "send_s", "receive_s", "exposed_s", "link_s", "wire_bytes", "span_s")
+TIMING_FIELDS = ("backward_s", "send_s", "receive_s", "exposed_s", "link_s", "wire_bytes", "span_s", "least_exposed_s")
 """The figures of one step, in the order of the exchanged vector's ``timing`` field."""
 
+NEGATED = TIMING_FIELDS.index("least_exposed_s")
+"""The one figure reduced by MIN: it travels negated."""
+
 UNKNOWN = -1.0
+
+
+def unknown_timing() -> np.ndarray:
+    """A timing vector with every figure unknown: -1, and -inf for the negated one (a MAX over ranks keeps any
+    known value of either)."""
+    values = np.full(len(TIMING_FIELDS), UNKNOWN)
+    values[NEGATED] = -np.inf
+    return values
 
 
 class StepClock:
     """One rank's marks of the step in progress, and the figures of the last finished step (:attr:`last`)."""
 
     def __init__(self) -> None:
-        self.last = np.full(len(TIMING_FIELDS), UNKNOWN)   # the last finished step's figures (UNKNOWN: none yet)
+        self.last = unknown_timing()                   # the last finished step's figures (none yet)
         self.last_step = -1
         self._reset()
 
@@ -88,10 +103,10 @@ class StepClock:
         # inside receive calls or not (the DDP hook's bucket all_reduce on the dense path), are counted by
         # waited_seconds().
         front_end_waiting = max(0.0, last_receive - self._close - self._in_receive) if received else 0.0
-        self.last = np.array([self._close - self._first_send, self._send, max(0.0, self._receive),
-                              front_end_waiting + waited,
+        exposed = front_end_waiting + waited
+        self.last = np.array([self._close - self._first_send, self._send, max(0.0, self._receive), exposed,
                               max(self._last_wait_end, last_receive) - self._first_send,
-                              float(wire_bytes), now - self._first_send])
+                              float(wire_bytes), now - self._first_send, -exposed])
         self.last_step = step
         self._reset()
 
@@ -102,4 +117,7 @@ class StepClock:
 
 def timing_record(values: np.ndarray) -> dict[str, float]:
     """The reduced ``timing`` field as a record's dict (unknown figures NaN)."""
-    return {name: (float(v) if v >= 0 else float("nan")) for name, v in zip(TIMING_FIELDS, values, strict=True)}
+    record = {name: (float(v) if v >= 0 else float("nan")) for name, v in zip(TIMING_FIELDS, values, strict=True)}
+    least = float(values[NEGATED])
+    record["least_exposed_s"] = -least if math.isfinite(least) else float("nan")
+    return record

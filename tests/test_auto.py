@@ -8,6 +8,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,12 +190,17 @@ def test_where_compressing_costs_little_the_fewest_bits_are_probed_first_and_no_
     assert chosen[:8] == [8.0] * 5 + [2.0] * 3 and chosen[12:] == [2.0] * 48, chosen
     assert PASS_THROUGH_BITS not in chosen
     # 10% noise on 4% differences: a few probes, and now and then a stretch at 3 bits that the noise made look
-    # faster, or the pass-through probed once (over 40 seeds, steps 5-49, after the first probe: 71 steps off 2
-    # bits of 1,800; 363 when a budget between two measured ones was predicted from one of them at the rate read
-    # from its own bytes and time, which includes the collectives' start latency)
-    off_best = [sum(b != 2.0 for b in drive(Auto(warm_start=0), lambda step: gigabit, 60, tight_timing, noise=0.1,
-                                            seed=seed)[5:50]) for seed in range(40)]
-    assert sum(off_best) <= 80, off_best
+    # faster, or the pass-through probed once. Over 40 seeds, steps 5-49 (after the first probe), the time lost
+    # against 2 bits throughout is 17 steps' worth of 1,800 (88 steps off 2 bits). It was 46 (71 off) while
+    # three spans in a row beyond the noise said the link changed whether or not its wait moved: that noise then
+    # dropped every estimate and probed the costly budgets again. Predicting a budget between two measured ones
+    # from one of them at the rate read from its own bytes and time (the collectives' start latency included)
+    # made it 363 steps off.
+    best = tight_timing(2.0, gigabit)["span_s"]
+    runs = [drive(Auto(warm_start=0), lambda step: gigabit, 60, tight_timing, noise=0.1, seed=seed)[5:50]
+            for seed in range(40)]
+    lost = sum(tight_timing(b, gigabit)["span_s"] - best for run in runs for b in run) / best
+    assert lost <= 20, (lost, [sum(b != 2.0 for b in run) for run in runs])
 
 
 def test_a_pass_through_measured_while_the_run_warms_up_is_measured_again() -> None:
@@ -700,3 +706,78 @@ def test_the_clock_sees_the_front_end_waiting_between_reduced_tensors() -> None:
     time.sleep(0.04)                               # no receive call: not counted as waiting
     clock.finished(1, 1000)
     assert timing_record(clock.last)["exposed_s"] < 0.02
+
+
+def test_the_clock_reduces_the_least_exposed_wait_over_ranks() -> None:
+    """``exposed_s`` travels as the MAX over ranks, ``least_exposed_s`` as the MIN (negated in the MAX-reduced
+    vector); a rank that measured nothing changes neither."""
+    import time
+
+    from safebits_hvd.clock import StepClock, timing_record, unknown_timing
+
+    vectors = []
+    for wait in (0.0, 0.03):                      # the rank that closed last waits least
+        clock = StepClock()
+        start = time.perf_counter()
+        clock.sent(start, start)
+        clock.closed()
+        time.sleep(wait)
+        now = time.perf_counter()
+        clock.received(now, now, 0.0)
+        clock.finished(0, 1000)
+        vectors.append(clock.last)
+    figures = timing_record(np.maximum.reduce([*vectors, unknown_timing()]))
+    assert figures["exposed_s"] >= 0.03 and figures["least_exposed_s"] < 0.01, figures
+    assert math.isnan(timing_record(unknown_timing())["least_exposed_s"])
+
+
+def skewed_ranks_timing(bits: float, bytes_per_s: float) -> dict[str, float]:
+    """:func:`fast_transformer_timing` under Horovod on the race's unlimited link: one rank's backward runs 50 ms
+    longer than the other's (RESULTS 1, the race's unlimited rows: the most exposed wait 50-150 ms a step, the
+    least 1-20 ms). The rank that waits most waits for the other rank too; the one that waits least only for the
+    link."""
+    figures = dict(fast_transformer_timing(bits, bytes_per_s))
+    figures.update(least_exposed_s=figures["exposed_s"], exposed_s=figures["exposed_s"] + 0.05,
+                   link_s=figures["link_s"] + 0.05, span_s=figures["span_s"] + 0.05)
+    return figures
+
+
+def test_the_ranks_skew_does_not_rule_the_pass_through_out() -> None:
+    """Read from the wait of the rank that waited most, the skew made the first probe's 11.6 MB look like a
+    40 MB/s link, the pass-through 5x slower than 8 bits, and it was never measured (0.90x `none` in the race)."""
+    chosen = drive(Auto(), lambda step: 2e9, 60, skewed_ranks_timing)
+    # after it, 2 bits once (two steps: within prune of the pass-through, nothing bounds it from below)
+    assert chosen[:5] == [8.0] * 3 + [PASS_THROUGH_BITS] * 2 and chosen[7:] == [PASS_THROUGH_BITS] * 53, chosen
+
+
+def test_a_machine_that_computes_slower_for_a_while_is_not_a_link_change() -> None:
+    """Shared machines compute 15-30% slower for stretches of steps (the race's unlimited rows); the spans move,
+    the wait for the link does not. Read as the link slowing, every stretch dropped the pass-through's estimate
+    and probed compressed budgets (48 compressed steps of 120 here)."""
+    steps = iter(range(10**6))
+
+    def drifting(bits: float, bytes_per_s: float) -> dict[str, float]:
+        figures = dict(skewed_ranks_timing(bits, bytes_per_s))
+        step = next(steps)
+        if step >= 30 and step % 12 >= 9:          # from step 30, three steps in twelve 25% slower in their compute
+            figures.update({k: 1.25 * figures[k] for k in ("backward_s", "link_s", "span_s")})
+        return figures
+
+    chosen = drive(Auto(probe_every=1000), lambda step: 2e9, 120, drifting)
+    assert chosen[7:] == [PASS_THROUGH_BITS] * 113, chosen            # after the first probes
+
+
+def test_a_pass_through_one_hiccup_made_slow_is_measured_again_before_compressing() -> None:
+    """The pass-through's second measured step a hiccup twice as long: the median of its two spans was 25% slower
+    than 8 bits, and `auto` compressed until the periodic probe. One span within ``prune`` of 8 bits says it may
+    be the faster: a third span is taken first."""
+    passes = iter(range(10**6))
+
+    def hiccup(bits: float, bytes_per_s: float) -> dict[str, float]:
+        figures = dict(fast_transformer_timing(bits, bytes_per_s))
+        if bits == PASS_THROUGH_BITS and next(passes) == 2:      # the switch, its first measured step, then this
+            figures.update({k: 2.0 * figures[k] for k in ("exposed_s", "link_s", "span_s")})
+        return figures
+
+    chosen = drive(Auto(), lambda step: 2e9, 50, hiccup)
+    assert sum(b < PASS_THROUGH_BITS for b in chosen[3:]) <= 1, chosen
