@@ -62,8 +62,8 @@ class StepRecord:
             plan leaves, ``budget_bits_total - reserve_bits - guard_bits - planned_bits_total``, is what the menu's
             costs could not fill.
         timing: what SafeBits measured of this step, MAX over ranks: ``backward_s``, ``send_s``, ``receive_s``,
-            ``exposed_s``, ``link_s``, ``wire_bytes``, ``span_s`` (:mod:`.clock`; NaN where unknown, empty where no
-            rank measured the step).
+            ``exposed_s``, ``link_s``, ``wire_bytes``, ``span_s``; and MIN over ranks, ``least_exposed_s``
+            (:mod:`.clock`; NaN where unknown, empty where no rank measured the step).
         timing_step: the step ``timing`` describes: ``step`` (-1: none).
         pass_through: the step sent every gradient as it is (its budget fit them all uncompressed: no screen, no
             packing, as ``Compression.none``; a residual left from earlier steps was added once).
