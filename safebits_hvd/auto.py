@@ -346,16 +346,18 @@ class SpanModel:
 
     def rules_out_pass_through(self, fastest: float, guess: float | None) -> bool:
         """:class:`Auto` 3: whether the compressed steps measured put the pass-through far slower than ``fastest``
-        (:func:`far_slower`). Only if one of them, measured at a link rate no slower than now (``change``), waited for
-        its collectives after backward (:data:`AUTO_RATE_EXPOSED`; else they only say the link is at least that
-        fast), and if ``guess``, its prediction at the link rate, says so. A rate read from one step's bytes and
-        time includes the collectives' start latency, so where two budgets measured on this link (their spans kept)
-        end their collectives later with more bytes, those ends extrapolated in the bytes to 32 bits must say so too:
-        they carry the rate without it (they can clear the pass-through, never condemn it: a slope between budgets
-        a few bits apart, extrapolated, carries their noise many times over)."""
+        (:func:`far_slower`). Only if one of them, measured at a link rate not :data:`AUTO_JUMP` times slower than
+        now, waited for its collectives after backward (:data:`AUTO_RATE_EXPOSED`; else they only say the link is at
+        least that fast, and the rate rises to the highest of those bounds: on noisy steps 15-20% above what an
+        exposed step measured, which within ``change`` let the pass-through be probed at 100 Mbit/s), and if
+        ``guess``, its prediction at the link rate, says so. A rate read from one step's bytes and time includes the
+        collectives' start latency, so where two budgets measured on this link (their spans kept) end their
+        collectives later with more bytes, those ends extrapolated in the bytes to 32 bits must say so too: they
+        carry the rate without it (they can clear the pass-through, never condemn it: a slope between budgets a few
+        bits apart, extrapolated, carries their noise many times over)."""
         compressed = [b for b in self.figures if b < PASS_THROUGH_BITS]
         if not any(link_wait(self.figures[b]) > AUTO_RATE_EXPOSED * self.figures[b]["span_s"]
-                   and self.rate_at.get(b, 0.0) * (1 + self.change) >= self.rate for b in compressed):
+                   and self.rate_at.get(b, 0.0) * AUTO_JUMP >= self.rate for b in compressed):
             return False
         if guess is None or not far_slower(guess, fastest):
             return False
