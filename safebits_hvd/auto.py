@@ -356,8 +356,8 @@ class SpanModel:
         carry the rate without it (they can clear the pass-through, never condemn it: a slope between budgets a few
         bits apart, extrapolated, carries their noise many times over)."""
         compressed = [b for b in self.figures if b < PASS_THROUGH_BITS]
-        if not any(link_wait(self.figures[b]) > AUTO_RATE_EXPOSED * self.figures[b]["span_s"]
-                   and self.rate_at.get(b, 0.0) * AUTO_JUMP >= self.rate for b in compressed):
+        if not any(self.wait_share(b) > AUTO_RATE_EXPOSED and self.rate_at.get(b, 0.0) * AUTO_JUMP >= self.rate
+                   for b in compressed):
             return False
         if guess is None or not far_slower(guess, fastest):
             return False
@@ -369,6 +369,16 @@ class SpanModel:
                 link = high["link_s"] + per_bit * (PASS_THROUGH_BITS - current[-1])
                 return far_slower(max(own_compute(high), link), fastest)
         return True
+
+    def wait_share(self, bits: float) -> float:
+        """The share of its step a measured candidate waited for the link (:func:`link_wait`): the median of its
+        waits over its estimate, as its estimate is a median (one step's wait may be noise, and the pass-through
+        costs a slow link's costliest steps); its last step's where it has no spans."""
+        waits, estimate = [w for w in self.waits[bits] if math.isfinite(w)], self.estimate(bits)
+        if not waits or not estimate:
+            f = self.figures[bits]
+            return link_wait(f) / f["span_s"] if f["span_s"] > 0 else 0.0
+        return statistics.median(waits) / estimate
 
     def state_dict(self) -> dict[str, Any]:
         return {"spans": {str(b): list(v) for b, v in self.spans.items()},

@@ -805,3 +805,20 @@ def test_hidden_steps_noise_does_not_clear_a_slow_links_pass_through() -> None:
     runs = [drive(Auto(min_bits=3.0), lambda step: rate, 200, race_text_timing, noise=0.1, seed=seed)
             for seed in range(40)]
     assert sum(run.count(PASS_THROUGH_BITS) for run in runs) == 0
+
+
+def test_one_step_whose_transfer_hid_does_not_clear_a_slow_links_pass_through() -> None:
+    """Whether compressed steps waited for the link is read from their median wait, as their span is: at 100
+    Mbit/s one 4.4-bit step whose transfer hid (its wait 0 of 0.22 s, its six before 53 ms) otherwise said only
+    that the link is at least so fast, and the pass-through, 7x slower there, was no longer ruled out."""
+    from safebits_hvd.auto import SpanModel
+
+    rate = RESNET18_RATES["100 Mbit/s"]
+    model = SpanModel(Auto().candidates, 0.15)
+    for step in range(2, 9):
+        figures = dict(race_text_timing(4.4, rate))
+        figures["least_exposed_s"] = figures["exposed_s"] if step < 8 else 0.0
+        model.observe(step, 4.4, 4.4, figures)
+    fastest, guess = model.estimate(4.4), model.predict(PASS_THROUGH_BITS)
+    assert fastest is not None and guess is not None and guess > 5 * fastest
+    assert model.rules_out_pass_through(fastest, guess)
