@@ -744,7 +744,7 @@ def skewed_ranks_timing(bits: float, bytes_per_s: float) -> dict[str, float]:
 
 def test_the_ranks_skew_does_not_rule_the_pass_through_out() -> None:
     """Read from the wait of the rank that waited most, the skew made the first probe's 11.6 MB look like a
-    40 MB/s link, the pass-through 5x slower than 8 bits, and it was never measured (0.90x `none` in the race)."""
+    34 MB/s link, the pass-through 4x slower than 8 bits, and it was never measured (0.90x `none` in the race)."""
     chosen = drive(Auto(), lambda step: 2e9, 60, skewed_ranks_timing)
     # after it, 2 bits once (two steps: within prune of the pass-through, nothing bounds it from below)
     assert chosen[:5] == [8.0] * 3 + [PASS_THROUGH_BITS] * 2 and chosen[7:] == [PASS_THROUGH_BITS] * 53, chosen
