@@ -108,9 +108,9 @@ def pass_through_to_confirm(model: SpanModel, known: dict[float, tuple[float, fl
                             prune: float) -> int:
     """:class:`Auto` 3 (c): the further steps to pass through for before a compressed ``choice`` replaces a
     pass-through measured over fewer than :data:`AUTO_MEDIAN_OF` spans, one of which was within ``prune`` of the
-    choice's estimate (0: none): its estimate is then a median that a hiccup of the machine cannot carry. A span
-    that high in one or two, read as the estimate, kept a fast link's pass-through out for a hundred steps ((b)
-    probes only a candidate predicted near the fastest); one measured slower throughout is not measured again."""
+    choice's estimate (0: none): its estimate is then a median that a hiccup of the machine cannot carry. Two spans,
+    one of them a hiccup, kept a fast link's pass-through out for a hundred steps ((b) probes only a candidate
+    predicted near the fastest); one measured slower throughout is not measured again."""
     spans = model.spans.get(PASS_THROUGH_BITS, [])
     if choice >= PASS_THROUGH_BITS or not spans or len(spans) >= AUTO_MEDIAN_OF:
         return 0
