@@ -16,8 +16,10 @@ Tasks (``--tasks``): ``gpt2_text``, the GPT-2-shaped decoder at 4 layers of widt
 ``bench.tasks.TextGPT``), and ``make demo``'s two: ``digits_cnn``, the CNN on scikit-learn's digits, and
 ``bytes_lm``, the byte LM on CPython's sources (``bench.tasks.make_task``). DDP rows run under
 ``torchrun`` (Gloo), Horovod rows under ``horovodrun --gloo``; one launch per compressor, task, seed and link
-(:func:`launches`); one thread per rank. Writes ``race.json``, ``race.md`` (the tables) and ``race.png`` (the
-validation loss against training seconds, per task and link, seed 0) in ``--out-dir``.
+(:func:`launches`); one thread per rank, Horovod's ranks bound to cores as ``bench.link`` binds them (unbound, its
+steps run longer and more unevenly: docs/RESULTS.md 4.2), torchrun's unbound. Writes ``race.json``, ``race.md``
+(the tables) and ``race.png`` (the validation loss against training seconds, per task and link, seed 0) in
+``--out-dir``.
 """
 
 from __future__ import annotations
@@ -286,7 +288,7 @@ def _race(args: argparse.Namespace, ns: str) -> int:
     cases: list[dict[str, Any]] = []
     failed: list[str] = []
     start = time.perf_counter()
-    env = {"OMP_NUM_THREADS": "1", PIN_ENV: "0"}
+    env = {"OMP_NUM_THREADS": "1", PIN_ENV: "1"}        # the worker binds Horovod's ranks only
     for rate in args.rates:
         print(f"[race] rate {rate}: {configure_link(ns, parse_rate(rate))}", flush=True)
         for task in args.tasks:

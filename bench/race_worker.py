@@ -6,13 +6,16 @@ initial weights and the same data order (``--seed``) for ``--steps`` steps, one 
 only around the training steps (forward, backward with its communication, optimizer step); every ``--eval-every``
 steps, and after the last, the ranks meet at a barrier and evaluate the validation loss off the clock. Rank 0
 writes, per case: the validation curve ``(step, training seconds, loss)``, the bytes the namespace's loopback
-carried during the case, and for SafeBits the budget each step ran at (``auto``'s choices).
+carried during the case, each step's training seconds, and for SafeBits the budget each step ran at (``auto``'s
+choices) and what SafeBits measured of each step (``StepRecord.timing``, unknown figures null). Horovod's ranks bind
+themselves to cores when ``bench.race`` asks (:func:`bench.protocol.pin_rank`), as ``bench.link``'s do.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 
 from bench import specs
-from bench.protocol import TX_BYTES, read_tx_bytes
+from bench.protocol import TX_BYTES, pin_rank, read_tx_bytes
 from bench.tasks import TextGPT, make_task, model_facts
 
 TASKS = ("gpt2_text", "digits_cnn", "bytes_lm")
@@ -102,14 +105,16 @@ def run_case(front: FrontEnd, task: Any, spec: specs.Spec, case_id: int, seed: i
     curve = [(0, 0.0, task.evaluate(model)[0])]
     has_tx = os.path.exists(TX_BYTES)
     front.barrier(f"{case_id}.start")
-    tx_before, seconds, budgets, quality = read_tx_bytes() if has_tx else 0, 0.0, [], {}
+    tx_before, seconds, budgets, quality, timing = read_tx_bytes() if has_tx else 0, 0.0, [], {}, []
+    step_seconds: list[float] = []
     for step in range(steps):
         task.set_lr(optimizer, step)
         start = time.perf_counter()
         optimizer.zero_grad()
         task.batch_loss(forward, gen).backward()
         optimizer.step()
-        seconds += time.perf_counter() - start
+        step_seconds.append(time.perf_counter() - start)
+        seconds += step_seconds[-1]
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             front.barrier(f"{case_id}.{step}")
             curve.append((step + 1, seconds, task.evaluate(model)[0]))
@@ -118,6 +123,8 @@ def run_case(front: FrontEnd, task: Any, spec: specs.Spec, case_id: int, seed: i
     if safebits is not None:
         history, parameters = safebits.history, sum(p.numel() for p in model.parameters())
         budgets = [round(record.budget_bits_total / parameters, 3) for record in history]
+        timing = [{"step": record.timing_step, **{k: None if math.isnan(v) else v for k, v in record.timing.items()}}
+                  for record in history]
         # What auto weighed (docs/DESIGN.md, "Quality"): per step the sampling noise and the error sent, and the
         # errors the last compressed step predicted per budget.
         predicted = [record.budget_errors for record in history if record.budget_errors]
@@ -126,7 +133,7 @@ def run_case(front: FrontEnd, task: Any, spec: specs.Spec, case_id: int, seed: i
                    "budget_errors": predicted[-1] if predicted else {}}
     return {"compressor": spec.text, "case": case_id, "seed": seed, "steps": steps, "train_seconds": seconds,
             "curve": curve, "final_loss": curve[-1][2], "loopback_bytes": tx_bytes, "budgets": budgets,
-            "quality": quality, **model_facts(model)}
+            "step_seconds": step_seconds, "timing": timing, "quality": quality, **model_facts(model)}
 
 
 def main() -> None:
@@ -141,6 +148,8 @@ def main() -> None:
     plan = [specs.parse(text) for text in args.compressors]
     if len({spec.ddp for spec in plan}) != 1:
         raise SystemExit("one front end per launch: all ddp: specs, or none")
+    if not plan[0].ddp:
+        pin_rank()             # before hvd.init(): its threads inherit the binding
     front = FrontEnd(plan[0].ddp)
     task = make_race_task(args.task, args.steps)
     cases = []
