@@ -18,9 +18,9 @@ machine whose speed drifts over the minutes between cases) and records:
 * modeled bytes per step: ``StepRecord.modeled_bits_total`` (else ``used_bits_total``) / 8 per rank, summed over
   both ranks; 4 (``none``) or 2 (``fp16``) bytes per parameter per rank for Horovod's own compressors;
 * for every ``@auto`` row, its throughput over the best fixed row of its front end and over ``none``, each with
-  a 90% bootstrap interval (:func:`ratio_interval`: the timed steps resampled, step *i* of every row together,
-  the best chosen again in each resample), and how many of its timed steps ran at the best fixed row's budget
-  (:func:`fixed_budget`): whether it chose right, apart from how fast its instance ran;
+  a 90% bootstrap interval (:func:`bench.link_stats.ratio_interval`: the timed steps resampled, step *i* of every
+  row together, the best chosen again in each resample), and how many of its timed steps ran at the best fixed
+  row's budget (:func:`bench.link_stats.fixed_budget`): whether it chose right, apart from how fast its instance ran;
 * a link probe per launch: fp32 allreduces with no model (loopback bytes / their time), the rate the link gave;
 * against the physical limit: step time / (``none`` step time on the unlimited link + modeled bytes / link rate),
   when ``unlimited`` was measured in the same invocation.
@@ -49,6 +49,9 @@ with PyTorch DDP and a communication hook: ``ddp:none`` (DDP's default allreduce
 on the unlimited link (ResNet-18 at 32x32, whatever ``--models`` and ``--image-size`` say), and the held-out loss
 and link bytes go in a table of their own: the compressors' quality at their bytes.
 
+The link is :mod:`bench.netns`'s; the derived figures are :mod:`bench.link_stats`', the tables and the plot
+:mod:`bench.link_report`'s; this module parses the command line and launches the workers.
+
 Run it as root (it needs CAP_NET_ADMIN for ``ip netns`` and ``tc``; without it, it says so and exits 0)::
 
     make bench-link                                       # --rates 1gbit
@@ -74,23 +77,28 @@ or sequence length) and ``results/link_throughput.png`` (throughput in each mode
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
-import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
 from bench import link_phases, specs
+from bench.link_report import plot, quality_table, report_tables
+from bench.link_stats import model_facts, summarize
+from bench.netns import (
+    burst_bytes,
+    configure_link,
+    delete_namespace,
+    in_namespace,
+    parse_rate,
+    qdisc_stats,
+    run_command,
+)
 from bench.protocol import PIN_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,519 +114,8 @@ MODELS = ["resnet18", "bytes_lm", "gpt2_small"]
 DEFAULT_MODELS = ["resnet18", "bytes_lm"]
 DDP_MODELS = ["resnet18", "gpt2_small"]
 """The models the DDP worker runs; the others of ``--models`` get Horovod rows only."""
-WORKLOAD_FIELDS = ("tensors", "batch_per_rank", "unit", "unit_per_sample", "image_size", "seq_len", "vocab")
-"""Facts of a model's workload that the workers record per case and the rows and ``link.json`` carry along."""
-LO_MTU = 65536
-"""The loopback's MTU: a tbf bucket smaller than one full-size frame (plus its link header) drops that frame."""
-MIN_BURST = 2 * LO_MTU
-BURST_TIME_S = 1e-3
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
-# ---------------------------------------------------------------------------------------------- pure helpers
-def parse_rate(text: str) -> int | None:
-    """Link rate in bits per second from tc's notation (``100mbit``, ``1gbit``, ``2.5gbit``); None for
-    ``unlimited``. tc's bit-rate units are decimal (1mbit = 10**6 bit/s)."""
-    text = text.strip().lower()
-    if text == "unlimited":
-        return None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)", text)
-    if not match:
-        raise ValueError(f"not a link rate: {text!r} (expected e.g. 100mbit, 1gbit, 10gbit or unlimited)")
-    bps = float(match.group(1)) * _UNITS[match.group(2)]
-    if bps < 1:
-        raise ValueError(f"link rate must be positive: {text!r}")
-    return round(bps)
-
-
-def burst_bytes(rate_bps: int) -> int:
-    """tbf bucket size: one millisecond at the rate, and at least two full-size loopback frames."""
-    if rate_bps <= 0:
-        raise ValueError(f"rate must be positive, got {rate_bps}")
-    return max(math.ceil(rate_bps / 8 * BURST_TIME_S), MIN_BURST)
-
-
-def tbf_command(rate_bps: int, dev: str = "lo") -> list[str]:
-    """``tc`` arguments that limit what ``dev`` sends (``lo``: the namespace's loopback) to ``rate_bps``."""
-    return ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bps}bit",
-            "burst", str(burst_bytes(rate_bps)), "latency", "100ms"]
-
-
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else math.nan
-
-
-def merge_rounds(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One case per (model, compressor), in order of first appearance: with ``--rounds R`` the workers run the whole
-    compressor list R times (in turn, or side by side with ``--interleave``: R instances of each), and the rounds
-    of a compressor are pooled here: step times and the budgets of the steps concatenated, bytes and steps added,
-    ``round_step_s`` the median step of each round (their spread is the launch's own noise)."""
-    merged: dict[tuple[str, str], dict[str, Any]] = {}
-    for case in cases:
-        key = (case.get("model", "resnet18"), case["compressor"])
-        if key not in merged:
-            merged[key] = {**case, "step_times_s": list(case["step_times_s"]),
-                           "round_step_s": [_median(case["step_times_s"])]}
-            continue
-        into = merged[key]
-        earlier, steps = int(into["steps"]), int(case["steps"])
-        into["step_times_s"] += case["step_times_s"]
-        if into.get("budget_bits_per_rank") is not None and case.get("budget_bits_per_rank") is not None:
-            into["budget_bits_per_rank"] = into["budget_bits_per_rank"] + case["budget_bits_per_rank"]
-        into["round_step_s"].append(_median(case["step_times_s"]))
-        into["modeled_bytes_per_step"] = ((into["modeled_bytes_per_step"] * earlier
-                                           + case["modeled_bytes_per_step"] * steps) / max(1, earlier + steps))
-        for field in ("steps", "link_bytes", "elapsed_s", "violations"):
-            into[field] = into.get(field, 0) + case.get(field, 0)
-        wire = case.get("wire_bytes_total")
-        into["wire_bytes_total"] = None if wire is None or into.get("wire_bytes_total") is None \
-            else into["wire_bytes_total"] + wire
-    return list(merged.values())
-
-
-INTERVAL_LEVEL = 0.9
-"""The coverage of the intervals of ``auto``'s ratios (:func:`ratio_interval`)."""
-
-
-def ratio_interval(times: Sequence[float], others: Sequence[Sequence[float]], level: float = INTERVAL_LEVEL,
-                   resamples: int = 2000) -> tuple[float, float]:
-    """A bootstrap interval (percentile, ``level``) of a row's throughput over the fastest of ``others``: of
-    ``min(median(o) for o in others) / median(times)``. The fastest is chosen again in every resample, so the
-    interval carries the luck of picking the best of several noisy rows (the best of five looks better than it
-    is). Steps of the same index are resampled together when every row has as many (side by side, step *i* of
-    every row ran at the same time, so the machine's drift cancels), else each row on its own. Seeded: the same
-    figures give the same interval."""
-    rows = [np.asarray(times, dtype=float), *(np.asarray(o, dtype=float) for o in others)]
-    rng = np.random.default_rng(0)
-    paired = len({len(r) for r in rows}) == 1
-    together = rng.integers(0, len(rows[0]), size=(resamples, len(rows[0])))
-    medians = [np.median(r[together if paired else rng.integers(0, len(r), size=(resamples, len(r)))], axis=1)
-               for r in rows]
-    ratios = np.min(medians[1:], axis=0) / medians[0]
-    tail = (1 - level) / 2
-    low, high = np.quantile(ratios, [tail, 1 - tail])
-    return float(low), float(high)
-
-
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Derived figures of every case: ``runs`` maps a rate label to the worker's raw cases at that rate (the rounds
-    of a compressor pooled first, :func:`merge_rounds`).
-
-    Adds step_time_s (median over every timed step of every round), rounds and round_step_s, samples_per_s
-    (images or sequences), throughput_per_s in throughput_unit (``images/s``, ``tokens/s``: samples_per_s x the
-    case's ``unit_per_sample``; ``samples/s`` for a case without a unit), the workload facts of
-    :data:`WORKLOAD_FIELDS` (null where the case lacks them), link/wire/modeled bytes per step, ratio_to_none and
-    ratio_to_fp16
-    (samples/s over that of ``none`` / ``fp16`` on the same model and rate) and vs_limit: step time over the
-    physical limit, ``none`` step time on the unlimited link + modeled bytes / link rate (null without an
-    unlimited measurement of ``none``; on the unlimited link itself the transfer term is zero).
-    """
-    rows: list[dict[str, Any]] = []
-    times: dict[tuple[str, str, str], list[float]] = {}         # each row's timed steps, for the intervals
-    for rate, cases in runs.items():
-        bps = parse_rate(rate)
-        for case in merge_rounds(cases):
-            times[rate, case["model"], case["compressor"]] = case["step_times_s"]
-            step = _median(case["step_times_s"])
-            steps = max(1, int(case["steps"]))
-            wire = case.get("wire_bytes_total")
-            samples_per_s = case["ranks"] * case["batch_per_rank"] / step if step > 0 else math.nan
-            unit, per_sample = throughput_unit(case)
-            rows.append({
-                "rate": rate, "rate_bps": bps, "model": case["model"], "compressor": case["compressor"],
-                "parameters": case["parameters"], **{field: case.get(field) for field in WORKLOAD_FIELDS},
-                "step_time_s": step, "rounds": len(case["round_step_s"]),
-                "round_step_s": case["round_step_s"], "samples_per_s": samples_per_s,
-                "throughput_per_s": samples_per_s * per_sample, "throughput_unit": f"{unit}/s",
-                "link_bytes_per_step": case["link_bytes"] / steps,
-                "wire_bytes_per_step": None if wire is None else wire / steps,
-                "modeled_bytes_per_step": case["modeled_bytes_per_step"],
-                "collective": case.get("collective"), "violations": case.get("violations", 0),
-                # The budget of each timed step, bits per parameter (what `auto` chose; null for Horovod's own).
-                "budget_bits_per_step": [None if b is None else b / case["parameters"]
-                                         for b in case.get("budget_bits_per_rank") or []],
-            })
-    index = {(r["rate"], r["model"], r["compressor"]): r for r in rows}
-    # Each front end against its own references: Horovod's none / fp16, DDP's ddp:none / ddp:fp16.
-    unlimited_none = {(r["model"], r["compressor"]): r["step_time_s"] for r in rows if r["rate"] == "unlimited"
-                      and r["compressor"] in ("none", "ddp:none")}
-    for r in rows:
-        front = front_end_prefix(r["compressor"])
-        for ref in ("none", "fp16"):
-            other = index.get((r["rate"], r["model"], front + ref))
-            r[f"ratio_to_{ref}"] = (r["samples_per_s"] / other["samples_per_s"]
-                                    if other and other["samples_per_s"] > 0 else None)
-        base = unlimited_none.get((r["model"], front + "none"))
-        if base is None:
-            r["vs_limit"] = None
-        else:
-            transfer = 0.0 if r["rate_bps"] is None else r["modeled_bytes_per_step"] * 8 / r["rate_bps"]
-            r["vs_limit"] = r["step_time_s"] / (base + transfer)
-    for r in rows:
-        if r["compressor"].endswith("@auto"):
-            front = front_end_prefix(r["compressor"])
-            fixed = [o for o in rows if o["rate"] == r["rate"] and o["model"] == r["model"]
-                     and front_end_prefix(o["compressor"]) == front and not o["compressor"].endswith("@auto")]
-            best = max(fixed, key=lambda o: o["samples_per_s"], default=None)
-            r["best_fixed"] = None if best is None else best["compressor"]
-            r["ratio_to_best"] = (r["samples_per_s"] / best["samples_per_s"]
-                                  if best is not None and best["samples_per_s"] > 0 else None)
-            # Whether it chose right, apart from its instance's speed: two instances of one fixed row differ by up
-            # to 10% here (dd535ed).
-            target = None if best is None else fixed_budget(best["compressor"])
-            bits = [b for b in r["budget_bits_per_step"] if b is not None]
-            r["steps_at_best_budget"] = None if target is None or not bits else [
-                sum(math.isclose(b, target, rel_tol=1e-3) for b in bits), len(bits)]
-            # How far the launch's own noise leaves those ratios: the median of 20 steps that differ by a third
-            # from one to the next is uncertain by about 5% (docs/RESULTS.md 4.2, "How sure is a cell").
-            mine = times[r["rate"], r["model"], r["compressor"]]
-            none = times.get((r["rate"], r["model"], front + "none"))
-            for name, theirs in (("best", [times[o["rate"], o["model"], o["compressor"]] for o in fixed]),
-                                 ("none", [none] if none else [])):
-                r[f"ratio_to_{name}_interval"] = list(ratio_interval(mine, theirs)) if mine and theirs else None
-    return rows
-
-
-def throughput_unit(case: dict[str, Any]) -> tuple[str, int]:
-    """What a case's throughput counts and how many per sample: ``("tokens", 128)`` for gpt2_small,
-    ``("images", 1)`` for resnet18; ``("samples", 1)`` for a case that does not say."""
-    return case.get("unit") or "samples", int(case.get("unit_per_sample") or 1)
-
-
-def workload_label(row: dict[str, Any]) -> str:
-    """The per-rank batch of a row in words: ``batch 16 images of 3x224x224``, ``batch 8 sequences of 128
-    tokens``, ``batch 16`` (a row without facts)."""
-    unit, batch = row.get("unit"), row["batch_per_rank"]
-    if unit == "images" and row.get("image_size"):
-        return f"batch {batch} images of 3x{row['image_size']}x{row['image_size']}"
-    if unit == "tokens" and row.get("seq_len"):
-        return f"batch {batch} sequences of {row['seq_len']} tokens"
-    return f"batch {batch} {unit}" if unit else f"batch {batch}"
-
-
-def model_heading(model: str, rows: list[dict[str, Any]]) -> str:
-    """``### name (P parameters in T tensors; batch ... per rank)`` from the model's rows (several batch
-    descriptions, if its rows disagree, joined by `` / ``)."""
-    mine = [r for r in rows if r["model"] == model]
-    params = f"{mine[0]['parameters']:,} parameters"
-    if mine[0].get("tensors"):
-        params += f" in {mine[0]['tensors']} tensors"
-    batches = " / ".join(dict.fromkeys(workload_label(r) for r in mine))
-    return f"### {model} ({params}; {batches} per rank)"
-
-
-def model_facts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``link.json``'s ``models``: per model, its parameters and :data:`WORKLOAD_FIELDS` (from its first row)."""
-    facts: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        facts.setdefault(r["model"], {"parameters": r["parameters"],
-                                      **{field: r.get(field) for field in WORKLOAD_FIELDS}})
-    return facts
-
-
-def front_end_prefix(compressor: str) -> str:
-    """``"ddp:"`` for the DDP rows, ``""`` for Horovod's."""
-    return "ddp:" if compressor.startswith("ddp:") else ""
-
-
-def fixed_budget(compressor: str) -> float | None:
-    """The bits per parameter a fixed row sends, as ``auto``'s budgets count them: ``none`` 32 (``auto``'s
-    pass-through), ``safebits@B`` B; None for a row ``auto`` cannot choose (``fp16``)."""
-    spec = specs.parse(compressor)
-    if spec.name == "none":
-        return 32.0
-    return spec.budget_bits if spec.name == "safebits" and isinstance(spec.budget_bits, float) else None
-
-
-def quality_table(cases: list[dict[str, Any]]) -> str:
-    """Markdown: per DDP compressor of the training run, link MB and modeled MB per step (both ranks), the loss
-    at the start and over the last 5 steps, and the held-out loss and accuracy at the end."""
-    lines = ["| compressor | link MB/step | modeled MB/step | first loss | last-5 loss | held-out loss | "
-             "held-out accuracy |", "|" + " --- |" * 7]
-    for c in cases:
-        lines.append(f"| {c['compressor']} | {c['link_bytes'] / c['steps'] / 1e6:.2f} | "
-                     f"{c['modeled_bytes_per_step'] / 1e6:.2f} | {c['train_loss_first']:.3f} | "
-                     f"{c['train_loss_last5']:.3f} | {c['held_out_loss']:.3f} | {c['held_out_accuracy']:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
-def format_value(value: float | None, spec: str, suffix: str = "") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:{spec}}{suffix}"
-
-
-def build_tables(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one table per model (headed by its parameters, tensors and per-rank batch), rows = compressors,
-    for each rate: throughput (images/s, tokens/s, ...: the rows' throughput_unit; one decimal, 3 significant
-    digits below 10), ratio to none and to fp16,
-    link / wire / modeled MB per step (10**6 bytes, both ranks), step time over the physical limit."""
-    rates = list(dict.fromkeys(r["rate"] for r in rows))
-    lines: list[str] = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = {(r["rate"], r["compressor"]): r for r in rows if r["model"] == model}
-        unit = next(r.get("throughput_unit") or "samples/s" for r in rows if r["model"] == model)
-        header = ["compressor"]
-        for rate in rates:
-            header += [f"{rate} {unit}", "x none", "x fp16", "link MB", "wire MB", "modeled MB", "vs limit"]
-        lines += [model_heading(model, rows), "", "| " + " | ".join(header) + " |",
-                  "|" + " --- |" * len(header)]
-        for compressor in dict.fromkeys(c for _, c in mine):
-            cells = [compressor]
-            for rate in rates:
-                r = mine.get((rate, compressor))
-                if r is None:
-                    cells += ["-"] * 7
-                    continue
-                wire = r["wire_bytes_per_step"]
-                throughput = r.get("throughput_per_s", r["samples_per_s"])
-                cells += [format_value(throughput, ".1f" if throughput >= 10 else "#.3g"),
-                          format_value(r["ratio_to_none"], ".2f", "x"),
-                          format_value(r["ratio_to_fp16"], ".2f", "x"),
-                          format_value(r["link_bytes_per_step"] / 1e6, ".2f"),
-                          format_value(None if wire is None else wire / 1e6, ".2f"),
-                          format_value(r["modeled_bytes_per_step"] / 1e6, ".2f"), format_value(r["vs_limit"], ".2f")]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    lines.append("Throughput: images/s (resnet18), tokens/s (gpt2_small, 128 per sequence), sequences/s (bytes_lm, "
-                 "64-byte windows): 2 ranks x batch per rank (x tokens per sequence) / median step time. "
-                 "`x none`, `x fp16`: throughput relative to that compressor on the same model and link. MB per "
-                 "step, both ranks together (10^6 bytes): `link` = loopback tx_bytes delta (TCP/IP headers and "
-                 "Horovod coordination included), `wire` = the compressors' own wire_bytes (`-`: not reported), "
-                 "`modeled` = modeled bits / 8. `vs limit`: step time / (none's step time on the unlimited link + "
-                 "modeled bytes / link rate); `-` without an unlimited run. `ddp:` rows: PyTorch DDP with that "
-                 "communication hook, compared with `ddp:none` and `ddp:fp16`.")
-    return "\n".join(lines) + "\n"
-
-
-def budget_runs(bits: list[float | None]) -> str:
-    """A step-by-step budget list in runs: ``[32, 32, 2, 2, 2]`` -> ``"32 x2, 2 x3"``."""
-    runs: list[list[Any]] = []
-    for b in bits:
-        label = "-" if b is None else f"{b:.3g}"
-        if runs and runs[-1][0] == label:
-            runs[-1][1] += 1
-        else:
-            runs.append([label, 1])
-    return ", ".join(f"{label} x{count}" for label, count in runs)
-
-
-def report_tables(rows: list[dict[str, Any]]) -> str:
-    """Markdown of a launch's rows: :func:`build_tables`, then :func:`auto_table` under its heading if any."""
-    autos = auto_table(rows)
-    return build_tables(rows) + ("\n### `auto` against the best fixed choice of each cell\n\n" + autos
-                                 if autos else "")
-
-
-def auto_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: every ``@auto`` row against the best fixed compressor of its front end on the same model and rate
-    (the throughput of each, ``x best``, ``x none``, each with its interval: :func:`ratio_interval`) and the
-    budget ``auto`` chose at each timed step (bits per parameter, in runs, each round's apart; 32 is no
-    compression) and how many ran at the best fixed row's budget. Empty without ``@auto`` rows."""
-    autos = [r for r in rows if r["compressor"].endswith("@auto")]
-    if not autos:
-        return ""
-
-    def ratio(r: dict[str, Any], name: str) -> str:
-        interval = r.get(f"ratio_to_{name}_interval")
-        text = format_value(r[f"ratio_to_{name}"], ".2f", "x")
-        return text if interval is None else f"{text} ({interval[0]:.2f}-{interval[1]:.2f})"
-
-    def per_round(r: dict[str, Any]) -> str:
-        bits, rounds = r["budget_bits_per_step"], max(1, r.get("rounds", 1))
-        size = len(bits) // rounds if len(bits) % rounds == 0 else len(bits)
-        return " / ".join(budget_runs(bits[i:i + size]) for i in range(0, len(bits), max(1, size)))
-
-    level = f"{INTERVAL_LEVEL:.0%}"
-    lines = [f"| model | rate | auto | best fixed | best's throughput | auto's throughput | x best ({level}) | "
-             f"x none ({level}) | steps at the best's budget | budgets of the timed steps |", "|" + " --- |" * 10]
-    for r in autos:
-        at_best = r.get("steps_at_best_budget")
-        best = next((o for o in rows if o["rate"] == r["rate"] and o["model"] == r["model"]
-                     and o["compressor"] == r["best_fixed"]), None)
-        lines.append(f"| {r['model']} | {r['rate']} | {r['compressor']} | {r['best_fixed'] or '-'} | "
-                     f"{format_value(None if best is None else best['throughput_per_s'], '.1f')} | "
-                     f"{format_value(r['throughput_per_s'], '.1f')} | {ratio(r, 'best')} | {ratio(r, 'none')} | "
-                     f"{'-' if at_best is None else f'{at_best[0]}/{at_best[1]}'} | {per_round(r)} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Throughput (each model's unit: images/s, tokens/s, samples/s) against link rate (log x; ``unlimited`` one
-    decade past the fastest finite rate), one line per compressor, one panel per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    finite = sorted({r["rate_bps"] for r in rows if r["rate_bps"] is not None})
-    unlimited_x = (finite[-1] * 10) if finite else 1e11
-
-    def x_of(r: dict[str, Any]) -> float:
-        return unlimited_x if r["rate_bps"] is None else r["rate_bps"]
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        mine = [r for r in rows if r["model"] == model]
-        for compressor in dict.fromkeys(r["compressor"] for r in mine):
-            pts = sorted((x_of(r), r.get("throughput_per_s", r["samples_per_s"])) for r in mine
-                         if r["compressor"] == compressor)
-            style = "-" if compressor.startswith("safebits") else "--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=compressor)
-        ticks = sorted({x_of(r) for r in mine})
-        ax.set_xscale("log")
-        ax.set_xticks(ticks)
-        ax.set_xticklabels(["unlimited" if t == unlimited_x else _rate_label(t) for t in ticks])
-        ax.minorticks_off()
-        ax.set_xlabel("link rate (namespace loopback, tbf)")
-        ax.set_ylabel(f"{mine[0].get('throughput_unit') or 'samples/s'} (2 ranks)")
-        ax.set_title(f"{model}: throughput vs link rate")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def _rate_label(bps: float) -> str:
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bps >= scale:
-            return f"{bps / scale:g}{unit}"
-    return f"{bps:g}bit"
-
-
-# ---------------------------------------------------------------------------------------------- namespace
-def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(cmd), capture_output=True, text=True, check=check)
-
-
-def in_namespace(ns: str, *cmd: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, *cmd]
-
-
-def delete_namespace(ns: str) -> None:
-    """Kill whatever still runs in the namespace (by pid: only processes this benchmark started there), delete it."""
-    pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
-    _run(["ip", "netns", "del", ns], check=False)
-
-
-def configure_link(ns: str, rate_bps: int | None) -> str:
-    """Loopback up; tbf at ``rate_bps`` or no qdisc at all (unlimited). Returns ``tc qdisc show`` of ``lo``."""
-    _run(in_namespace(ns, "ip", "link", "set", "lo", "up"))
-    if rate_bps is None:
-        _run(in_namespace(ns, "tc", "qdisc", "del", "dev", "lo", "root"), check=False)   # none there is fine
-    else:
-        _run(in_namespace(ns, *tbf_command(rate_bps)))
-    return _run(in_namespace(ns, "tc", "qdisc", "show", "dev", "lo")).stdout.strip()
-
-
-@contextlib.contextmanager
-def limited_namespace(name: str, rate: str) -> Iterator[list[str] | None]:
-    """A network namespace of its own (``name`` and this process's id) whose loopback runs at ``rate`` (this
-    module's syntax, or ``unlimited``); yields the command prefix that runs a launcher in it, or None where none can
-    be made (not root, no iproute2), and deletes it afterwards with whatever still runs in it."""
-    ns = f"{name}-{os.getpid()}"
-    if os.system(f"ip netns add {ns} 2>/dev/null") != 0:
-        yield None
-        return
-    try:
-        configure_link(ns, parse_rate(rate))
-        yield in_namespace(ns)
-    finally:
-        delete_namespace(ns)
-
-
-TWO_NODE_ADDRESSES = ("10.213.0.1", "10.213.0.2")
-
-
-@contextlib.contextmanager
-def two_nodes(name: str, rate: str) -> Iterator[list[tuple[list[str], str]] | None]:
-    """Two network namespaces, "nodes", joined by a veth pair whose ends each send at most ``rate`` (``tc``); inside
-    a node ranks talk over its loopback, unlimited (an address of the node's own never leaves it). Yields per node
-    the command prefix that runs in it and its veth's name (for ``GLOO_SOCKET_IFNAME``; the first node's address,
-    :data:`TWO_NODE_ADDRESSES`, is the rendezvous), or None where namespaces cannot be made; deletes both after."""
-    tag = f"{os.getpid() % 100000}"
-    nodes = [(f"{name}{k}-{tag}", f"sbv{tag}{k}") for k in range(2)]
-    if os.system(f"ip netns add {nodes[0][0]} 2>/dev/null") != 0:
-        yield None
-        return
-    try:
-        _run(["ip", "netns", "add", nodes[1][0]])
-        _run(["ip", "link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1]])
-        rate_bps = parse_rate(rate)
-        for (ns, dev), address in zip(nodes, TWO_NODE_ADDRESSES, strict=True):
-            _run(["ip", "link", "set", dev, "netns", ns])
-            _run(in_namespace(ns, "ip", "addr", "add", f"{address}/24", "dev", dev))
-            for link in (dev, "lo"):
-                _run(in_namespace(ns, "ip", "link", "set", link, "up"))
-            if rate_bps is not None:
-                _run(in_namespace(ns, *tbf_command(rate_bps, dev)))
-        yield [(in_namespace(ns), dev) for ns, dev in nodes]
-    finally:
-        for ns, _ in nodes:
-            delete_namespace(ns)      # the veth pair goes with its namespaces
-
-
-def torchrun_two_nodes(nodes: list[tuple[list[str], str]], ranks_per_node: int, module: str, args: list[str],
-                       timeout: float) -> str:
-    """``python -m module args`` on ``ranks_per_node`` ranks in each of :func:`two_nodes`' nodes (one ``torchrun``
-    per node, a static rendezvous at the first node's address); the first node's output. Both launches are killed
-    after ``timeout`` seconds; a non-zero exit raises :class:`~safebits_hvd.launch.LaunchError`."""
-    from safebits_hvd.launch import REPO, LaunchError, launch_env
-
-    port = str(29500 + os.getpid() % 1000)
-    procs = []
-    for rank, (prefix, dev) in enumerate(nodes):
-        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
-                   "--nproc_per_node", str(ranks_per_node), "--master_addr", TWO_NODE_ADDRESSES[0],
-                   "--master_port", port, "-m", module, *args]
-        env = launch_env(ranks_per_node, {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": dev})
-        procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired as exc:
-        raise LaunchError(f"two-node launch of {module} timed out after {timeout:g} s", "".join(outputs)) from exc
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    if any(proc.returncode for proc in procs):
-        raise LaunchError(f"two-node launch of {module} failed ({[p.returncode for p in procs]})", "\n".join(outputs))
-    return outputs[0]
-
-
-def run_on_link(name: str, argv: list[str] | None, parse_args: Callable[[list[str]], argparse.Namespace],
-                worker: Callable[[argparse.Namespace], None],
-                launch: Callable[[Any, list[str], argparse.Namespace], None]) -> int:
-    """An experiment that launches itself on a limited link: with ``--worker`` (``args.worker``) this process is a
-    rank and runs ``worker(args)``; else ``launch(link, argv, args)`` starts the ranks at ``args.rate``: ``link`` is
-    the command prefix of a namespace of their own (:func:`limited_namespace`), or with ``args.nodes == 2`` the two
-    nodes of :func:`two_nodes`. Returns the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    with (two_nodes(name, args.rate) if getattr(args, "nodes", 1) == 2 else limited_namespace(name, args.rate)) as link:
-        if link is None:
-            print(f"[{name}] cannot create a network namespace: run as root with ip and tc (iproute2)")
-            return 1
-        launch(link, argv, args)
-    return 0
-
-
-def qdisc_stats(ns: str) -> str:
-    return _run(in_namespace(ns, "tc", "-s", "qdisc", "show", "dev", "lo"), check=False).stdout.strip()
-
-
-# ---------------------------------------------------------------------------------------------- main
 def worker_args(args: argparse.Namespace, out: str) -> list[str]:
     return ["--out", out, "--models", *args.models, "--compressors", *args.compressors,
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
@@ -734,7 +231,7 @@ def main(argv: Iterable[str] | None = None) -> int:
               f"(apt-get install iproute2); skipping the link benchmark.")
         return 0
     ns = f"sblink-{os.getpid()}"
-    made = _run(["ip", "netns", "add", ns], check=False)
+    made = run_command(["ip", "netns", "add", ns], check=False)
     if made.returncode != 0:
         print(f"[link] cannot create a network namespace ({made.stderr.strip() or 'ip netns add failed'}): the link "
               f"benchmark needs root with CAP_NET_ADMIN (ip netns, tc); skipping it.")

@@ -1,6 +1,6 @@
 """The race: time to quality on a rate-limited link, every compressor side by side (``python -m bench.race``).
 
-What it measures. Two ranks in a network namespace whose loopback ``tc`` limits (the link of :mod:`bench.link`)
+What it measures. Two ranks in a network namespace whose loopback ``tc`` limits (:mod:`bench.netns`)
 train a real task from the same initial weights on the same data order, once per compressor, and a validation
 loss is taken every few steps off the clock (:mod:`bench.race_worker`). Per compressor, link and seed:
 
@@ -37,7 +37,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bench import specs
-from bench.link import budget_runs, configure_link, delete_namespace, in_namespace, parse_rate
+from bench.link_report import budget_runs
+from bench.netns import configure_link, delete_namespace, in_namespace, parse_rate
 from bench.protocol import PIN_ENV
 
 WORKER = ("-m", "bench.race_worker")

@@ -452,7 +452,7 @@ class Auto:
        its compute's slowdown over the choice's is still slower than the choice by more than ``prune`` (its
        communication made it slow, which a warm run does not change; (b) measures it later), or it is estimated
        :data:`AUTO_WARM_SLOWDOWN` times slower than the choice and :data:`AUTO_HICCUP_S` or more (the first steps'
-       excess is a time more than a ratio: 15-20 ms on the 4 ms steps of ``make demo``'s CNN); before any other budget
+       excess is a time more than a ratio, largest against the shortest steps); before any other budget
        is probed, since a span from the slow first steps makes every other budget look closer than it is. (b) **Now and
        then**: every ``probe_every`` steps the one measured longest ago (two steps into or out of pass-through), unless
        predicted above ``1 + prune`` times the fastest estimate; the pass-through measured only before step

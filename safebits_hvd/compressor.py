@@ -192,8 +192,9 @@ class CoreCompressor(CoreRecords, Compressor):
 class SafeBits(CoreCompressor):
     r"""Safety-Constrained Global Bit Budgeting with Error Feedback, as a Horovod compressor.
 
-    Every step, every gradient tensor gets one action from ``menu`` (fp32, fp16, bf16, QSGD 8/4/2-bit,
-    TernGrad, scaled sign, top-k) under one global budget of ``budget_bits`` bits per parameter:
+    Every step, every gradient tensor gets one action from ``menu`` (by default fp32, max-abs codes of 14 to 4 bits,
+    Lloyd-Max codes of 5 to 2 bits, ternary, scaled sign and top-k: :data:`~safebits_hvd.actions.DEFAULT_MENU`)
+    under one global budget of ``budget_bits`` bits per parameter:
 
     * **Error feedback**: the compressor quantizes ``v = g + e`` and keeps ``e <- v - sent``.
     * **Screen**: an action is admissible only if, on the values really sent, ``||q - v||^2 / ||v||^2 <=
@@ -216,7 +217,7 @@ class SafeBits(CoreCompressor):
             parameters by identity. Parameters with ``requires_grad=False`` are ignored, as Horovod ignores them.
             For ``hvd.DistributedOptimizer(opt)`` without ``named_parameters``, pass ``opt`` (or
             ``model.parameters()``): parameters are then named as Horovod names them.
-        budget_bits: average bits per parameter per step (32 = no compression; 4.4 is about 7.2x), or a schedule,
+        budget_bits: average bits per parameter per step (32 = no compression; 4.4 sends 32 / 4.4, about 7.3x, fewer bits), or a schedule,
             any callable ``step -> bits`` (see :mod:`safebits_hvd.schedules`), or ``"auto"``
             (:class:`~safebits_hvd.auto.Auto`: the budget, or no compression, that makes the step fastest,
             from the telemetry SafeBits measures). Default 4.0.

@@ -1,4 +1,4 @@
-"""``bench.experiments.fsdp_link`` on two nodes of ``bench.link.two_nodes`` (root: ``ip netns``, veth and ``tc``):
+"""``bench.experiments.fsdp_link`` on two nodes of ``bench.netns.two_nodes`` (root: ``ip netns``, veth and ``tc``):
 one short launch per rank layout, the real path end to end."""
 
 from __future__ import annotations

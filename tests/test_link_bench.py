@@ -1,5 +1,6 @@
-"""bench.link's pure helpers (rate parsing, tbf burst size, derived figures, the markdown tables, the workers'
-arguments), bench.specs' parser and bench.tasks' models (no launch)."""
+"""The link benchmark's pure helpers (bench.netns: rate parsing, tbf burst size; bench.link_stats and
+bench.link_report: derived figures, the markdown tables; bench.link: the workers' arguments), bench.specs' parser
+and bench.tasks' models (no launch)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import link, link_phases, protocol, specs
+from bench import link, link_phases, link_report, link_stats, netns, protocol, specs
 from bench import tasks as models
 
 
@@ -21,32 +22,32 @@ from bench import tasks as models
                                       ("2.5gbit", 2_500_000_000), ("64kbit", 64_000), (" 1GBIT ", 10**9),
                                       ("unlimited", None)])
 def test_parse_rate(text: str, bps: int | None) -> None:
-    assert link.parse_rate(text) == bps
+    assert netns.parse_rate(text) == bps
 
 
 @pytest.mark.parametrize("text", ["", "1gb", "gbit", "1 gbps", "-1gbit", "0bit", "fast"])
 def test_parse_rate_rejects(text: str) -> None:
     with pytest.raises(ValueError):
-        link.parse_rate(text)
+        netns.parse_rate(text)
 
 
 def test_every_accepted_rate_parses() -> None:
-    assert [link.parse_rate(r) for r in link.RATES] == [10**8, 10**9, 10**10, None]
+    assert [netns.parse_rate(r) for r in link.RATES] == [10**8, 10**9, 10**10, None]
 
 
 def test_burst_is_one_millisecond_with_a_floor_above_the_loopback_mtu() -> None:
-    assert link.burst_bytes(10**10) == 1_250_000            # 1 ms at 10 Gbit/s
-    assert link.burst_bytes(10**9) == 131_072               # 1 ms would be 125,000 bytes: the floor wins
-    assert link.burst_bytes(10**8) == 2 * link.LO_MTU
-    assert link.burst_bytes(8 * 10**9 + 1) == 1_000_001     # rounded up, never below the rate's millisecond
+    assert netns.burst_bytes(10**10) == 1_250_000            # 1 ms at 10 Gbit/s
+    assert netns.burst_bytes(10**9) == 131_072               # 1 ms would be 125,000 bytes: the floor wins
+    assert netns.burst_bytes(10**8) == 2 * netns.LO_MTU
+    assert netns.burst_bytes(8 * 10**9 + 1) == 1_000_001     # rounded up, never below the rate's millisecond
     for bps in (10**6, 10**8, 10**9, 10**10):
-        assert link.burst_bytes(bps) > link.LO_MTU + 14     # a full frame plus its header always fits
+        assert netns.burst_bytes(bps) > netns.LO_MTU + 14     # a full frame plus its header always fits
     with pytest.raises(ValueError):
-        link.burst_bytes(0)
+        netns.burst_bytes(0)
 
 
 def test_tbf_command() -> None:
-    cmd = link.tbf_command(10**9)
+    cmd = netns.tbf_command(10**9)
     assert cmd[:7] == ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf"]
     assert cmd[cmd.index("rate") + 1] == "1000000000bit"
     assert cmd[cmd.index("burst") + 1] == "131072"
@@ -90,7 +91,7 @@ def fake_runs() -> dict[str, list[dict[str, Any]]]:
 
 
 def test_summarize() -> None:
-    rows = {(r["rate"], r["compressor"]): r for r in link.summarize(fake_runs())}
+    rows = {(r["rate"], r["compressor"]): r for r in link_stats.summarize(fake_runs())}
     none, fp16, sb = rows["1gbit", "none"], rows["1gbit", "fp16"], rows["1gbit", "safebits@4.4"]
     assert none["step_time_s"] == 2.0                         # median, not mean (one slow outlier)
     assert none["samples_per_s"] == pytest.approx(2 * 16 / 2.0)
@@ -113,7 +114,7 @@ def test_auto_is_compared_with_the_best_fixed_choice_of_its_front_end() -> None:
     auto["budget_bits_per_rank"] = [32.0 * 1000, 2.0 * 1000, 2.0 * 1000]      # 1,000 parameters
     ddp_auto = case("cnn", "ddp:safebits@auto", [0.25, 0.25], 3_000_000, 1100.0, wire=3300.0)
     runs["1gbit"] += [auto, ddp_auto, case("cnn", "ddp:none", [0.5, 0.5], 24_000_000, 8000.0)]
-    rows = {(r["rate"], r["compressor"]): r for r in link.summarize(runs)}
+    rows = {(r["rate"], r["compressor"]): r for r in link_stats.summarize(runs)}
     hvd, ddp = rows["1gbit", "safebits@auto"], rows["1gbit", "ddp:safebits@auto"]
     assert hvd["best_fixed"] == "safebits@4.4" and hvd["ratio_to_best"] == pytest.approx(0.5 / 0.5)
     assert ddp["best_fixed"] == "ddp:none" and ddp["ratio_to_best"] == pytest.approx(0.5 / 0.25)
@@ -121,20 +122,21 @@ def test_auto_is_compared_with_the_best_fixed_choice_of_its_front_end() -> None:
     assert hvd["steps_at_best_budget"] == [0, 3]               # none of its steps at the best's 4.4 bits
     assert ddp["steps_at_best_budget"] is None                 # no budgets recorded for DDP's auto here
     assert "safebits@4.4" not in [r.get("best_fixed") for r in rows.values() if r["compressor"] == "none"]
-    table = link.auto_table(list(rows.values()))
+    table = link_report.auto_table(list(rows.values()))
     assert "| cnn | 1gbit | safebits@auto | safebits@4.4 |" in table and "32 x1, 2 x2" in table
     assert "| cnn | 1gbit | ddp:safebits@auto | ddp:none |" in table and "2.00x (2.00-2.00)" in table
     assert hvd["ratio_to_none_interval"][0] <= hvd["ratio_to_none"] <= hvd["ratio_to_none_interval"][1]
     assert "| 0/3 | 32 x1, 2 x2 |" in table
-    assert link.auto_table([r for r in rows.values() if "auto" not in r["compressor"]]) == ""
+    assert link_report.auto_table([r for r in rows.values() if "auto" not in r["compressor"]]) == ""
 
 
 def test_fixed_budget_is_what_auto_would_choose_for_that_row() -> None:
-    assert [link.fixed_budget(c) for c in ("none", "ddp:none", "safebits@4.4", "ddp:safebits@2")] == [32, 32, 4.4, 2]
-    assert [link.fixed_budget(c) for c in ("fp16", "ddp:fp16", "safebits@auto", "topk1_ef", "unscreened@2",
+    budgets = [link_stats.fixed_budget(c) for c in ("none", "ddp:none", "safebits@4.4", "ddp:safebits@2")]
+    assert budgets == [32, 32, 4.4, 2]
+    assert [link_stats.fixed_budget(c) for c in ("fp16", "ddp:fp16", "safebits@auto", "topk1_ef", "unscreened@2",
                                            "ddp:powersgd4")] == [None] * 6
     with pytest.raises(ValueError, match="unknown compressor"):
-        link.fixed_budget("topk")                               # the benchmarks' one spec parser says why
+        link_stats.fixed_budget("topk")                               # the benchmarks' one spec parser says why
 
 
 def test_ratio_interval_pairs_steps_and_chooses_the_best_in_every_resample() -> None:
@@ -144,14 +146,14 @@ def test_ratio_interval_pairs_steps_and_chooses_the_best_in_every_resample() -> 
     than one of them alone gives (the luck of the pick)."""
     drift = [1.0, 3.0, 1.5, 4.0, 2.0, 1.2, 3.5, 2.5, 1.1, 2.2]
     auto = [2 * x for x in drift]                     # half the throughput, step by step
-    assert link.ratio_interval(auto, [drift]) == pytest.approx((0.5, 0.5))
-    low, high = link.ratio_interval(auto, [drift[:-1]])
+    assert link_stats.ratio_interval(auto, [drift]) == pytest.approx((0.5, 0.5))
+    low, high = link_stats.ratio_interval(auto, [drift[:-1]])
     assert low < 0.5 < high and high - low > 0.2
-    assert link.ratio_interval(auto, [drift[:-1]]) == (low, high)        # seeded: the same figures, the same interval
+    assert link_stats.ratio_interval(auto, [drift[:-1]]) == (low, high)      # seeded: the same figures, the same one
     flat = [1.0] * 10
     noisy = [0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 0.75, 1.25, 1.05]
-    one = link.ratio_interval(flat, [noisy])
-    both = link.ratio_interval(flat, [noisy, [1.05, 0.7, 1.25, 0.9, 1.3, 0.8, 1.0, 1.2, 0.75, 1.1]])
+    one = link_stats.ratio_interval(flat, [noisy])
+    both = link_stats.ratio_interval(flat, [noisy, [1.05, 0.7, 1.25, 0.9, 1.3, 0.8, 1.0, 1.2, 0.75, 1.1]])
     assert one[0] < 1 < one[1] and both[0] <= one[0] and both[1] < one[1] - 0.05
 
 
@@ -160,7 +162,7 @@ def test_rounds_are_pooled_per_compressor() -> None:
     second = case("cnn", "safebits@4.4", [0.6, 0.9, 0.8], 6_000, 1100.0, wire=3000.0)
     first["budget_bits_per_rank"], second["budget_bits_per_rank"] = [32.0, 2.0], [2.0, 2.0, 32.0]
     other = case("cnn", "none", [1.0], 100, 8000.0)
-    merged = link.merge_rounds([first, other, second, case("cnn", "none", [3.0], 300, 8000.0)])
+    merged = link_stats.merge_rounds([first, other, second, case("cnn", "none", [3.0], 300, 8000.0)])
     assert [c["compressor"] for c in merged] == ["safebits@4.4", "none"]      # order of first appearance
     sb, none = merged
     assert sb["step_times_s"] == [0.5, 0.7, 0.6, 0.9, 0.8] and sb["round_step_s"] == [0.6, 0.8]
@@ -169,12 +171,12 @@ def test_rounds_are_pooled_per_compressor() -> None:
     assert sb["modeled_bytes_per_step"] == pytest.approx((2 * 1000.0 + 3 * 1100.0) / 5)
     assert none["round_step_s"] == [1.0, 3.0] and none["wire_bytes_total"] is None
     assert first["step_times_s"] == [0.5, 0.7]                                # the raw cases are not modified
-    rows = {r["compressor"]: r for r in link.summarize({"1gbit": [first, other, second]})}
+    rows = {r["compressor"]: r for r in link_stats.summarize({"1gbit": [first, other, second]})}
     assert rows["safebits@4.4"]["step_time_s"] == 0.7 and rows["safebits@4.4"]["rounds"] == 2
     assert rows["safebits@4.4"]["link_bytes_per_step"] == pytest.approx(9_000 / 5)
     assert rows["safebits@4.4"]["ratio_to_none"] == pytest.approx(1.0 / 0.7)
     # a compressor missing the wire figure in one round has none overall
-    assert link.merge_rounds([first, case("cnn", "safebits@4.4", [0.5], 10, 1.0)])[0]["wire_bytes_total"] is None
+    assert link_stats.merge_rounds([first, case("cnn", "safebits@4.4", [0.5], 10, 1.0)])[0]["wire_bytes_total"] is None
 
 
 def test_rounds_reach_both_workers() -> None:
@@ -192,7 +194,7 @@ def test_rounds_reach_both_workers() -> None:
 
 def test_summarize_without_unlimited_or_baselines() -> None:
     runs = {"1gbit": [case("cnn", "safebits@2", [1.0], 10, 5.0)]}
-    (row,) = link.summarize(runs)
+    (row,) = link_stats.summarize(runs)
     assert row["vs_limit"] is None and row["ratio_to_none"] is None and row["ratio_to_fp16"] is None
 
 
@@ -201,7 +203,7 @@ def test_summarize_compares_ddp_rows_with_ddp_baselines() -> None:
     runs["1gbit"] += [case("cnn", "ddp:none", [1.0], 100, 8000.0), case("cnn", "ddp:fp16", [0.8], 50, 4000.0),
                       case("cnn", "ddp:safebits@4.4", [0.4], 10, 1100.0, wire=1100.0)]
     runs["unlimited"].append(case("cnn", "ddp:none", [0.25], 100, 8000.0))
-    rows = {(r["rate"], r["compressor"]): r for r in link.summarize(runs)}
+    rows = {(r["rate"], r["compressor"]): r for r in link_stats.summarize(runs)}
     sb = rows["1gbit", "ddp:safebits@4.4"]
     assert sb["ratio_to_none"] == pytest.approx(2.5) and sb["ratio_to_fp16"] == pytest.approx(2.0)
     assert sb["vs_limit"] == pytest.approx(0.4 / (0.25 + 1100.0 * 8 / 1e9))
@@ -209,7 +211,7 @@ def test_summarize_compares_ddp_rows_with_ddp_baselines() -> None:
 
 
 def test_quality_table() -> None:
-    md = link.quality_table([{"compressor": "ddp:powersgd4", "steps": 10, "link_bytes": 20_000_000,
+    md = link_report.quality_table([{"compressor": "ddp:powersgd4", "steps": 10, "link_bytes": 20_000_000,
                               "modeled_bytes_per_step": 1_500_000.0, "train_loss_first": 2.5,
                               "train_loss_last5": 1.25, "held_out_loss": 1.5, "held_out_accuracy": 0.5}])
     assert "| ddp:powersgd4 | 2.00 | 1.50 | 2.500 | 1.250 | 1.500 | 0.500 |" in md
@@ -218,7 +220,7 @@ def test_quality_table() -> None:
 def test_build_tables() -> None:
     runs = fake_runs()
     runs["1gbit"].append(case("lm", "none", [0.1], 100, 8.0, params=10))
-    md = link.build_tables(link.summarize(runs))
+    md = link_report.build_tables(link_stats.summarize(runs))
     assert "### cnn (1,000 parameters; batch 16 per rank)" in md and "### lm (10 parameters; batch 16 per rank)" in md
     cnn = md.split("### cnn")[1].split("###")[0]
     header = next(line for line in cnn.splitlines() if line.startswith("| compressor"))
@@ -237,8 +239,8 @@ def test_build_tables() -> None:
 
 
 def test_fmt_handles_missing_values() -> None:
-    assert link.format_value(None, ".2f") == "-" and link.format_value(math.nan, ".2f") == "-"
-    assert link.format_value(1.234, ".1f", "x") == "1.2x"
+    assert link_report.format_value(None, ".2f") == "-" and link_report.format_value(math.nan, ".2f") == "-"
+    assert link_report.format_value(1.234, ".1f", "x") == "1.2x"
 
 
 # ---------------------------------------------------------------------------------------------- the models
@@ -367,14 +369,14 @@ def test_tables_say_the_unit_the_batch_and_the_image_size() -> None:
     cnn = {**case("resnet18", "none", [4.0], 100, 8.0, params=11_173_962), "tensors": 62, "unit": "images",
            "unit_per_sample": 1, "image_size": 224, "batch_per_rank": 4}
     ddp = {**gpt, "compressor": "ddp:none", "step_times_s": [1.0]}
-    rows = link.summarize({"1gbit": [gpt, cnn, ddp]})
+    rows = link_stats.summarize({"1gbit": [gpt, cnn, ddp]})
     by = {(r["model"], r["compressor"]): r for r in rows}
     assert by["gpt2_small", "none"]["samples_per_s"] == pytest.approx(2 * 8 / 2.0)
     assert by["gpt2_small", "none"]["throughput_per_s"] == pytest.approx(2 * 8 * 128 / 2.0)
     assert by["gpt2_small", "none"]["throughput_unit"] == "tokens/s"
     assert by["resnet18", "none"]["throughput_per_s"] == pytest.approx(2.0)
     assert by["resnet18", "none"]["image_size"] == 224 and by["resnet18", "none"]["tensors"] == 62
-    md = link.build_tables(rows)
+    md = link_report.build_tables(rows)
     assert "### gpt2_small (11,607,552 parameters in 148 tensors; batch 8 sequences of 128 tokens per rank)" in md
     assert "### resnet18 (11,173,962 parameters in 62 tensors; batch 4 images of 3x224x224 per rank)" in md
     gpt_table = md.split("### gpt2_small")[1].split("###")[0]
@@ -382,7 +384,7 @@ def test_tables_say_the_unit_the_batch_and_the_image_size() -> None:
     assert "| none | 1024.0 | 1.00x |" in gpt_table and "| ddp:none | 2048.0 | 1.00x |" in gpt_table
     assert "| compressor | 1gbit images/s |" in md.split("### resnet18")[1]
     assert "| none | 2.00 | 1.00x |" in md.split("### resnet18")[1]              # 3 significant digits below 10
-    facts = link.model_facts(rows)
+    facts = link_stats.model_facts(rows)
     assert facts["gpt2_small"]["tensors"] == 148 and facts["gpt2_small"]["seq_len"] == 128
     assert facts["resnet18"] == {"parameters": 11_173_962, "tensors": 62, "batch_per_rank": 4, "unit": "images",
                                  "unit_per_sample": 1, "image_size": 224, "seq_len": None, "vocab": None}

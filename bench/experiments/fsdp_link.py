@@ -2,7 +2,7 @@
 and in bfloat16 (docs/RESULTS.md 3.4).
 
 Two ranks under ``torchrun`` (Gloo, one thread each) in a network namespace whose loopback ``tc`` limits
-(:mod:`bench.link`'s link). The GPT-2-shaped transformer of :mod:`bench.tasks` (``gpt2_small``: 12 blocks, 11.6M
+(:mod:`bench.netns`). The GPT-2-shaped transformer of :mod:`bench.tasks` (``gpt2_small``: 12 blocks, 11.6M
 parameters) is sharded with ``fully_shard`` on every block and on the root, once per row, and the rows' training
 steps alternate in one launch (their order flipped every step). Per row: the median step (rank 0, after a barrier),
 the throughput against FSDP's float32 reduce-scatter, the loopback bytes a step (both ranks; the all-gathers of
@@ -220,7 +220,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", default="1gbit", help="link rate (bench.link's syntax) or 'unlimited'")
+    parser.add_argument("--rate", default="1gbit", help="link rate (bench.netns.parse_rate's syntax) or 'unlimited'")
     parser.add_argument("--model", default="gpt2_small", choices=["gpt2_small"])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rows", nargs="*", default=["fsdp+a2a", "fsdp", "fsdp-bf16+a2a", "safebits@4.4"])
@@ -228,7 +228,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="fully_shard(..., reshard_after_forward=False): parameters stay gathered from forward to "
                              "backward (one all-gather a step, not two; ZeRO-2's traffic)")
     parser.add_argument("--nodes", type=int, choices=[1, 2], default=1,
-                        help="2: two nodes of 2 ranks (bench.link.two_nodes: the link between them limited, inside "
+                        help="2: two nodes of 2 ranks (bench.netns.two_nodes: the link between them limited, inside "
                              "each free); rows hsdp (FSDP's own) and hsdp-safebits@B (SafeBits across nodes only)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
@@ -240,7 +240,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def launch(link: Any, argv: list[str], args: argparse.Namespace) -> None:
-    from bench.link import torchrun_two_nodes
+    from bench.netns import torchrun_two_nodes
     from safebits_hvd.launch import torchrun
 
     if args.nodes == 2:
@@ -253,7 +253,7 @@ def launch(link: Any, argv: list[str], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.link import run_on_link
+    from bench.netns import run_on_link
 
     return run_on_link("sbfsdp", argv, parse_args, worker, launch)
 

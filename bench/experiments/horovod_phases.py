@@ -1,6 +1,6 @@
 """Where a Horovod training step's time goes, per compressor, on a rate-limited link (docs/RESULTS.md 3.3).
 
-Two ranks under ``horovodrun --gloo`` in a network namespace whose loopback ``tc`` limits (:mod:`bench.link`'s link),
+Two ranks under ``horovodrun --gloo`` in a network namespace whose loopback ``tc`` limits (:mod:`bench.netns`),
 one thread each, bound to their own cores; the compressors' training steps interleaved in one launch, as
 ``bench.link --interleave`` runs them. Per compressor, the median over the timed steps (rank 0) of: forward;
 backward, during which Horovod calls ``compress`` in each gradient's hook; the optimizer step, whose
@@ -140,7 +140,7 @@ def table(args: argparse.Namespace, times: dict[str, list[list[float]]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", default="1gbit", help="link rate (bench.link's syntax) or 'unlimited'")
+    parser.add_argument("--rate", default="1gbit", help="link rate (bench.netns.parse_rate's syntax) or 'unlimited'")
     parser.add_argument("--model", default="gpt2_small", help="a bench.tasks.Workload name, or gpt2_text: the "
                         "race's text task (bench.tasks.TextGPT, its own batch)")
     parser.add_argument("--batch", type=int, default=4)
@@ -163,7 +163,7 @@ def launch(prefix: list[str], argv: list[str], args: argparse.Namespace) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.link import run_on_link
+    from bench.netns import run_on_link
 
     return run_on_link("sbphases", argv, parse_args, worker, launch)
 

@@ -338,7 +338,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_measure(ranks: int, args: argparse.Namespace, json_path: Path) -> list[dict[str, Any]]:
     """One torchrun launch of :func:`worker` on ``ranks`` ranks in a namespace of its own (unlimited loopback)."""
-    from bench.link import limited_namespace
+    from bench.netns import limited_namespace
     from safebits_hvd.launch import torchrun
 
     with limited_namespace(f"sbscale{ranks}", "unlimited") as prefix:
