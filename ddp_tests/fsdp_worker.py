@@ -1,16 +1,16 @@
 """FSDP2 worker: SafeBits' FSDP front end (:mod:`safebits_hvd.fsdp`) in several scenarios in one ``torchrun``
 launch (Gloo, CPU).
 
-Every training scenario shards a small MLP with ``fully_shard`` (each linear layer, then the root), installs
-SafeBits with ``sbfsdp.compress`` and checks across all ranks (``dist.all_gather_object``): the loss falls; after
-every step the full parameters are bitwise identical on every rank; this rank's reduced shard is the mean over
-ranks of the gradients within the compression's error (the exact mean taken beside it, through a reduce-scatter
-that wraps SafeBits': right row, right divisor); one ``StepRecord`` per step with the digest identical on every
-rank. Also: steps without gradient sync send nothing and the next one reduces the accumulated gradients; FSDP's
-``reduce_dtype=bfloat16``; the hop across replicas only (``replicate_group=``: at np 4, shards of 2 ranks and 2
-replicas; at np 2, 2 replicas of unsharded modules), each rank's shard against the exact mean over the replicas; a
-checkpoint round trip; and clear errors for a model never sharded, ``budget_bits="auto"``, a gradient divide factor
-and native HSDP.
+Every training scenario shards a small MLP with ``fully_shard`` (each linear layer, then the root), installs SafeBits
+with ``sbfsdp.compress`` and checks across all ranks (``dist.all_gather_object``): the loss falls; after every step the
+full parameters are bitwise identical on every rank; this rank's reduced shard is the mean over ranks of the gradients
+within the compression's error (the exact mean taken beside it, through a reduce-scatter that wraps SafeBits': right
+row, right divisor); one ``StepRecord`` per step with the digest identical on every rank. Also: steps without gradient
+sync send nothing and the next one reduces the accumulated gradients; FSDP's ``reduce_dtype=bfloat16`` with SafeBits'
+residuals in bfloat16 (half their bytes); the hop across replicas only (``replicate_group=``: at np 4, shards of 2 ranks
+and 2 replicas; at np 2, 2 replicas of unsharded modules), each rank's shard against the exact mean over the replicas; a
+checkpoint round trip; and clear errors for a model never sharded, ``budget_bits="auto"``, a gradient divide factor and
+native HSDP.
 """
 
 import os
@@ -89,7 +89,8 @@ class ExactAcross:
         self.pairs.append((exact, shard.float().clone()))
 
 
-def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False) -> dict[str, Any]:
+def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False,
+          residual_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     if replicas:      # the hop across replicas only: shard inside pairs of ranks (or not at all on 2), replicate across
         world = dist.get_world_size()
         shard = 2 if world >= 4 else 1
@@ -103,7 +104,7 @@ def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False) -> di
             module.module.set_all_reduce_hook(wrappers[-1])
     else:
         model = sharded_model(reduce_dtype)
-        state = sbfsdp.compress(model, budget_bits=4.4)
+        state = sbfsdp.compress(model, budget_bits=4.4, residual_dtype=residual_dtype)
         wrappers = []
         for module in state.modules:
             wrappers.append(ExactBeside(sbfsdp.SafeBitsReduceScatter(state, module)))
@@ -130,6 +131,11 @@ def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False) -> di
     check(all(r == q for p, r in records for p2, q in records if p == p2), "records differ across ranks")
     check(len(state.history) == STEPS, f"{len(state.history)} records for {STEPS} steps")
     check(sum(losses[-3:]) < sum(losses[:3]), f"the loss did not fall: {losses}")
+    # Error feedback covers this rank's full local gradient: every member's residual, in the dtype asked for.
+    size = torch.empty(0, dtype=residual_dtype).element_size()
+    check(state.memory.nbytes == size * state.core.total_elements
+          and all(e.dtype == residual_dtype for e in state.memory.residuals.values()),
+          f"residuals take {state.memory.nbytes} bytes for {state.core.total_elements} elements")
     return {"collective": record.collective, "ratio": round(record.modeled_compression_ratio, 2),
             "loss": (round(losses[0], 3), round(losses[-1], 3)), "members": len(state.names)}
 
@@ -195,7 +201,8 @@ def errors() -> str:
     return "clear errors"
 
 
-SCENARIOS = {"train": train, "bf16_reduce": lambda: train(torch.bfloat16), "replicas": lambda: train(replicas=True),
+SCENARIOS = {"train": train, "bf16": lambda: train(torch.bfloat16, residual_dtype=torch.bfloat16),
+             "replicas": lambda: train(replicas=True),
              "no_sync": no_sync, "checkpoint": checkpoint, "errors": errors}
 
 

@@ -23,10 +23,10 @@ WORKERS = {"fsdp": ("fsdp_worker.py", 6, {2: 12, 4: 24}), "nodes": ("nodes_worke
 @pytest.mark.parametrize("worker", sorted(WORKERS))
 def test_scenarios(worker: str, ranks: int) -> None:
     """Every scenario passes on every rank. FSDP2: the loss falls, replicas hold equal parameters, each rank's shard
-    is the mean over ranks within the compression's error, one record a step, accumulation steps send nothing,
-    FSDP's bf16 reduce dtype, the hop across replicas only, the checkpoint round trip and the errors. Across nodes:
-    equal parameters, every bucket the mean over all ranks within the compression's error, records alike per
-    place in the node, the errors."""
+    is the mean over ranks within the compression's error, one record a step, the residuals' bytes, accumulation
+    steps send nothing, FSDP's bf16 reduce dtype with bfloat16 residuals, the hop across replicas only, the
+    checkpoint round trip and the errors. Across nodes: equal parameters, every bucket the mean over all ranks within
+    the compression's error, records alike per place in the node, the errors."""
     script, scenarios, members = WORKERS[worker]
     try:
         output = launch.torchrun(ranks, HERE / script, timeout=150, env={"OMP_NUM_THREADS": "1"})

@@ -217,8 +217,8 @@ class SafeBits(CoreCompressor):
             parameters by identity. Parameters with ``requires_grad=False`` are ignored, as Horovod ignores them.
             For ``hvd.DistributedOptimizer(opt)`` without ``named_parameters``, pass ``opt`` (or
             ``model.parameters()``): parameters are then named as Horovod names them.
-        budget_bits: average bits per parameter per step (32 = no compression; 4.4 sends 32 / 4.4, about 7.3x, fewer bits), or a schedule,
-            any callable ``step -> bits`` (see :mod:`safebits_hvd.schedules`), or ``"auto"``
+        budget_bits: average bits per parameter per step (32 = no compression; 4.4 sends 32 / 4.4, about 7.3x,
+            fewer bits), or a schedule, any callable ``step -> bits`` (see :mod:`safebits_hvd.schedules`), or ``"auto"``
             (:class:`~safebits_hvd.auto.Auto`: the budget, or no compression, that makes the step fastest,
             from the telemetry SafeBits measures). Default 4.0.
         max_distortion: ``d_bar`` in (0, 1]. Default 0.5.
@@ -270,6 +270,10 @@ class SafeBits(CoreCompressor):
             gradients' device: on the CPU a sixteenth of the model's, within 256 KiB and 4 MiB (groups start while
             backward runs), and 64 MiB on a GPU (a group costs a fixed handful of kernel launches and one read back
             whatever its member count).
+        residual_dtype: how the error-feedback residuals (:attr:`memory`, a gradient's worth per rank) are stored:
+            ``torch.float32`` (default) or ``torch.bfloat16``, half the memory (``memory.nbytes``); the passes
+            still compute in float32, and each step's new residual is rounded to bfloat16 when stored (its quality:
+            docs/RESULTS.md 3.4).
 
     Attributes:
         last_step: the :class:`StepRecord` of the last completed step (None before the first).
@@ -284,7 +288,7 @@ class SafeBits(CoreCompressor):
                  name: str = "safebits", max_history: int = 1000, collective: str = "auto",
                  process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT,
                  exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None,
-                 fusion_bytes: int | None = None) -> None:
+                 fusion_bytes: int | None = None, residual_dtype: torch.dtype = torch.float32) -> None:
         check_transports(exchange, transport)
         params, core = build_core(
             named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
@@ -292,7 +296,7 @@ class SafeBits(CoreCompressor):
             screen=screen, name=name, max_history=max_history, collective=collective, timeout=timeout,
             exchange=exchange if exchange is not None else (lambda t: make_exchange(name, process_set, t)),
             transport=transport if transport is not None else (lambda t: make_transport(process_set, t)),
-            fusion_bytes=fusion_bytes)
+            fusion_bytes=fusion_bytes, residual_dtype=residual_dtype)
         self._attach(params, core)
         self.menu = core.menu
         self.schedule = core.schedule

@@ -101,6 +101,7 @@ class SafeBitsCore:
         name: prefix of the payload collectives' names (distinct per object).
         fusion_bytes: float32 gradient bytes per allgather fusion group (:func:`.collectives.fusion_groups`);
             None: by device (:func:`.collectives.fusion_bytes_for`); 0: each tensor alone (the DDP hook's groups).
+        residual_dtype: how the residuals are stored (:data:`.memory.RESIDUAL_DTYPES`).
     """
 
     def __init__(self, names: list[str], numels: np.ndarray, *, policy: BudgetPolicy,
@@ -110,7 +111,7 @@ class SafeBitsCore:
                  max_history: int = 10000, log_path: str | os.PathLike[str] | None = None, collective: str = "dense",
                  transport: PayloadTransport | Callable[[], PayloadTransport] = make_transport,
                  dense_wire_bytes: int = 4, name: str = "safebits", fusion_bytes: int | None = None,
-                 ) -> None:
+                 residual_dtype: torch.dtype = torch.float32) -> None:
         # -- what is being compressed, and how decisions are made
         self.names = names
         self.numels = numels
@@ -129,7 +130,7 @@ class SafeBitsCore:
         self.name = name
 
         # -- state carried across steps (all of it checkpointed, see state_dict)
-        self.memory = ErrorFeedback()                  # per-tensor residuals e, per rank
+        self.memory = ErrorFeedback(residual_dtype)     # per-tensor residuals e, per rank
         # The collective paths, one chosen per step (collectives.choose): two-phase holds segments, its step in
         # flight and its second hop's residuals; allgather its fusion groups in flight and tables built once.
         cheapest = policy.cost_order[:, 0]

@@ -70,7 +70,8 @@ class SafeBitsState(CoreRecords):
         process_group: the DDP model's process group (``DistributedDataParallel(..., process_group=)``); None:
             the default group.
         budget_bits, max_distortion, min_cosine, menu, seed, log_path, sample_buckets, consistency_check_every,
-        nonfinite, screen, name, max_history, collective, timeout: as :class:`~safebits_hvd.SafeBits`. With
+        nonfinite, screen, name, max_history, collective, timeout, residual_dtype: as
+        :class:`~safebits_hvd.SafeBits`. With
         ``collective="auto"`` two ranks use ``"allgather"`` and more use ``"two_phase"`` (an ``all_to_all``, which
         Gloo and NCCL both have); ``"dense"`` all-reduces the dequantized float32 values.
         chunk_bytes: on the allgather path, the payload bytes (at the allocated actions) after which a bucket's
@@ -98,7 +99,8 @@ class SafeBitsState(CoreRecords):
                  sample_buckets: int = 16, consistency_check_every: int = 1, nonfinite: str = "propagate",
                  screen: bool = True, name: str = "safebits", max_history: int = 1000, collective: str = "auto",
                  timeout: float | None = DEFAULT_TIMEOUT, chunk_bytes: int | None = None,
-                 exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None) -> None:
+                 exchange: StatisticsExchange | None = None, transport: PayloadTransport | None = None,
+                 residual_dtype: torch.dtype = torch.float32) -> None:
         self.process_group = process_group
         self._group_checked = False
         if not dist.is_available() or dist.is_initialized():
@@ -120,7 +122,8 @@ class SafeBitsState(CoreRecords):
                 lambda t: TorchDistributedExchange(process_group, t) if several() else LocalExchange()),
             transport=transport if transport is not None else (
                 lambda t: TorchDistributedTransport(process_group, t) if several() else LocalTransport()),
-            fusion_bytes=0)       # the hook batches a bucket's payloads itself (CHUNK_BYTES, the transport's flush)
+            fusion_bytes=0,       # the hook batches a bucket's payloads itself (CHUNK_BYTES, the transport's flush)
+            residual_dtype=residual_dtype)
         self.core = core
         self.names = core.names
         self.timeout = timeout

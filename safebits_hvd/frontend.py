@@ -106,7 +106,8 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
                max_history: int, collective: str, timeout: float | None,
                exchange: StatisticsExchange | Callable[[float | None], StatisticsExchange],
                transport: PayloadTransport | Callable[[float | None], PayloadTransport],
-               fusion_bytes: int | None = None) -> tuple[list[torch.nn.Parameter], SafeBitsCore]:
+               fusion_bytes: int | None = None,
+               residual_dtype: torch.dtype = torch.float32) -> tuple[list[torch.nn.Parameter], SafeBitsCore]:
     """Check SafeBits' options (every front end takes the same ones) and build the core over the parameters with
     ``requires_grad``. ``exchange`` and ``transport`` are the front end's, or callables of the checked ``timeout``
     that make them when the first step needs them; ``fusion_bytes``: see :class:`~.core.SafeBitsCore`."""
@@ -115,7 +116,8 @@ def build_core(named_parameters: Any, budget_bits: float | Callable[[int], float
         names, np.array([p.numel() for p in params], dtype=np.int64), budget_bits, max_distortion, min_cosine, menu,
         seed, log_path, sample_buckets=sample_buckets, consistency_check_every=consistency_check_every,
         nonfinite=nonfinite, screen=screen, name=name, max_history=max_history, collective=collective,
-        timeout=timeout, exchange=exchange, transport=transport, fusion_bytes=fusion_bytes)
+        timeout=timeout, exchange=exchange, transport=transport, fusion_bytes=fusion_bytes,
+        residual_dtype=residual_dtype)
     return params, core
 
 
@@ -126,7 +128,7 @@ def build_core_over(names: list[str], numels: np.ndarray, budget_bits: float | C
                     timeout: float | None,
                     exchange: StatisticsExchange | Callable[[float | None], StatisticsExchange],
                     transport: PayloadTransport | Callable[[float | None], PayloadTransport],
-                    fusion_bytes: int | None = None) -> SafeBitsCore:
+                    fusion_bytes: int | None = None, residual_dtype: torch.dtype = torch.float32) -> SafeBitsCore:
     """:func:`build_core` over tensors given by name and size (a front end whose members are not parameters: the
     FSDP front end's rows of a parameter's reduce-scatter buffer)."""
     schedule = as_schedule(budget_bits)
@@ -154,7 +156,7 @@ def build_core_over(names: list[str], numels: np.ndarray, budget_bits: float | C
         consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
         max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
         transport=transport if isinstance(transport, PayloadTransport) else (lambda: transport(timeout)),
-        name=name, fusion_bytes=fusion_bytes)
+        name=name, fusion_bytes=fusion_bytes, residual_dtype=residual_dtype)
     return core
 
 

@@ -144,7 +144,8 @@ class FSDPState(CoreRecords):
                  budget_bits: float | Callable[[int], float],
                  max_distortion: float, min_cosine: float, menu: Menu | Iterable[str], seed: int,
                  log_path: str | os.PathLike[str] | None, *, sample_buckets: int, consistency_check_every: int,
-                 nonfinite: str, screen: bool, name: str, max_history: int, timeout: float | None) -> None:
+                 nonfinite: str, screen: bool, name: str, max_history: int, timeout: float | None,
+                 residual_dtype: torch.dtype) -> None:
         if isinstance(budget_bits, str):
             raise ValueError(f"budget_bits={budget_bits!r}: the FSDP front end takes a number of bits or a schedule; "
                              f"'auto' (which passes through on a fast link) needs a float32 reduce-scatter path it "
@@ -165,7 +166,7 @@ class FSDPState(CoreRecords):
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
             screen=screen, name=name, max_history=max_history, collective="allgather", timeout=timeout,
             exchange=lambda t: TorchDistributedExchange(group, t),
-            transport=lambda t: TorchDistributedTransport(group, t), fusion_bytes=0)
+            transport=lambda t: TorchDistributedTransport(group, t), fusion_bytes=0, residual_dtype=residual_dtype)
         self.names = self.core.names
         self._check = AllocationCheck("safebits_hvd.fsdp.compress")
 
@@ -248,12 +249,14 @@ def compress(model: torch.nn.Module, budget_bits: float | Callable[[int], float]
              log_path: str | os.PathLike[str] | None = None, *, sample_buckets: int = 16,
              consistency_check_every: int = 1, nonfinite: str = "propagate", screen: bool = True,
              name: str = "safebits.fsdp", max_history: int = 1000, timeout: float | None = DEFAULT_TIMEOUT,
-             replicate_group: Any = None) -> FSDPState:
+             replicate_group: Any = None, residual_dtype: torch.dtype = torch.float32) -> FSDPState:
     """Install SafeBits as the reduce-scatter of every FSDP module of ``model`` (after ``fully_shard``); returns the
     model's :class:`FSDPState`. Options as :class:`~safebits_hvd.SafeBits` (``budget_bits``: a number of bits per
     parameter or a schedule). Call on every rank of the model's mesh, after ``torch.distributed`` is initialized.
     ``replicate_group``: compress only the hop across replicas (see the module docstring; the model sharded on a
-    1-D mesh within each replica); None: compress FSDP's reduce-scatter. Native HSDP (a 2-D mesh) is refused."""
+    1-D mesh within each replica); None: compress FSDP's reduce-scatter. Native HSDP (a 2-D mesh) is refused.
+    ``residual_dtype=torch.bfloat16`` stores the residuals, which cover this rank's full local gradient
+    (``state.memory.nbytes``), in half the memory (:class:`~safebits_hvd.SafeBits`)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("safebits_hvd.fsdp.compress needs torch.distributed initialized and fully_shard applied")
     modules = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
@@ -271,7 +274,8 @@ def compress(model: torch.nn.Module, budget_bits: float | Callable[[int], float]
                          "the whole model")
     state = FSDPState(model, process_group, replicate_group, budget_bits, max_distortion, min_cosine, menu, seed,
                       log_path, sample_buckets=sample_buckets, consistency_check_every=consistency_check_every,
-                      nonfinite=nonfinite, screen=screen, name=name, max_history=max_history, timeout=timeout)
+                      nonfinite=nonfinite, screen=screen, name=name, max_history=max_history, timeout=timeout,
+                      residual_dtype=residual_dtype)
     for module in state.modules:
         if replicate_group is None:
             module.module.set_custom_reduce_scatter(SafeBitsReduceScatter(state, module))

@@ -11,8 +11,9 @@ always passes). The batched pass escalates in the same order, with the same keys
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -122,24 +123,44 @@ class MemberTensors:
 
     def __init__(self, sender: Sender) -> None:
         self.sender = sender
-        self._made: dict[tuple[bytes, torch.device], tuple[int, kernels.TensorList, kernels.TensorList]] = {}
+        self._made: dict[tuple[bytes, torch.device], tuple[int, kernels.TensorList, kernels.TensorList,
+                                                           kernels.TensorList | None]] = {}
 
-    def of(self, members: np.ndarray, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """(residuals, samples) of ``members`` on ``device``."""
+    @contextlib.contextmanager
+    def of(self, members: np.ndarray, device: torch.device) -> Iterator[tuple[list[torch.Tensor],
+                                                                             list[torch.Tensor | None]]]:
+        """(residuals, samples) of ``members`` on ``device`` while the block runs, the residuals as float32 tensors
+        that the passes update in place. Residuals stored as bfloat16 (:attr:`.memory.ErrorFeedback.stages`) are
+        copied into the memory's float32 staging buffer first and rounded back into their storage when the block
+        ends, however it ends (unchanged ones come back bitwise: bfloat16 to float32 and back is exact)."""
         sender, memory = self.sender, self.sender.memory
         if not sender.error_feedback:        # a new zero residual each call: nothing to keep
             rows = members.tolist()
-            return [sender.residual(i, int(sender.numels[i]), device) for i in rows], self._samples(rows, device)
+            yield [sender.residual(i, int(sender.numels[i]), device) for i in rows], self._samples(rows, device)
+            return
         key = (members.tobytes(), device)
         made = self._made.get(key)
         if made is None or made[0] != memory.version:
             rows = members.tolist()
             residuals = kernels.TensorList(sender.residual(i, int(sender.numels[i]), device) for i in rows)
+            staged = None
+            if memory.stages:
+                buffer = memory.staging(sum(e.numel() for e in residuals), device)
+                staged = kernels.TensorList(buffer.split([e.numel() for e in residuals])) if len(rows) else \
+                    kernels.TensorList([])
             samples = kernels.TensorList(self._samples(rows, device))
             if len(self._made) >= self.LIMIT:
                 self._made.clear()
-            made = self._made[key] = (memory.version, residuals, samples)    # the version once they all exist
-        return made[1], made[2]
+            made = self._made[key] = (memory.version, residuals, samples, staged)   # the version once all exist
+        _, residuals, samples, staged = made
+        if staged is None:
+            yield residuals, samples
+            return
+        torch._foreach_copy_(staged, residuals)
+        try:
+            yield staged, samples
+        finally:
+            torch._foreach_copy_(residuals, staged)
 
     def _samples(self, rows: list[int], device: torch.device) -> list[torch.Tensor | None]:
         sender = self.sender
@@ -322,8 +343,13 @@ class Sender:
         gradient then takes :meth:`send_nonfinite`, and members whose exact statistics fail the screen escalate
         together, one batched pass (one read back) per round (:meth:`escalate_group`). Returns the pass's result
         and, by tensor, what replaced a member's payload (or values) in it (escalated or non-finite)."""
+        with self.member_tensors.of(members, grads[0].device) as (residuals, samples):
+            return self._send_members(members, grads, owns, output, residuals, samples)
+
+    def _send_members(self, members: np.ndarray, grads: list[torch.Tensor], owns: list[torch.Tensor | None],
+                      output: kernels.GroupOutput, residuals: list[torch.Tensor],
+                      samples: list[torch.Tensor | None]) -> tuple[kernels.GroupSent, dict[int, Any]]:
         policy = self.policy
-        residuals, samples = self.member_tensors.of(members, grads[0].device)
         keys = stream_keys(self.seed, self.step, members)
         result = kernels.send_group(self.group_request(members, grads, residuals, samples, owns, keys, output),
                                     self.tables)

@@ -314,10 +314,17 @@ def send_first_hop(sender: Sender, members: np.ndarray, grads: list[torch.Tensor
     order; escalation as :meth:`.sending.Sender.send_members`, each round repacking every segment of its members.
     Returns each tensor's payloads, one per segment. ``segment_tables``: the tables of every segment, row
     ``index * P + segment``."""
+    with sender.member_tensors.of(members, grads[0].device) as (residuals, samples):
+        return _send_first_hop(sender, members, grads, segments, segment_tables, residuals, samples)
+
+
+def _send_first_hop(sender: Sender, members: np.ndarray, grads: list[torch.Tensor],
+                    segments: list[list[tuple[int, int]]], segment_tables: kernels.GroupTables,
+                    residuals: list[torch.Tensor],
+                    samples: list[torch.Tensor | None]) -> dict[int, list[torch.Tensor]]:
     policy = sender.policy
-    m, device = len(members), grads[0].device
+    m = len(members)
     ranks = len(segments[int(members[0])])
-    residuals, samples = sender.member_tensors.of(members, device)
     keys = stream_keys(sender.seed, sender.step, members)
     request = sender.group_request(members, grads, residuals, samples, [None] * m, keys, kernels.GroupOutput.SCREEN)
     result = kernels.send_group(request, sender.tables)

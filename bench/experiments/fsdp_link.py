@@ -10,7 +10,8 @@ the parameters included, the same in every row) and, for SafeBits, the last loss
 batches: what compression changed).
 
 Rows: ``fsdp`` (FSDP's reduce-scatter in float32), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=bfloat16)``:
-FSDP's own compression of the reduce-scatter), ``safebits@B`` (``sbfsdp.compress(model, budget_bits=B)``). Gloo has
+FSDP's own compression of the reduce-scatter), ``safebits@B`` (``sbfsdp.compress(model, budget_bits=B)``; with
+``+bf16-residual``, ``residual_dtype=torch.bfloat16``). Gloo has
 no reduce-scatter of its own: torch runs FSDP's as an all-reduce, twice the bytes NCCL's ring moves. A row ending in
 ``+a2a`` (``fsdp+a2a``, ``fsdp-bf16+a2a``) reduce-scatters through :class:`AllToAllReduceScatter` instead: one
 ``all_to_all`` of the rows and a sum in rank order, the ``(P - 1) / P`` of a buffer a ring moves: the fair peer.
@@ -20,7 +21,8 @@ and ``ddp-nodes+safebits@B`` (:class:`safebits_hvd.ddp.AcrossNodesState`: SafeBi
 
 ``--quality SEED [SEED ...]``: instead of timing, train ``make demo``'s byte LM (``bench.tasks``, 104,192
 parameters, each encoder layer and the root sharded) for its 160 steps per seed and row, and report the final
-validation bits per byte, mean and standard deviation over the seeds (the link does not change them).
+validation bits per byte, mean and standard deviation over the seeds (the link does not change them), and the bytes
+SafeBits' residuals take on rank 0.
 
 Usage (root: it needs ``ip netns`` and ``tc``)::
 
@@ -38,6 +40,7 @@ import time
 from typing import Any
 
 WORKER_FLAG = "--worker"
+BF16_RESIDUAL = "+bf16-residual"
 DEMO_LM_STEPS = 160          # make demo's (bench/demo.py: --lm-steps 160)
 
 
@@ -65,14 +68,17 @@ class AllToAllReduceScatter:
         output_tensor.copy_(total)
 
 
-def shard(model: Any, blocks: list[Any], row: str, reshard_after_forward: bool = True, mesh: Any = None) -> None:
+def shard(model: Any, blocks: list[Any], row: str, reshard_after_forward: bool = True, mesh: Any = None) -> Any:
     """``fully_shard`` every block and the root as ``row`` asks (its reduce dtype, its reduce-scatter; ``hsdp`` rows:
-    across ``mesh``'s two dimensions, FSDP's own or with SafeBits on the hop across replicas)."""
+    across ``mesh``'s two dimensions, FSDP's own or with SafeBits on the hop across replicas); SafeBits' state, or
+    None. A SafeBits row ending in ``+bf16-residual`` stores its residuals as bfloat16."""
     import torch
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     from safebits_hvd import fsdp as sbfsdp
 
+    name, residual = f"fsdp_link.{row}", torch.bfloat16 if row.endswith(BF16_RESIDUAL) else torch.float32
+    row = row.removesuffix(BF16_RESIDUAL)
     base = row.removesuffix("+a2a")
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if base == "fsdp-bf16" else None)
     on = None if not row.startswith("hsdp") else mesh if row == "hsdp" else mesh["shard"]
@@ -81,14 +87,16 @@ def shard(model: Any, blocks: list[Any], row: str, reshard_after_forward: bool =
     fully_shard(model, mesh=on, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if row.startswith(("safebits@", "hsdp-safebits@")):
         replicate = mesh["replicate"].get_group() if row.startswith("hsdp") else None
-        sbfsdp.compress(model, budget_bits=float(row.split("@", 1)[1]), name=f"fsdp_link.{row}",
-                        replicate_group=replicate)
-    elif base not in ("fsdp", "fsdp-bf16", "hsdp"):
-        raise SystemExit(f"unknown row {row!r}: fsdp, fsdp-bf16 (+a2a), safebits@B, hsdp or hsdp-safebits@B")
-    elif row.endswith("+a2a"):
+        return sbfsdp.compress(model, budget_bits=float(row.split("@", 1)[1]), name=name,
+                               replicate_group=replicate, residual_dtype=residual)
+    if base not in ("fsdp", "fsdp-bf16", "hsdp") or residual != torch.float32:
+        raise SystemExit(f"unknown row {row!r}: fsdp, fsdp-bf16 (+a2a), safebits@B (+bf16-residual), hsdp or "
+                         f"hsdp-safebits@B (+bf16-residual)")
+    if row.endswith("+a2a"):
         for module in model.modules():
             if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
+    return None
 
 
 def replicate(model: Any, row: str, nodes: int) -> Any:
@@ -124,11 +132,12 @@ def quality(args: argparse.Namespace, rank: int) -> None:
 
     task = make_task("bytes_lm", DEMO_LM_STEPS)
     finals: dict[str, list[float]] = {row: [] for row in args.rows}
+    residual_bytes: dict[str, int] = {}
     for seed in args.quality:
         for row in args.rows:
             torch.manual_seed(seed)
             model = task.model()
-            shard(model, list(model.blocks.layers), row)
+            state = shard(model, list(model.blocks.layers), row)
             opt = task.optimizer(model)
             gen = torch.Generator().manual_seed(seed * 7919 + rank)
             for step in range(task.steps):
@@ -137,13 +146,17 @@ def quality(args: argparse.Namespace, rank: int) -> None:
                 task.batch_loss(model, gen).backward()
                 opt.step()
             finals[row].append(task.evaluate(model)[1])
+            if state is not None:
+                residual_bytes[row] = state.memory.nbytes
     if rank == 0:
         lines = [f"make demo's byte LM under FSDP2, 2 ranks, {task.steps} steps, seeds {args.quality}: final "
-                 f"validation bits per byte", "", "| row | per seed | mean | sd |", "| --- | --- | --- | --- |"]
+                 f"validation bits per byte; error feedback's residuals, rank 0's", "",
+                 "| row | per seed | mean | sd | residuals, KB |", "| --- | --- | --- | --- | --- |"]
         for row, values in finals.items():
             mean = sum(values) / len(values)
             sd = math.sqrt(sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1))
-            lines.append(f"| {row} | {', '.join(f'{v:.4f}' for v in values)} | {mean:.4f} | {sd:.4f} |")
+            kb = f"{residual_bytes[row] / 1e3:.1f}" if row in residual_bytes else "-"
+            lines.append(f"| {row} | {', '.join(f'{v:.4f}' for v in values)} | {mean:.4f} | {sd:.4f} | {kb} |")
         print("\n".join(lines), flush=True)
 
 

@@ -1,0 +1,115 @@
+"""Error feedback's residuals stored as bfloat16 (``residual_dtype=torch.bfloat16``): the same sends as float32
+residuals rounded to bfloat16 after every step, bitwise, on every collective path; half the memory; checkpoints and
+bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import safebits_hvd as sb
+from safebits_hvd.memory import ErrorFeedback
+
+from .helpers import many_tensor_params, random_grads
+from .test_collectives import run_ranks
+
+
+def run(collective: str, ranks: int, steps: int, residual_dtype: torch.dtype, round_after_step: bool = False,
+        budget_bits: float = 2.0) -> list[tuple[list[dict[str, torch.Tensor]], sb.SafeBits]]:
+    """Per rank: the reduced gradients of every step and the compressor. ``round_after_step``: float32 residuals
+    rounded to bfloat16 (and kept as float32) after every step, what bfloat16 storage should amount to."""
+
+    def body(rank: int, exchange: Any, transport: Any) -> tuple[list[dict[str, torch.Tensor]], sb.SafeBits]:
+        params = many_tensor_params()
+        c = sb.SafeBits(params, budget_bits=budget_bits, collective=collective, exchange=exchange,
+                        transport=transport, residual_dtype=residual_dtype)
+        reduced = []
+        for step in range(steps):
+            random_grads(params, step, seed=1 + rank)
+            pending = [(name, *c.compress(p.grad)) for name, p in reversed(params)]
+            marker = torch.ones(1)
+            reduced.append({name: c.decompress(marker if ctx.collective != "dense" else out, ctx).clone()
+                            for name, out, ctx in pending})
+            if round_after_step:
+                for e in c.memory.residuals.values():
+                    e.copy_(e.bfloat16())
+        return reduced, c
+
+    return run_ranks(ranks, body)
+
+
+@pytest.mark.parametrize("collective,ranks", [("allgather", 2), ("two_phase", 3), ("dense", 1)])
+def test_bfloat16_residuals_send_what_float32_ones_rounded_each_step_send(collective: str, ranks: int) -> None:
+    steps = 6
+    stored = run(collective, ranks, steps, torch.bfloat16)
+    rounded = run(collective, ranks, steps, torch.float32, round_after_step=True)
+    escalated = 0
+    for (got, c_bf16), (want, c_f32) in zip(stored, rounded, strict=True):
+        for step in range(steps):
+            for name, total in want[step].items():
+                assert torch.equal(got[step][name], total), (collective, step, name)
+        assert c_bf16.memory.residuals.keys() == c_f32.memory.residuals.keys()
+        for name, e in c_f32.memory.residuals.items():
+            kept = c_bf16.memory.residuals[name]
+            assert kept.dtype == torch.bfloat16
+            assert torch.equal(kept, e.bfloat16()), name
+        assert c_bf16.memory.nbytes * 2 == c_f32.memory.nbytes > 0
+        assert [r.actions for r in c_bf16.history] == [r.actions for r in c_f32.history]
+        escalated += sum(len(r.escalations) for r in c_bf16.history)
+    if collective != "dense":
+        assert escalated, "no escalation: the staged residuals' restore (e <- e + q) went untested"
+
+
+def test_bfloat16_residuals_lose_only_their_rounding() -> None:
+    """What error feedback keeps is still v - q, to bfloat16's precision: far from what dropping it would lose."""
+    ((_, c16),) = run("dense", 1, 4, torch.bfloat16)
+    ((_, c32),) = run("dense", 1, 4, torch.float32)
+    for name, e in c32.memory.residuals.items():
+        kept = c16.memory.residuals[name].float()
+        assert torch.linalg.vector_norm(kept - e) <= 0.05 * torch.linalg.vector_norm(e), name
+
+
+def test_a_raise_leaves_bfloat16_residuals_bitwise_unchanged() -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=2.0, nonfinite="raise", residual_dtype=torch.bfloat16)
+    random_grads(params, 0)
+    for _, p in reversed(params):
+        c.decompress(*c.compress(p.grad))
+    before = {name: e.clone() for name, e in c.memory.residuals.items()}
+    random_grads(params, 1)
+    params[3][1].grad[5] = float("nan")
+    with pytest.raises(sb.SafeBitsNonFiniteError):
+        for _, p in reversed(params):
+            c.decompress(*c.compress(p.grad))
+    for name, e in before.items():
+        assert torch.equal(c.memory.residuals[name], e), name
+
+
+def test_bfloat16_residuals_round_trip_a_checkpoint_and_take_a_float32_one() -> None:
+    params = many_tensor_params()
+    c = sb.SafeBits(params, budget_bits=2.0, residual_dtype=torch.bfloat16)
+    for step in range(2):
+        random_grads(params, step)
+        for _, p in reversed(params):
+            c.decompress(*c.compress(p.grad))
+    state = c.state_dict()
+    assert all(e.dtype == torch.bfloat16 for e in state["residuals"].values())
+    again = sb.SafeBits(many_tensor_params(), budget_bits=2.0, residual_dtype=torch.bfloat16)
+    again.load_state_dict(state)
+    for name, e in c.memory.residuals.items():
+        assert torch.equal(again.memory.residuals[name], e)
+    as_float32 = sb.SafeBits(many_tensor_params(), budget_bits=2.0)
+    as_float32.load_state_dict(state)            # a bfloat16 state read by float32 residuals: exact
+    assert all(e.dtype == torch.float32 for e in as_float32.memory.residuals.values())
+    memory = ErrorFeedback(torch.bfloat16)
+    memory.load_state_dict({"w": torch.tensor([1.0 + 2.0**-12, -3.0])})     # float32 in: rounded to bfloat16
+    assert memory.residuals["w"].dtype == torch.bfloat16 and memory.residuals["w"].tolist() == [1.0, -3.0]
+
+
+def test_a_residual_dtype_other_than_float32_or_bfloat16_is_refused() -> None:
+    with pytest.raises(ValueError, match="residual_dtype"):
+        sb.SafeBits(many_tensor_params(), residual_dtype=torch.float16)
+    with pytest.raises(ValueError, match="flat float32 or bfloat16"):
+        ErrorFeedback().load_state_dict({"w": torch.zeros(3, dtype=torch.float64)})
