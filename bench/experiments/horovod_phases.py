@@ -127,14 +127,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def table(args: argparse.Namespace, times: dict[str, list[list[float]]]) -> str:
-    """The medians, in milliseconds, one row per compressor."""
+    """The medians, in milliseconds, one row per compressor, and the mean step (what throughput goes by: a row that
+    compresses now and then has slow steps that its median hides)."""
     batch = "the race's batch" if args.model == "gpt2_text" else f"batch {args.batch}"
     lines = [f"{args.model}, {batch} per rank, link {args.rate}, {args.steps} timed steps "
-             f"(medians, ms, rank 0)", "", "| compressor | " + " | ".join(PHASES) + " |",
-             "| --- |" + " --- |" * len(PHASES)]
+             f"(medians, ms, rank 0)", "", "| compressor | " + " | ".join(PHASES) + " | mean step |",
+             "| --- |" + " --- |" * (len(PHASES) + 1)]
     for row, steps in times.items():
-        medians = [statistics.median(column) * 1e3 for column in zip(*steps, strict=True)]
-        lines.append(f"| {row} | " + " | ".join(f"{m:.1f}" for m in medians) + " |")
+        columns = list(zip(*steps, strict=True))
+        medians = [statistics.median(column) * 1e3 for column in columns]
+        mean = statistics.fmean(columns[PHASES.index("step")]) * 1e3
+        lines.append(f"| {row} | " + " | ".join(f"{m:.1f}" for m in [*medians, mean]) + " |")
     return "\n".join(lines)
 
 
