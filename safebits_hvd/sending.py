@@ -145,9 +145,8 @@ class MemberTensors:
             residuals = kernels.TensorList(sender.residual(i, int(sender.numels[i]), device) for i in rows)
             staged = None
             if memory.stages:
-                buffer = memory.staging(sum(e.numel() for e in residuals), device)
-                staged = kernels.TensorList(buffer.split([e.numel() for e in residuals])) if len(rows) else \
-                    kernels.TensorList([])
+                sizes = [e.numel() for e in residuals]
+                staged = kernels.TensorList(memory.staging(sum(sizes), device)[:sum(sizes)].split(sizes))
             samples = kernels.TensorList(self._samples(rows, device))
             if len(self._made) >= self.LIMIT:
                 self._made.clear()
