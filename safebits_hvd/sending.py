@@ -243,7 +243,7 @@ class Sender:
         e = self.memory.pop(self.names[index]) if self.error_feedback and self.memory.residuals else None
         if e is None:
             return g
-        out = own if own is not None else torch.empty_like(e)
+        out = own if own is not None else torch.empty_like(e, dtype=torch.float32)     # a bfloat16 residual too
         return torch.add(g.view(-1), e.to(g.device), out=out)
 
     def passes_unchanged(self) -> bool:

@@ -119,3 +119,21 @@ def test_a_residual_dtype_other_than_float32_or_bfloat16_is_refused() -> None:
         sb.SafeBits(many_tensor_params(), residual_dtype=torch.float16)
     with pytest.raises(ValueError, match="flat float32 or bfloat16"):
         ErrorFeedback().load_state_dict({"w": torch.zeros(3, dtype=torch.float64)})
+
+
+def test_a_pass_through_adds_a_bfloat16_residual_in_float32() -> None:
+    """A step that passes through sends the gradient plus what the residual held, in float32 (not rounded to the
+    residual's bfloat16), also for a gradient it cannot reuse (not contiguous)."""
+    p = torch.nn.Parameter(torch.zeros(64, 48))
+    c = sb.SafeBits([("w", p)], budget_bits=lambda step: 2.0 if step == 0 else 32.0, residual_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    p.grad = torch.randn(64, 48, generator=gen)
+    c.decompress(*c.compress(p.grad))
+    kept = c.memory.residuals["w"].float().clone()
+    assert kept.abs().max() > 0
+    p.grad = torch.randn(48, 64, generator=gen).t()           # not contiguous: compress cannot reuse it
+    g = p.grad.clone()
+    out = c.decompress(*c.compress(p.grad))
+    assert c.last_step is not None and out.dtype == torch.float32
+    assert torch.equal(out.reshape(-1), g.reshape(-1) + kept)
+    assert "w" not in c.memory.residuals                        # added once and dropped
