@@ -173,12 +173,15 @@ def run_on_link(name: str, argv: list[str] | None, parse_args: Callable[[list[st
     """An experiment that launches itself on a limited link: with ``--worker`` (``args.worker``) this process is a
     rank and runs ``worker(args)``; else ``launch(link, argv, args)`` starts the ranks at ``args.rate``: ``link`` is
     the command prefix of a namespace of their own (:func:`limited_namespace`), or with ``args.nodes == 2`` the two
-    nodes of :func:`two_nodes`. Returns the exit status."""
+    nodes of :func:`two_nodes`. Returns the launcher's exit status; a rank leaves without the interpreter's
+    finalization (:func:`safebits_hvd.launch.exit_without_finalization`)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.worker:
+        from safebits_hvd.launch import exit_without_finalization
+
         worker(args)
-        return 0
+        exit_without_finalization(0)     # a collective library's threads can abort the interpreter's finalization
     with (two_nodes(name, args.rate) if getattr(args, "nodes", 1) == 2 else limited_namespace(name, args.rate)) as link:
         if link is None:
             print(f"[{name}] cannot create a network namespace: run as root with ip and tc (iproute2)")
