@@ -1,5 +1,4 @@
-"""The link benchmark's tables and plot (``bench.link``): markdown from :func:`bench.link_stats.summarize`'s rows.
-"""
+"""The link benchmark's tables and plot (``bench.link``), from :func:`bench.link_stats.summarize`'s rows."""
 
 from __future__ import annotations
 
