@@ -22,14 +22,8 @@ from typing import Any
 
 LO_MTU = 65536
 """The loopback's MTU: a tbf bucket smaller than one full-size frame (plus its link header) drops that frame."""
-
-
 MIN_BURST = 2 * LO_MTU
-
-
 BURST_TIME_S = 1e-3
-
-
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 

@@ -133,10 +133,15 @@ def _figures(records: list[Any] | None, fixed_bits: float | None, step_times: li
                                       else [float(fixed_bits or 0.0)] * steps),
             "budget_bits_per_rank": [float(r.budget_bits_total) for r in timed] if recorded else [None] * steps,
             "pass_through": [bool(r.pass_through) for r in timed] if recorded else [False] * steps,
-            "timing": ([{k: v if math.isfinite(v) else None for k, v in r.timing.items()} if r.timing else None
-                        for r in timed] if recorded else None),            # each record's own step's
+            "timing": [timing_json(r) for r in timed] if recorded else None,     # each record's own step's
             "collective": next((r.collective for r in reversed(timed) if r.collective), None),
             "violations": sum(int(bool(r.violation)) for r in timed)}
+
+
+def timing_json(record: Any) -> dict[str, float | None] | None:
+    """A ``StepRecord``'s ``timing`` (what SafeBits measured of its step ``timing_step``) for JSON: unknown figures
+    null; None when the record carries none."""
+    return {k: v if math.isfinite(v) else None for k, v in record.timing.items()} if record.timing else None
 
 
 def run_model(model: str, compressors: Sequence[Any], rounds: int, interleave: bool, first_id: int,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from bench import specs
-from bench.protocol import TX_BYTES, pin_rank, read_tx_bytes
+from bench.protocol import TX_BYTES, pin_rank, read_tx_bytes, timing_json
 from bench.tasks import TextGPT, make_task, model_facts
 from safebits_hvd.launch import exit_without_finalization
 
@@ -125,8 +124,7 @@ def run_case(front: FrontEnd, task: Any, spec: specs.Spec, case_id: int, seed: i
     if safebits is not None:
         history, parameters = safebits.history, sum(p.numel() for p in model.parameters())
         budgets = [round(record.budget_bits_total / parameters, 3) for record in history]
-        timing = [{"step": record.timing_step, **{k: None if math.isnan(v) else v for k, v in record.timing.items()}}
-                  for record in history]
+        timing = [{"step": record.timing_step, **(timing_json(record) or {})} for record in history]
         # What auto weighed (docs/DESIGN.md, "Quality"): per step the sampling noise and the error sent, and the
         # errors the last compressed step predicted per budget.
         predicted = [record.budget_errors for record in history if record.budget_errors]

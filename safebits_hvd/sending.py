@@ -146,7 +146,8 @@ class MemberTensors:
             staged = None
             if memory.stages:
                 sizes = [e.numel() for e in residuals]
-                staged = kernels.TensorList(memory.staging(sum(sizes), device)[:sum(sizes)].split(sizes))
+                total = sum(sizes)
+                staged = kernels.TensorList(memory.staging(total, device)[:total].split(sizes))
             samples = kernels.TensorList(self._samples(rows, device))
             if len(self._made) >= self.LIMIT:
                 self._made.clear()

@@ -117,8 +117,10 @@ def run_ranks(ranks: int, body: Callable[[int, Any, Any], Any]) -> list[Any]:
     return results
 
 
-def train(collective: str, ranks: int, steps: int, budget_bits: float = 2.0, op_sum: bool = False, **kwargs: Any):
-    """Per rank: reduced gradients per step, what it sent (decoded) per step, and the compressor."""
+def train(collective: str, ranks: int, steps: int, budget_bits: float = 2.0, op_sum: bool = False,
+          after_step: Callable[[sb.SafeBits], None] | None = None, **kwargs: Any):
+    """Per rank: reduced gradients per step, what it sent (decoded) per step, and the compressor
+    (``after_step(compressor)`` after each step's last ``decompress``)."""
 
     def body(rank: int, exchange: Any, transport: Any) -> dict[str, Any]:
         params = many_tensor_params()
@@ -133,6 +135,8 @@ def train(collective: str, ranks: int, steps: int, budget_bits: float = 2.0, op_
             marker = torch.full((1,), float(ranks) if op_sum else 1.0)
             reduced.append({name: c.decompress(marker if ctx.collective != "dense" else out, ctx).clone()
                             for name, _, out, ctx in pending})
+            if after_step is not None:
+                after_step(c)
         return {"reduced": reduced, "sent": sent, "compressor": c}
 
     return run_ranks(ranks, body)

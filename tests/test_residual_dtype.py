@@ -4,8 +4,6 @@ bad input."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -13,40 +11,24 @@ import safebits_hvd as sb
 from safebits_hvd.memory import ErrorFeedback
 
 from .helpers import many_tensor_params, random_grads, run_steps
-from .test_collectives import run_ranks
+from .test_collectives import train
 
 
-def run(collective: str, ranks: int, steps: int, residual_dtype: torch.dtype, round_after_step: bool = False,
-        budget_bits: float = 2.0) -> list[tuple[list[dict[str, torch.Tensor]], sb.SafeBits]]:
-    """Per rank: the reduced gradients of every step and the compressor. ``round_after_step``: float32 residuals
-    rounded to bfloat16 (and kept as float32) after every step, what bfloat16 storage should amount to."""
-
-    def body(rank: int, exchange: Any, transport: Any) -> tuple[list[dict[str, torch.Tensor]], sb.SafeBits]:
-        params = many_tensor_params()
-        c = sb.SafeBits(params, budget_bits=budget_bits, collective=collective, exchange=exchange,
-                        transport=transport, residual_dtype=residual_dtype)
-        reduced = []
-        for step in range(steps):
-            random_grads(params, step, seed=1 + rank)
-            pending = [(name, *c.compress(p.grad)) for name, p in reversed(params)]
-            marker = torch.ones(1)
-            reduced.append({name: c.decompress(marker if ctx.collective != "dense" else out, ctx).clone()
-                            for name, out, ctx in pending})
-            if round_after_step:
-                for e in c.memory.residuals.values():
-                    e.copy_(e.bfloat16())
-        return reduced, c
-
-    return run_ranks(ranks, body)
+def round_residuals(c: sb.SafeBits) -> None:
+    """Float32 residuals rounded to bfloat16 (and kept as float32): what bfloat16 storage should amount to."""
+    for e in c.memory.residuals.values():
+        e.copy_(e.bfloat16())
 
 
 @pytest.mark.parametrize("collective,ranks", [("allgather", 2), ("two_phase", 3), ("dense", 1)])
 def test_bfloat16_residuals_send_what_float32_ones_rounded_each_step_send(collective: str, ranks: int) -> None:
     steps = 6
-    stored = run(collective, ranks, steps, torch.bfloat16)
-    rounded = run(collective, ranks, steps, torch.float32, round_after_step=True)
+    stored = train(collective, ranks, steps, residual_dtype=torch.bfloat16)
+    rounded = train(collective, ranks, steps, after_step=round_residuals)
     escalated = 0
-    for (got, c_bf16), (want, c_f32) in zip(stored, rounded, strict=True):
+    for bf16_rank, f32_rank in zip(stored, rounded, strict=True):
+        got, c_bf16 = bf16_rank["reduced"], bf16_rank["compressor"]
+        want, c_f32 = f32_rank["reduced"], f32_rank["compressor"]
         for step in range(steps):
             for name, total in want[step].items():
                 assert torch.equal(got[step][name], total), (collective, step, name)
