@@ -41,7 +41,7 @@ from bench import specs
 from bench.protocol import SEED, Case, pin_rank, read_tx_bytes, run_group, run_model, step_reporter
 from bench.tasks import DEFAULT_IMAGE_SIZE, ResNet18, Workload, model_facts
 from safebits_hvd import ddp as sbddp
-from safebits_hvd.launch import exit_without_finalization
+from safebits_hvd.frontends.launch import exit_without_finalization
 
 PSGD_START = 2          # PowerSGD needs one uncompressed step first (start_powerSGD_iter > 1 with error feedback)
 

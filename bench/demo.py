@@ -1,9 +1,9 @@
 """The main job (``make demo``): compressors end to end, on 2 Horovod ranks on localhost, 3 seeds.
 
 Launches ONE ``horovodrun -np 2 --gloo`` of ``bench.hvd_worker demo``, which trains, one run after another in the
-same two processes, fixed baselines of :mod:`safebits_hvd.baselines` and SafeBits / unscreened global budgeting
-on a small CNN (scikit-learn digits), a byte-level transformer LM (CPython standard-library sources) and the same
-LM at 1.2M parameters, with the same initialization and data order for every compressor of a seed.
+same two processes, fixed baselines of :mod:`safebits_hvd.frontends.baselines` and SafeBits / unscreened global
+budgeting on a small CNN (scikit-learn digits), a byte-level transformer LM (CPython standard-library sources) and the
+same LM at 1.2M parameters, with the same initialization and data order for every compressor of a seed.
 
 Writes ``results/demo.json`` (one record per run: task, compressor, budget_bits, seed, final_loss, final_metric,
 metric_name, compression_ratio, violations, escalations, infeasible, collapsed, wall_s, and max_distortion, min_cosine,
@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from bench.demo_stats import other_schedule, run_label, section, table
-from safebits_hvd import launch
+from safebits_hvd.frontends import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HVD_WORKER = ("-m", "bench.hvd_worker", "demo")   # a module, run from the repository root (the launcher's cwd)

@@ -13,7 +13,7 @@ from typing import Any
 
 from bench.tasks import SCHEDULES
 from safebits_hvd import SafeBits
-from safebits_hvd.baselines import label as compressor_label
+from safebits_hvd.frontends.baselines import label as compressor_label
 
 _DEFAULTS = inspect.signature(SafeBits.__init__).parameters
 DEFAULT_THRESHOLDS = (float(_DEFAULTS["max_distortion"].default), float(_DEFAULTS["min_cosine"].default))

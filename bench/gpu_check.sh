@@ -6,7 +6,7 @@
 # kernels' (send_group, decode_group) with their host reads per group, and the whole SafeBits step on the GPU
 # (1,000 small tensors; ResNet-18's, ResNet-50's and GPT-2 small's gradients as on 2 ranks, host and step time apart)
 # against torch.clone of the same gradients, with its
-# reads back, launches and uploads per step (safebits_hvd.host.counting), each kernel's registers and spills, and a
+# reads back, launches and uploads per step (safebits_hvd.codec.host.counting), each kernel's registers and spills, and a
 # real training step of GPT-2 small and ResNet-50 under DDP on the one GPU with each hook (bench/train_step.py).
 # Each part has its own timeout, 8 minutes in all (installing what is missing aside; the earlier runs' times are in
 # results/gpu/). Usage: bash bench/gpu_check.sh [folder for the JSON, default results/gpu]
@@ -23,9 +23,9 @@ $PY -c "import pytest_benchmark" 2>/dev/null || need+=(pytest-benchmark)
 if [ ${#need[@]} -gt 0 ]; then echo "installing: ${need[*]}"; $PY -m pip install -q "${need[@]}" || exit 1; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
-$PY -c "from safebits_hvd import kernels; print('CPU kernels:', kernels.backend_name('cpu'))"
+$PY -c "from safebits_hvd.codec import kernels; print('CPU kernels:', kernels.backend_name('cpu'))"
 echo "== Kernel registers and spills (sm_90, NVRTC + ptxas)"
-timeout 30 $PY -m safebits_hvd.kernels.resources --arch sm_90 || rc_resources=1
+timeout 30 $PY -m safebits_hvd.codec.kernels.resources --arch sm_90 || rc_resources=1
 echo "== GPU tests"
 SAFEBITS_REQUIRE_NVRTC=1 timeout 100 $PY -m pytest tests/test_cuda_kernels.py -q --maxfail=5 -p no:cacheprovider
 rc=$?

@@ -2,7 +2,7 @@
 ``bench.experiments.threshold_sweep``) or ``link`` (launched by ``bench.link`` inside its network namespace).
 
 ``demo``: within the same processes it trains, one run after another, every compressor of its plan (registry
-names of :data:`safebits_hvd.baselines.REGISTRY`; SafeBits and the unscreened ablation at several budgets, in
+names of :data:`safebits_hvd.frontends.baselines.REGISTRY`; SafeBits and the unscreened ablation at several budgets, in
 bits per parameter per step) on the tasks of :mod:`bench.tasks`, with the same seed, data order, initial weights
 and learning-rate schedule (by default a cosine decay to 0 over the run) for every compressor. Rank 0 prints one
 line per run and writes the raw per-step curves to ``--out`` (JSON); ``bench.demo`` turns them into
@@ -50,8 +50,8 @@ from bench.tasks import (
     make_task,
     model_facts,
 )
-from safebits_hvd.baselines import BUDGETED, make_compressor
-from safebits_hvd.baselines import label as compressor_label
+from safebits_hvd.frontends.baselines import BUDGETED, make_compressor
+from safebits_hvd.frontends.baselines import label as compressor_label
 
 FIXED = ["fp32", "fp16", "qsgd8", "qsgd4", "qsgd2", "terngrad", "signsgd_ef", "topk10_ef", "topk1_ef"]
 """Fixed-action baselines of the demo's default plan, in table order."""

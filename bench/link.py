@@ -145,8 +145,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", nargs="*", default=["1gbit"], choices=RATES,
                         help="link rates to time (none given: only the --quality-steps training run)")
     parser.add_argument("--compressors", nargs="*", default=COMPRESSORS,
-                        help="none, fp16, or registry names of safebits_hvd.baselines (name@budget_bits); none "
-                             "given: only the DDP rows")
+                        help="none, fp16, or registry names of safebits_hvd.frontends.baselines (name@budget_bits); "
+                             "none given: only the DDP rows")
     parser.add_argument("--models", nargs="+", default=None, choices=MODELS,
                         help=f"default {' '.join(DEFAULT_MODELS)} (--quick: resnet18); DDP rows for "
                              f"{' and '.join(DDP_MODELS)}")
@@ -271,7 +271,7 @@ def binding_text(args: argparse.Namespace) -> str:
 
 
 def _bench(args: argparse.Namespace, ns: str) -> int:
-    from safebits_hvd.launch import LaunchError, horovodrun, torchrun
+    from safebits_hvd.frontends.launch import LaunchError, horovodrun, torchrun
 
     os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python -m bench.link", *sys.argv[1:]])
@@ -356,7 +356,7 @@ def _bench(args: argparse.Namespace, ns: str) -> int:
 def _changing_link(args: argparse.Namespace, ns: str) -> int:
     """The changing-link run (:mod:`bench.link_phases`): one launch per front end, every compressor one case of
     all the phases' steps, the qdisc changed from here as rank 0 reports its steps."""
-    from safebits_hvd.launch import LaunchError, horovodrun, torchrun
+    from safebits_hvd.frontends.launch import LaunchError, horovodrun, torchrun
 
     os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python -m bench.link", *sys.argv[1:]])

@@ -134,8 +134,8 @@ def torchrun_two_nodes(nodes: list[tuple[list[str], str]], ranks_per_node: int, 
                        timeout: float) -> str:
     """``python -m module args`` on ``ranks_per_node`` ranks in each of :func:`two_nodes`' nodes (one ``torchrun``
     per node, a static rendezvous at the first node's address); the first node's output. Both launches are killed
-    after ``timeout`` seconds; a non-zero exit raises :class:`~safebits_hvd.launch.LaunchError`."""
-    from safebits_hvd.launch import REPO, LaunchError, launch_env
+    after ``timeout`` seconds; a non-zero exit raises :class:`~safebits_hvd.frontends.launch.LaunchError`."""
+    from safebits_hvd.frontends.launch import REPO, LaunchError, launch_env
 
     port = str(29500 + os.getpid() % 1000)
     procs = []
@@ -168,11 +168,11 @@ def run_on_link(name: str, argv: list[str] | None, parse_args: Callable[[list[st
     rank and runs ``worker(args)``; else ``launch(link, argv, args)`` starts the ranks at ``args.rate``: ``link`` is
     the command prefix of a namespace of their own (:func:`limited_namespace`), or with ``args.nodes == 2`` the two
     nodes of :func:`two_nodes`. Returns the launcher's exit status; a rank leaves without the interpreter's
-    finalization (:func:`safebits_hvd.launch.exit_without_finalization`)."""
+    finalization (:func:`safebits_hvd.frontends.launch.exit_without_finalization`)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.worker:
-        from safebits_hvd.launch import exit_without_finalization
+        from safebits_hvd.frontends.launch import exit_without_finalization
 
         worker(args)
         exit_without_finalization(0)     # a collective library's threads can abort the interpreter's finalization

@@ -282,7 +282,7 @@ def launches(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _race(args: argparse.Namespace, ns: str) -> int:
-    from safebits_hvd.launch import LaunchError, horovodrun, torchrun
+    from safebits_hvd.frontends.launch import LaunchError, horovodrun, torchrun
 
     os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python -m bench.race", *sys.argv[1:]])

@@ -24,7 +24,7 @@ import torch
 from bench import specs
 from bench.protocol import TX_BYTES, pin_rank, read_tx_bytes, timing_json
 from bench.tasks import TextGPT, make_task, model_facts
-from safebits_hvd.launch import exit_without_finalization
+from safebits_hvd.frontends.launch import exit_without_finalization
 
 TASKS = ("gpt2_text", "digits_cnn", "bytes_lm")
 
@@ -56,9 +56,9 @@ class FrontEnd:
 
     def close(self) -> None:
         """Take the process group down; the rank then leaves without the interpreter's finalization
-        (:func:`safebits_hvd.launch.exit_without_finalization`), in which Gloo's threads can abort (``terminate
-        called without an active exception``) after the results are written. :func:`bench.race.finished_cases`
-        keeps a launch's results whatever its exit status all the same."""
+        (:func:`safebits_hvd.frontends.launch.exit_without_finalization`), in which Gloo's threads can abort
+        (``terminate called without an active exception``) after the results are written.
+        :func:`bench.race.finished_cases` keeps a launch's results whatever its exit status all the same."""
         if self.ddp:
             import torch.distributed as dist
 

@@ -2,8 +2,8 @@
 ``ddp:safebits@4.4``, ``ddp:powersgd4`` and the like.
 
 A spec names a compressor and, for the budgeted ones, its budget in bits per parameter per step (or ``auto``).
-Horovod specs name Horovod's own ``none`` and ``fp16`` or any :data:`safebits_hvd.baselines.REGISTRY` name; DDP
-specs (prefix ``ddp:``) name DDP's default allreduce (``ddp:none``), ``fp16_compress_hook`` (``ddp:fp16``),
+Horovod specs name Horovod's own ``none`` and ``fp16`` or any :data:`safebits_hvd.frontends.baselines.REGISTRY` name;
+DDP specs (prefix ``ddp:``) name DDP's default allreduce (``ddp:none``), ``fp16_compress_hook`` (``ddp:fp16``),
 ``powerSGD_hook`` at rank R (``ddp:powersgdR``) or SafeBits' hook (``ddp:safebits@B``).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from safebits_hvd.baselines import BUDGETED, REGISTRY
+from safebits_hvd.frontends.baselines import BUDGETED, REGISTRY
 
 HOROVOD_BUILTIN = ("none", "fp16")
 """Horovod's own ``hvd.Compression`` members, by their names."""

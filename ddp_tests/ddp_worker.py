@@ -7,7 +7,7 @@ after every step and across all ranks (``dist.all_gather_object``):
 * the allocation digest, violation, escalations, modeled bits and actions of ``state.last_step`` are identical;
 * the model parameters are bitwise identical (SHA-256 of every parameter's bytes);
 * the reduced gradient DDP leaves in ``p.grad`` is bitwise the mean, summed in rank order, of every rank's decoded
-  payload (recorded by a :class:`~safebits_hvd.transports.TorchDistributedTransport` subclass, the ``transport=``
+  payload (recorded by a :class:`~safebits_hvd.comm.transports.TorchDistributedTransport` subclass, the ``transport=``
   seam); on the two-phase path, the second hop conserves what the ranks sent (sums over the run);
 
 and per rank, after the run, error-feedback conservation: ``sum(sent) + residual == sum(what the hook saw)``.
@@ -44,10 +44,10 @@ from scenario_runner import (
 
 import safebits_hvd as sb
 from safebits_hvd import ddp as sbddp
-from safebits_hvd.collectives import decode_sequence, segment_bounds
-from safebits_hvd.exchange import TorchDistributedExchange
-from safebits_hvd.launch import exit_without_finalization
-from safebits_hvd.transports import TorchDistributedTransport
+from safebits_hvd.comm.collectives import decode_sequence, segment_bounds
+from safebits_hvd.comm.exchange import TorchDistributedExchange
+from safebits_hvd.comm.transports import TorchDistributedTransport
+from safebits_hvd.frontends.launch import exit_without_finalization
 
 BATCH = 64
 
@@ -163,12 +163,12 @@ def decoded_sends(state: sbddp.SafeBitsState, transport: RecordingTransport, col
         return sent
     # two-phase: the step's alltoall buffer holds segment r of every tensor (index order), for r = 0..P-1
     ranks, tensors = dist.get_world_size(), len(state.names)
-    payloads = sb.collectives.split_payloads(transport.alltoall_buffers[-1], ranks * tensors, "alltoall")
+    payloads = sb.comm.collectives.split_payloads(transport.alltoall_buffers[-1], ranks * tensors, "alltoall")
     for index, name in enumerate(state.names):
         out = torch.zeros(numels[name])
         bounds = segment_bounds(numels[name], state.core.menu.bucket_size, ranks, index)
         for segment, (start, stop) in enumerate(bounds):
-            sb.kernels.decode_add(payloads[segment * tensors + index], out[start:stop], name=name)
+            sb.codec.kernels.decode_add(payloads[segment * tensors + index], out[start:stop], name=name)
         sent[name] = out
     return sent
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from scenario_runner import TorchRanks, check, run_torch_worker, step_failures
 
 from safebits_hvd import fsdp as sbfsdp
-from safebits_hvd.launch import exit_without_finalization
+from safebits_hvd.frontends.launch import exit_without_finalization
 
 WIDTH, CLASSES, STEPS = 48, 5, 8
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench.train_step import HOOKS
-from safebits_hvd import launch
+from safebits_hvd.frontends import launch
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "ddp_tests" / "ddp_worker.py"

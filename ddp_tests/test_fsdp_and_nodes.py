@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from safebits_hvd import launch
+from safebits_hvd.frontends import launch
 
 HERE = Path(__file__).resolve().parent
 # worker, its scenario count, and the members its train scenario reports at 2 and 4 ranks

@@ -46,7 +46,7 @@ from scenario_runner import ScenarioFailure, check, params_digest, run_scenarios
 from torch import nn
 
 import safebits_hvd as sb
-from safebits_hvd.launch import exit_without_finalization
+from safebits_hvd.frontends.launch import exit_without_finalization
 
 IN_FEATURES = 20
 CLASSES = 4

@@ -82,7 +82,7 @@ class TrackingSafeBits(sb.SafeBits):
             name, grad = tracked
             if ctx.wire.dtype != torch.uint8:
                 self.wire_problems.append(f"{name}: payload {ctx.wire.dtype}")
-            decoded = sb.collectives.decode_sequence(ctx.wire, torch.zeros(grad.numel()), name)
+            decoded = sb.comm.collectives.decode_sequence(ctx.wire, torch.zeros(grad.numel()), name)
             self._track(name, grad, decoded.to(torch.float64))
         return super().decompress(tensor, ctx)
 
@@ -230,7 +230,7 @@ def run_training(sc: Scenario) -> dict[str, Any]:
         second = hvd.allgather_object({n: t.numpy() for n, t in compression.core.two_phase.memory.residuals.items()},
                                       name=f"{sc.name}.second_hop")
         for n, p in trainable:
-            bounds = sb.collectives.segment_bounds(p.numel(), compression.menu.bucket_size, hvd.size(),
+            bounds = sb.comm.collectives.segment_bounds(p.numel(), compression.menu.bucket_size, hvd.size(),
                                                   compression.names.index(n))
             residual = np.concatenate([second[owner][n] for owner in range(hvd.size())]).astype(np.float64)
             check(len(residual) == p.numel() and [stop - start for start, stop in bounds] == [len(second[o][n])

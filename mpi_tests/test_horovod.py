@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from safebits_hvd import launch
+from safebits_hvd.frontends import launch
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "mpi_tests" / "hvd_worker.py"

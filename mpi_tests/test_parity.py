@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from safebits_hvd import launch
+from safebits_hvd.frontends import launch
 
 WORKER = Path(__file__).resolve().parent / "hvd_parity_worker.py"
 SHARED = ("process_sets", "gradscaler", "diverging", "unnamed")

@@ -3,27 +3,24 @@
     compression = safebits_hvd.SafeBits(model.named_parameters(), budget_bits=4.0)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
 
-Where each idea lives (docs/DESIGN.md has the module map and the life of one step):
+Where each idea lives (docs/DESIGN.md has the module map and the life of one step), by layer, top to bottom:
 
-* the algorithm, framework-free: :mod:`.core` (the step and its state object), :mod:`.policy` (allocation, start
-  policy, screen, escalation, fallback), :mod:`.allocator` (the global knapsack), :mod:`.screen` (admissibility),
-  :mod:`.memory` (error feedback), :mod:`.statistics` (the exchanged statistics, defined once), :mod:`.exchange`
-  (rank agreement: the transport seam), :mod:`.telemetry` (step records), :mod:`.checkpoint` (saved state),
-  :mod:`.schedules` (budgets);
-* quantization: :mod:`.actions` (menu and modeled bits), :mod:`.kernels` (fused screen / quantize / EF passes, CPU
-  and CUDA), :mod:`.rng` (counter-based RNG);
-* front ends: :mod:`.compressor` (the Horovod compressor), :mod:`.elastic` (its state in Horovod's elastic
-  ``TorchState``, registered on import), :mod:`.baselines` (the compressors we compare with); :mod:`.launch`
-  starts ``horovodrun`` for the tests, benchmarks and demo.
+* :mod:`.frontends`: Horovod's compressor (``SafeBits``), its elastic state, DDP's hook (public as
+  :mod:`safebits_hvd.ddp`), FSDP2's reduce-scatter (:mod:`safebits_hvd.fsdp`), the baselines and the launcher;
+* :mod:`.step`: the framework-free step engine (``SafeBitsCore``), the send with its escalation, the close, error
+  feedback, checkpoints;
+* :mod:`.policy`: the allocation under the budget, the screen's rule, schedules and ``auto``, step records;
+* :mod:`.comm`: the collective paths, transports, the statistics exchange, the step clock;
+* :mod:`.codec`: the action menu, the wire format, the RNG, the kernels (CPU and CUDA) and the host seam.
 """
 
-from .actions import ACTIONS, BF16, DEFAULT_MENU, FP16, FP32, Action, ActionKind, Menu, make_menu
-from .auto import Auto
-from .compressor import SafeBits
-from .elastic import register as _register_elastic_handler
+from .codec.actions import ACTIONS, BF16, DEFAULT_MENU, FP16, FP32, Action, ActionKind, Menu, make_menu
 from .errors import SafeBitsConsistencyError, SafeBitsError, SafeBitsNonFiniteError, SafeBitsTimeoutError
-from .schedules import BandwidthAware, Constant, ConvergenceRamp, SNRAware
-from .telemetry import StepRecord
+from .frontends.elastic import register as _register_elastic_handler
+from .frontends.horovod import SafeBits
+from .policy.auto import Auto
+from .policy.schedules import BandwidthAware, Constant, ConvergenceRamp, SNRAware
+from .policy.telemetry import StepRecord
 
 __all__ = [
     "ACTIONS", "BF16", "DEFAULT_MENU", "FP16", "FP32", "Action", "ActionKind", "Auto", "BandwidthAware", "Constant",

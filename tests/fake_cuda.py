@@ -1,7 +1,7 @@
-"""A fake CUDA backend for CPU-only machines: the CUDA backend's own orchestration (``safebits_hvd.kernels.cuda``)
+"""A fake CUDA backend for CPU-only machines: the CUDA backend's own orchestration (``safebits_hvd.codec.kernels.cuda``)
 runs on CPU tensors with its kernel launches recorded instead of run (``cuda.use_runtime``), and the C backend
-computes the values. What ``safebits_hvd.host`` counts under it (launches, uploads, reads) is what the CUDA backend
-issues for the same step on a GPU; the values it computes there are checked bitwise against the C backend by the
+computes the values. What ``safebits_hvd.codec.host`` counts under it (launches, uploads, reads) is what the CUDA
+backend issues for the same step on a GPU; the values it computes there are checked bitwise against the C backend by the
 GPU tests (``tests/test_cuda_kernels.py``, ``bench/gpu_check.sh``)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from safebits_hvd import kernels
-from safebits_hvd.kernels import cpu, cuda
-from safebits_hvd.kernels.cuda_emulator import HostRuntime
+from safebits_hvd.codec import kernels
+from safebits_hvd.codec.kernels import cpu, cuda
+from safebits_hvd.codec.kernels.cuda_emulator import HostRuntime
 
 
 class RecordingRuntime(HostRuntime):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import kernels as K
-from safebits_hvd import rng
-from safebits_hvd.actions import (
+from safebits_hvd.codec import kernels as K
+from safebits_hvd.codec import rng
+from safebits_hvd.codec.actions import (
     ACTIONS,
     LLOYD_MAX_LEVELS,
     TRIT_BITS,

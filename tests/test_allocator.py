@@ -5,7 +5,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safebits_hvd.allocator import allocate, allocate_exact, cheapest_admissible, compiled_available, greedy_error_bound
+from safebits_hvd.policy.allocator import (
+    allocate,
+    allocate_exact,
+    cheapest_admissible,
+    compiled_available,
+    greedy_error_bound,
+)
 
 needs_c = pytest.mark.skipif(not compiled_available(), reason="no C compiler: only the NumPy allocator runs")
 # Behavioural tests run on both implementations: kernels/allocator.c and the NumPy version.

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd.auto import PASS_THROUGH_BITS, Auto
-from safebits_hvd.clock import TIMING_FIELDS
-from safebits_hvd.exchange import TimedExchange
-from safebits_hvd.frontend import as_schedule
-from safebits_hvd.transports import LocalTransport
+from safebits_hvd.comm.clock import TIMING_FIELDS
+from safebits_hvd.comm.exchange import TimedExchange
+from safebits_hvd.comm.transports import LocalTransport
+from safebits_hvd.frontends.shared import as_schedule
+from safebits_hvd.policy.auto import PASS_THROUGH_BITS, Auto
 
 from .helpers import many_tensor_params, random_grads
 from .test_compressor import PairExchange
@@ -686,7 +686,7 @@ def test_the_clock_sees_the_front_end_waiting_between_reduced_tensors() -> None:
     than it was. Without any receive call (the DDP hook's dense path waits inside SafeBits), nothing is added."""
     import time
 
-    from safebits_hvd.clock import StepClock, timing_record
+    from safebits_hvd.comm.clock import StepClock, timing_record
 
     clock = StepClock()
     start = time.perf_counter()
@@ -713,7 +713,7 @@ def test_the_clock_reduces_the_least_exposed_wait_over_ranks() -> None:
     vector); a rank that measured nothing changes neither."""
     import time
 
-    from safebits_hvd.clock import StepClock, timing_record, unknown_timing
+    from safebits_hvd.comm.clock import StepClock, timing_record, unknown_timing
 
     vectors = []
     for wait in (0.0, 0.03):                      # the rank that closed last waits least
@@ -811,7 +811,7 @@ def test_one_step_whose_transfer_hid_does_not_clear_a_slow_links_pass_through() 
     """Whether compressed steps waited for the link is read from their median wait, as their span is: at 100
     Mbit/s one 4.4-bit step whose transfer hid (its wait 0 of 0.22 s, its six before 53 ms) otherwise said only
     that the link is at least so fast, and the pass-through, 7x slower there, was no longer ruled out."""
-    from safebits_hvd.auto import SpanModel
+    from safebits_hvd.policy.auto import SpanModel
 
     rate = RESNET18_RATES["100 Mbit/s"]
     model = SpanModel(Auto().candidates, 0.15)

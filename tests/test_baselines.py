@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd.actions import FP16, FP32, qsgd, scaled_sign, ternary, topk
-from safebits_hvd.baselines import (
+from safebits_hvd.codec.actions import FP16, FP32, qsgd, scaled_sign, ternary, topk
+from safebits_hvd.frontends.baselines import (
     BUDGETED,
     MAX_SCALED_MENU,
     QUANTIZER_MENU,
@@ -82,8 +82,8 @@ def test_no_ef_baseline_is_memoryless_and_matches_kernel() -> None:
     _backward(model)
     sent = _one_step(comp, model)
     assert comp.memory.residuals == {}
-    from safebits_hvd import kernels
-    from safebits_hvd.rng import stream_key
+    from safebits_hvd.codec import kernels
+    from safebits_hvd.codec.rng import stream_key
 
     for i, (name, p) in enumerate(model.named_parameters()):
         g = p.grad.reshape(-1).contiguous()

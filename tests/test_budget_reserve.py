@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd.policy import MIN_RESERVE, RESERVE_FACTOR, BudgetPolicy
+from safebits_hvd.policy.budget import MIN_RESERVE, RESERVE_FACTOR, BudgetPolicy
 
 from .helpers import many_tensor_params, random_grads, run_steps
 from .test_compressor import PairExchange

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from bench.experiments import collective_bytes as cb
-from safebits_hvd import collectives
-from safebits_hvd.wire import HEADER_BYTES
+from safebits_hvd.codec.wire import HEADER_BYTES
+from safebits_hvd.comm import collectives
 
 RANKS = cb.RANKS
 BITS = cb.PAYLOAD_BITS

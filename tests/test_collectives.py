@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import collectives, host, kernels, wire
-from safebits_hvd.compressor import op_factor
+from safebits_hvd.codec import host, kernels, wire
+from safebits_hvd.comm import collectives
+from safebits_hvd.frontends.horovod import op_factor
 
 from .helpers import many_tensor_params, random_grads
 
@@ -398,7 +399,7 @@ def test_payloads_are_located_whichever_members_escalated_on_whichever_rank(esca
     menu = sb.DEFAULT_MENU
     rng = np.random.default_rng(escalated)
     sizes = [int(n) for n in rng.integers(1, 3000, 60)]
-    tables = kernels.GroupTables(menu, np.array(sizes), sb.policy.BudgetPolicy(menu, np.array(sizes), 0.5,
+    tables = kernels.GroupTables(menu, np.array(sizes), sb.policy.budget.BudgetPolicy(menu, np.array(sizes), 0.5,
                                                                                  0.7).cost_order)
     expected = rng.integers(0, len(menu), len(sizes))
     sent = np.repeat(expected[:, None], 2, axis=1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd.telemetry import StepRecord
+from safebits_hvd.policy.telemetry import StepRecord
 
 from .helpers import many_tensor_params, random_grads, run_steps
 
@@ -350,7 +350,7 @@ def test_unnamed_parameters_are_named_as_horovod_names_them() -> None:
 def test_a_wait_that_never_completes_raises_a_timeout_naming_the_cause() -> None:
     import time
 
-    from safebits_hvd.exchange import wait_bounded
+    from safebits_hvd.comm.exchange import wait_bounded
 
     start = time.perf_counter()
     with pytest.raises(sb.SafeBitsTimeoutError, match="never joined"):

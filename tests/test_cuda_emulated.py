@@ -1,5 +1,5 @@
 """The CUDA backend without a GPU: ``kernels/cuda.py`` and the kernels of ``cuda_kernels.cu`` run on the CPU through
-``safebits_hvd.kernels.cuda_emulator`` (the same translation unit compiled as C++, blocks' threads as fibers), bit
+``safebits_hvd.codec.kernels.cuda_emulator`` (the same translation unit compiled as C++, blocks' threads as fibers), bit
 for bit against the C backend: every action's packing pass, decoding and screen, the group send and decode of the
 batched step, and whole compressor steps. The GPU itself runs the same checks in ``tests/test_cuda_kernels.py``."""
 
@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import actions as A
-from safebits_hvd import kernels as K
-from safebits_hvd import rng
-from safebits_hvd.kernels import cuda, cuda_emulator
-from safebits_hvd.policy import BudgetPolicy
-from safebits_hvd.wire import WireFormatError
+from safebits_hvd.codec import actions as A
+from safebits_hvd.codec import kernels as K
+from safebits_hvd.codec import rng
+from safebits_hvd.codec.kernels import cuda, cuda_emulator
+from safebits_hvd.codec.wire import WireFormatError
+from safebits_hvd.policy.budget import BudgetPolicy
+from safebits_hvd.policy.screen import ScreenRule
 
 from .helpers import random_grads
 from .kernel_cases import bits, make
@@ -73,7 +74,7 @@ def test_every_action_packs_decodes_and_quantizes_as_the_c_backend(n: int, actio
         out_u, e_q = torch.empty(n), e.clone()
         q_stats_u = cuda.quantize_ef(g, e_q, out_u, action, KEY)
         decoded_u = torch.ones(n)
-        header = sb.wire.parse_header(payload_c)
+        header = sb.codec.wire.parse_header(payload_c)
         cuda.decode(payload_u, header, decoded_u, True, "t", 3.0)
         values_u = torch.empty(n)
         cuda.decode(payload_u, header, values_u, False, "t")
@@ -138,7 +139,7 @@ def test_the_group_send_is_the_c_backends(output: K.GroupOutput, thresholds: tup
         samples = [None if -(-int(n) // MENU.bucket_size) <= 2 else torch.tensor([0, 2]) for n in GROUP_SIZES]
         sents = [torch.full_like(g, 5.0) for g in gradients]
         result = _send(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
-                                   True, True, True, max_distortion, min_cosine, output), tables, emulated)
+                                   True, True, True, ScreenRule(max_distortion, min_cosine), output), tables, emulated)
         results.append((result, residuals, sents))
     (want, want_e, want_q), (got, got_e, got_q) = results
     assert np.array_equal(got.finite, want.finite) and np.array_equal(got.chosen, want.chosen)
@@ -159,7 +160,7 @@ def test_a_group_of_empty_members_sends_the_allocated_actions() -> None:
     for emulated in (False, True):
         empty = [torch.empty(0) for _ in sizes]
         request = K.GroupSend(np.arange(3), empty, [torch.empty(0) for _ in sizes], [None] * 3, [None] * 3,
-                              np.arange(3, dtype=np.uint32), allocated, True, True, True, 0.5, 0.7)
+                              np.arange(3, dtype=np.uint32), allocated, True, True, True, ScreenRule(0.5, 0.7))
         results.append(_send(request, tables, emulated))
     assert np.array_equal(results[1].chosen, results[0].chosen) and np.array_equal(results[0].chosen, allocated)
     assert np.array_equal(results[1].offsets, results[0].offsets) and torch.equal(results[1].buffer,

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import actions as A
-from safebits_hvd import collectives, host, rng
-from safebits_hvd import kernels as K
-from safebits_hvd.kernels import cuda
-from safebits_hvd.policy import BudgetPolicy
-from safebits_hvd.wire import WireFormatError
+from safebits_hvd.codec import actions as A
+from safebits_hvd.codec import host, rng
+from safebits_hvd.codec import kernels as K
+from safebits_hvd.codec.kernels import cuda
+from safebits_hvd.codec.wire import WireFormatError
+from safebits_hvd.comm import collectives
+from safebits_hvd.policy.budget import BudgetPolicy
+from safebits_hvd.policy.screen import ScreenRule
 
 from .helpers import need_nvrtc, random_grads
 from .kernel_cases import bits, make
@@ -190,11 +192,11 @@ def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocatio
         expected_residuals = [e.clone() for e in residuals]
         sents = [torch.empty_like(g) for g in gradients]
         result = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys,
-                                          allocated, True, True, True, max_distortion, min_cosine), tables)
+                                          allocated, True, True, True, ScreenRule(max_distortion, min_cosine)), tables)
         assert result.buffer.is_cuda and result.buffer.numel() == result.offsets[-1]
         # the device's choice is exactly first_candidates on the statistics it returned
-        want_chosen = K.first_candidates(result.screen_stats, allocated, tables.cost_order, tables.lossless,
-                                         max_distortion, min_cosine)
+        rule = ScreenRule(max_distortion, min_cosine)
+        want_chosen = rule.first_candidates(result.screen_stats, allocated, tables.cost_order, tables.lossless)
         for k, (g, e) in enumerate(zip(gradients, expected_residuals, strict=True)):
             if g.numel() and not bool(torch.isfinite(g).all()):
                 assert not result.finite[k] and result.chosen[k] == -1
@@ -203,9 +205,8 @@ def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocatio
             assert result.finite[k] and result.chosen[k] == want_chosen[k]
             screen = K.screen(g, e, MENU, int(keys[k]), samples[k]).cpu().numpy()
             assert _close(result.screen_stats[k], screen), k
-            assert result.chosen[k] == K.first_candidates(screen[None], allocated[k:k + 1],
-                                                          tables.cost_order[k:k + 1], tables.lossless,
-                                                          max_distortion, min_cosine)[0]
+            assert result.chosen[k] == rule.first_candidates(screen[None], allocated[k:k + 1],
+                                                             tables.cost_order[k:k + 1], tables.lossless)[0]
             sent = torch.empty_like(g)
             payload, stats = K.quantize_pack_ef(g, e, MENU[int(result.chosen[k])], int(keys[k]), sent=sent)
             assert torch.equal(result.buffer[result.offsets[k]:result.offsets[k + 1]], payload), k
@@ -228,13 +229,13 @@ def test_cuda_send_group_without_packing_screens_and_chooses_alike_and_writes_no
     sents = [torch.full_like(g, 5.0) for g in gradients]
     reads = host.reads()
     screened = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
-                                        True, True, True, 0.02, 0.97, K.GroupOutput.SCREEN), tables)
+                                        True, True, True, ScreenRule(0.02, 0.97), K.GroupOutput.SCREEN), tables)
     assert host.reads() - reads == 1
     assert screened.buffer.numel() == 0 and not screened.offsets.any() and not screened.stats.any()
     for got, want, sent in zip(residuals, before, sents, strict=True):
         assert torch.equal(bits(got), bits(want)) and bool((sent == 5.0).all())
     packed = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
-                                      True, True, True, 0.02, 0.97), tables)
+                                      True, True, True, ScreenRule(0.02, 0.97)), tables)
     assert np.array_equal(screened.finite, packed.finite)
     assert np.array_equal(screened.chosen, packed.chosen)
     assert _close(screened.screen_stats, packed.screen_stats)
@@ -254,10 +255,11 @@ def test_cuda_send_group_of_values_writes_q_and_residuals_as_the_packing_pass_an
     packed_sents = [torch.full_like(g, 5.0) for g in gradients]
     reads = host.reads()
     values = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, value_sents, samples, keys,
-                                      allocated, True, True, True, 0.02, 0.97, K.GroupOutput.VALUES), tables)
+                                      allocated, True, True, True, ScreenRule(0.02, 0.97), K.GroupOutput.VALUES),
+                          tables)
     assert host.reads() - reads == 1
     packed = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, packed_residuals, packed_sents, samples, keys,
-                                      allocated, True, True, True, 0.02, 0.97), tables)
+                                      allocated, True, True, True, ScreenRule(0.02, 0.97)), tables)
     assert values.buffer.numel() == 0 and not values.offsets.any()
     assert np.array_equal(values.chosen, packed.chosen) and np.array_equal(values.stats, packed.stats)
     for k in range(GROUP_M):
@@ -272,7 +274,7 @@ def test_cuda_send_group_without_screen_sends_the_allocated_actions():
     gradients, residuals, samples, keys, allocated = _cuda_group(np.full(GROUP_M, 4), 0, None)
     expected = [e.clone() for e in residuals]
     result = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, [None] * GROUP_M, samples, keys,
-                                      allocated, False, False, False, 0.01, 0.99), tables)
+                                      allocated, False, False, False, ScreenRule(0.01, 0.99)), tables)
     assert (result.chosen == 4).all() and not result.screen_stats.any() and result.finite.all()
     for k, (g, e) in enumerate(zip(gradients, expected, strict=True)):
         payload, _ = K.quantize_pack_ef(g, e, MENU[4], int(keys[k]))
@@ -286,7 +288,7 @@ def test_cuda_send_group_reads_back_once():
     tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.5, 0.7).cost_order)
     gradients, residuals, samples, keys, allocated = _cuda_group(np.full(GROUP_M, 2), 0, 5)
     request = K.GroupSend(np.arange(GROUP_M), gradients, residuals, [None] * GROUP_M, samples, keys, allocated,
-                          True, True, True, 0.5, 0.7)
+                          True, True, True, ScreenRule(0.5, 0.7))
     K.send_group(request, tables)                         # warm: compile, device tables cached
     before = host.reads()
     K.send_group(request, tables)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd.elastic import SafeBitsStateHandler
+from safebits_hvd.frontends.elastic import SafeBitsStateHandler
 
 from .helpers import many_tensor_params, random_grads, run_steps
 from .test_collectives import run_ranks

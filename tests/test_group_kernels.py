@@ -1,5 +1,5 @@
 """The multi-tensor kernels (kernels.send_group, kernels.decode_group) against the per-tensor kernels, bit for bit,
-and the batched step's count of reads back to the host (safebits_hvd.host)."""
+and the batched step's count of reads back to the host (safebits_hvd.codec.host)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import collectives, host, kernels
-from safebits_hvd.actions import DEFAULT_MENU, make_menu
-from safebits_hvd.policy import BudgetPolicy
-from safebits_hvd.rng import stream_key
-from safebits_hvd.wire import WireFormatError
+from safebits_hvd.codec import host, kernels
+from safebits_hvd.codec.actions import DEFAULT_MENU, make_menu
+from safebits_hvd.codec.rng import stream_key
+from safebits_hvd.codec.wire import WireFormatError
+from safebits_hvd.comm import collectives
+from safebits_hvd.policy.budget import BudgetPolicy
+from safebits_hvd.policy.screen import ScreenRule
 
 from .helpers import random_grads
 from .kernel_cases import bits, make
@@ -39,8 +41,8 @@ def per_tensor(gradients, residuals, samples, keys, allocated, tables, max_disto
             out.append(None)
             continue
         screen_stats = kernels.screen(g, e, MENU, int(keys[k]), samples[k]).numpy()
-        chosen = int(kernels.first_candidates(screen_stats[None], allocated[k:k + 1], tables.cost_order[k:k + 1],
-                                              tables.lossless, max_distortion, min_cosine)[0])
+        chosen = int(ScreenRule(max_distortion, min_cosine).first_candidates(
+            screen_stats[None], allocated[k:k + 1], tables.cost_order[k:k + 1], tables.lossless)[0])
         sent = torch.empty_like(g)
         payload, stats = kernels.quantize_pack_ef(g, e, MENU[chosen], int(keys[k]), sent=sent)
         out.append((screen_stats, chosen, payload, stats.numpy(), sent))
@@ -63,8 +65,8 @@ def test_send_group_is_bitwise_the_per_tensor_kernels(thresholds: tuple[float, f
                               min_cosine)
         sents = [torch.empty_like(g) for g in gradients]
         result = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples,
-                                                      keys, allocated, True, True, True, max_distortion,
-                                                      min_cosine), tables)
+                                                      keys, allocated, True, True, True,
+                                                      ScreenRule(max_distortion, min_cosine)), tables)
         for k, want in enumerate(expected):
             if want is None:
                 assert not result.finite[k] and result.chosen[k] == -1
@@ -87,7 +89,7 @@ def test_send_group_without_screen_sends_the_allocated_actions() -> None:
     gradients, residuals, samples, keys, allocated = group_case(np.full(len(SIZES), 4), 0)
     result = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals,
                                                   [None] * len(SIZES), samples, keys, allocated, False, False, False,
-                                                  0.01, 0.99), tables)
+                                                  ScreenRule(0.01, 0.99)), tables)
     assert (result.chosen == 4).all() and not result.screen_stats.any()
 
 
@@ -121,7 +123,7 @@ def test_decode_group_is_bitwise_decode_then_decode_add_in_rank_order(divisor: f
 
 
 def test_decode_group_names_the_tensor_of_an_invalid_topk_payload() -> None:
-    topk = next(a for a, action in enumerate(MENU) if action.kind == sb.actions.ActionKind.TOPK)
+    topk = next(a for a, action in enumerate(MENU) if action.kind == sb.codec.actions.ActionKind.TOPK)
     sizes = np.array([1000], dtype=np.int64)
     tables = kernels.GroupTables(MENU, sizes, BudgetPolicy(MENU, sizes, 0.5, 0.7).cost_order)
     g, e = make(1000)
@@ -150,8 +152,8 @@ class TightGroup:
     def send(self, residuals: list[torch.Tensor], sents: list[torch.Tensor | None],
              output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.GroupSent:
         return kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), self.gradients, residuals, sents,
-                                                    self.samples, self.keys, self.allocated, True, True, True, 0.02,
-                                                    0.97, output), self.tables)
+                                                    self.samples, self.keys, self.allocated, True, True, True,
+                                                    ScreenRule(0.02, 0.97), output), self.tables)
 
 
 @pytest.mark.parametrize("nan_member", [None, 5])
@@ -287,7 +289,7 @@ def test_members_that_escalate_together_cost_one_read_back_per_round_not_per_mem
 
 def test_stream_keys_are_stream_key_of_each_tensor() -> None:
     """The batched step's keys (one NumPy pass per group) are the per-tensor path's keys, wrap-around included."""
-    from safebits_hvd import rng
+    from safebits_hvd.codec import rng
 
     indices = np.arange(3000, dtype=np.int64)
     for seed, step in ((0, 0), (7, 123), (2**33 + 5, 2**40 + 3)):

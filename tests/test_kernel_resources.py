@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from safebits_hvd.kernels import cuda_emulator, resources
-from safebits_hvd.kernels.resources import KernelResources
+from safebits_hvd.codec.kernels import cuda_emulator, resources
+from safebits_hvd.codec.kernels.resources import KernelResources
 
 from .helpers import need_nvrtc
 

@@ -14,10 +14,10 @@ import functools
 import pytest
 import torch
 
-from safebits_hvd import actions as A
-from safebits_hvd import kernels as K
-from safebits_hvd import rng, wire
-from safebits_hvd.kernels import cpu
+from safebits_hvd.codec import actions as A
+from safebits_hvd.codec import kernels as K
+from safebits_hvd.codec import rng, wire
+from safebits_hvd.codec.kernels import cpu
 
 from .kernel_cases import bits, make
 

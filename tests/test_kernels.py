@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from safebits_hvd import actions as A
-from safebits_hvd import kernels as K
-from safebits_hvd import rng
-from safebits_hvd.kernels import cpu
-from safebits_hvd.kernels import reference as R
+from safebits_hvd.codec import actions as A
+from safebits_hvd.codec import kernels as K
+from safebits_hvd.codec import rng
+from safebits_hvd.codec.kernels import cpu
+from safebits_hvd.codec.kernels import reference as R
 
 from .kernel_cases import bits, make
 

@@ -3,7 +3,7 @@
 Setup installs mpi4py's binary wheel instead of compiling it against the system MPI (scripts/setup.sh). That is only
 safe if the extension the wheel picks at run time loads the very ``libmpi`` Horovod's MPI backend was linked
 against: two MPI libraries in one process would each initialize their own runtime, and the statistics exchange on
-mpi4py (``safebits_hvd.exchange.MPIExchange``) would not see Horovod's communicator.
+mpi4py (``safebits_hvd.comm.exchange.MPIExchange``) would not see Horovod's communicator.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``auto``'s quality rule (issue 56): the gradient's sampling noise measured across ranks, the compression error of
-each budget, and the budgets :class:`~safebits_hvd.quality.QualityGate` lets ``auto`` choose."""
+each budget, and the budgets :class:`~safebits_hvd.policy.quality.QualityGate` lets ``auto`` choose."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import host
-from safebits_hvd.auto import AUTO_COLD, AUTO_FIRST_PROBE_BITS, PASS_THROUGH_BITS, Auto
-from safebits_hvd.quality import (
+from safebits_hvd.codec import host
+from safebits_hvd.policy.auto import AUTO_COLD, AUTO_FIRST_PROBE_BITS, PASS_THROUGH_BITS, Auto
+from safebits_hvd.policy.quality import (
     ERROR_TO_NOISE,
     Noise,
     NoiseMeter,
@@ -217,7 +217,7 @@ def test_the_gate_takes_medians_and_is_checkpointed() -> None:
 
 def test_measuring_the_noise_reads_nothing_back() -> None:
     """``auto`` held at 32 bits passes through, as 32 bits do: measuring the noise adds no read to those steps (it
-    is copied to the host at a step's end and read at the next one's, :func:`safebits_hvd.host.copy_to_host`)."""
+    is copied to the host at a step's end and read at the next one's, :func:`safebits_hvd.codec.host.copy_to_host`)."""
     with host.counting() as fixed:
         _two_ranks(3, budget_bits=32.0)
     with host.counting() as auto:

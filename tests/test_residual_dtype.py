@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd.memory import ErrorFeedback
+from safebits_hvd.step.memory import ErrorFeedback
 
 from .helpers import many_tensor_params, random_grads, run_steps
 from .test_collectives import train

@@ -255,7 +255,7 @@ def test_properties(sizes, dtype, log_magnitude, budget, menu, max_distortion, m
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 6), st.integers(2, 6))
 def test_allocator_property_vs_oracle(seed: int, tensors: int, actions: int) -> None:
-    from safebits_hvd.allocator import allocate, allocate_exact, greedy_error_bound
+    from safebits_hvd.policy.allocator import allocate, allocate_exact, greedy_error_bound
 
     rng = np.random.default_rng(seed)
     costs = rng.integers(1, 100, size=(tensors, actions))
@@ -280,7 +280,7 @@ _EDGES = st.sampled_from([0.0, 1.0, 2.5, 1e-300, 1e300, 1e308, 5e-324, math.inf,
 def test_scalar_screen_statistics_equal_the_vector_ones(stats: list[float]) -> None:
     """The send path's one-action ``distortion_cosine_of`` gives bitwise the vectorised figures (zero, overflow,
     NaN and infinite sums included), so the screen's verdict does not depend on which one ran."""
-    from safebits_hvd.screen import distortion_cosine, distortion_cosine_of
+    from safebits_hvd.policy.screen import distortion_cosine, distortion_cosine_of
 
     with np.errstate(all="ignore"):
         vector = distortion_cosine(np.array(stats))

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from workload import BUDGET_BITS, STEPS, digits, full_loss, mlp, params_digest
 
 from safebits_hvd import ddp as sbddp
-from safebits_hvd.launch import exit_without_finalization
+from safebits_hvd.frontends.launch import exit_without_finalization
 
 
 def second_model_error(accelerator: Accelerator, state: sbddp.SafeBitsState, data: TensorDataset) -> str | None:

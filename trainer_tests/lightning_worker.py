@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from workload import BUDGET_BITS, STEPS, digits, full_loss, mlp, params_digest
 
 from safebits_hvd import ddp as sbddp
-from safebits_hvd.launch import exit_without_finalization
+from safebits_hvd.frontends.launch import exit_without_finalization
 
 
 class DigitsModule(L.LightningModule):

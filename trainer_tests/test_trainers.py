@@ -20,7 +20,7 @@ import torch
 from workload import STEPS  # the workers' steps (trainer_tests/ is on sys.path: no __init__.py)
 
 from safebits_hvd import ddp as sbddp
-from safebits_hvd import launch
+from safebits_hvd.frontends import launch
 
 HERE = Path(__file__).resolve().parent
 LIGHTNING_WORKER = HERE / "lightning_worker.py"

@@ -30,7 +30,7 @@ entropy coding saves at equal distortion.
 Usage: ``.venv/bin/python -m bench.experiments.action_frontier [--steps 100]
 [--out results/action_frontier.json]``; prints the
 markdown tables of docs/RESULTS.md. ``--lloyd-max M [M ...]`` prints the ``M``-level Lloyd-Max codebooks of a unit
-Gaussian instead (Lloyd's iteration on the density: :data:`safebits_hvd.actions.LLOYD_MAX_LEVELS` came from it).
+Gaussian instead (Lloyd's iteration on the density: :data:`safebits_hvd.codec.actions.LLOYD_MAX_LEVELS` came from it).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from typing import Any
 import torch
 
 from bench.output import write_json
-from safebits_hvd import actions as A
-from safebits_hvd import kernels as K
-from safebits_hvd import rng
-from safebits_hvd.kernels import reference as R
+from safebits_hvd.codec import actions as A
+from safebits_hvd.codec import kernels as K
+from safebits_hvd.codec import rng
+from safebits_hvd.codec.kernels import reference as R
 
 MAX_DISTORTION = 0.5
 MIN_COSINE = 0.8

@@ -1,5 +1,5 @@
 """``budget_bits="auto"`` on a link that changes, simulated (docs/RESULTS.md 4.1): the decision rule of
-:class:`safebits_hvd.auto.Auto` driven by the modeled telemetry of ``tests/test_auto.py`` (``drive``, which
+:class:`safebits_hvd.policy.auto.Auto` driven by the modeled telemetry of ``tests/test_auto.py`` (``drive``, which
 hands the schedule each step's telemetry before the next step's budget is chosen, as SafeBits does) in two scenarios:
 
 - ``modeled``: ``simulated_timing`` (10M parameters, backward 100 ms) through unlimited (10 GB/s, 100 steps),
@@ -29,7 +29,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from safebits_hvd.auto import AUTO_CANDIDATES, Auto
+from safebits_hvd.policy.auto import AUTO_CANDIDATES, Auto
 from tests.test_auto import (
     LM_WARMUP,
     RESNET18_RATES,

@@ -3,7 +3,7 @@ check, not a figure: no section of docs/RESULTS.md).
 
 It drives only public API (``SafeBits(...)``, ``compress``, ``decompress``, ``last_step``, ``history``,
 ``step``, ``state_dict``, ``load_state_dict``, ``baselines.REGISTRY`` / ``make_compressor``,
-``safebits_hvd.launch.horovodrun``), so the same file runs unchanged on the code before and after a refactor,
+``safebits_hvd.frontends.launch.horovodrun``), so the same file runs unchanged on the code before and after a refactor,
 and writes a JSON file of hashes and values; ``--compare`` diffs two such files.
 
 What it checks (in one process, no Horovod init, one thread, everything seeded):
@@ -26,7 +26,7 @@ What it checks (in one process, no Horovod init, one thread, everything seeded):
   ``compress``/``decompress`` by hand: per-step loss and record, the final parameters' hashes.
 
 With ``--horovod`` it launches itself on ``--np`` ranks (default 2: the allgather path; 4: two-phase; ``horovodrun``,
-Gloo) through :mod:`safebits_hvd.launch`; each rank trains a small MLP with ``hvd.DistributedOptimizer(...,
+Gloo) through :mod:`safebits_hvd.frontends.launch`; each rank trains a small MLP with ``hvd.DistributedOptimizer(...,
 compression=...)`` for 10 steps with SafeBits at 2 and 4.4 bits, the ``qsgd4`` baseline, and SafeBits with
 ``backward_passes_per_step=2``; rank 0 writes per step the SHA-256 of every parameter and reduced gradient, the
 record fields, and every rank's parameter hash (which must agree). About 15-40 s.
@@ -68,7 +68,7 @@ from torch import nn
 
 # The package comes from PYTHONPATH (another checkout: PYTHONPATH=/path/to/it) or the installed one.
 import safebits_hvd as sb
-from safebits_hvd import baselines
+from safebits_hvd.frontends import baselines
 
 Params = list[tuple[str, nn.Parameter]]
 Factory = Callable[[Params], Any]
@@ -409,7 +409,7 @@ def hvd_worker(out_path: str) -> int:
 
 
 def run_horovod(out: Path, ranks: int) -> dict[str, Any]:
-    from safebits_hvd.launch import horovodrun
+    from safebits_hvd.frontends.launch import horovodrun
 
     with tempfile.TemporaryDirectory() as tmp:
         worker_out = Path(tmp) / "rank0.json"
@@ -458,7 +458,7 @@ def compare(a_path: str, b_path: str, show: int = 20) -> int:
 
 # ---------------------------------------------------------------------------------------------------- main
 def meta() -> dict[str, Any]:
-    from safebits_hvd import kernels
+    from safebits_hvd.codec import kernels
 
     return {"package_file": sb.__file__, "python": sys.version.split()[0], "torch": torch.__version__,
             "numpy": np.__version__, "kernel_backend": kernels.backend_name("cpu"),

@@ -10,8 +10,8 @@ per tensor: its size, the mean bits per element it sent on infeasible steps, its
 the actions it sent over the run.
 
 ``--extra NAME ...`` adds actions to the default menu, to see whether a gap in the menu is what sets the floor: any
-name of ``safebits_hvd.actions.ACTIONS`` not already in it (``int4_mse``, ``int2_nearest``, ...), or ``topkP`` for a
-top-k keeping P percent of each bucket (``topk2``). ``int2_mse`` and ``topk5`` joined the default menu after this
+name of ``safebits_hvd.codec.actions.ACTIONS`` not already in it (``int4_mse``, ``int2_nearest``, ...), or ``topkP``
+for a top-k keeping P percent of each bucket (``topk2``). ``int2_mse`` and ``topk5`` joined the default menu after this
 script found the gaps they fill (docs/RESULTS.md, sections 9.2 and 9.3).
 
 Usage::
@@ -32,7 +32,7 @@ import torch
 
 from bench.tasks import SCHEDULES, TASK_NAMES, make_task
 from safebits_hvd import DEFAULT_MENU, SafeBits, make_menu
-from safebits_hvd.actions import ACTIONS, Action, topk
+from safebits_hvd.codec.actions import ACTIONS, Action, topk
 
 
 def extra_action(name: str) -> Action:

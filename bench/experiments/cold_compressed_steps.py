@@ -1,5 +1,5 @@
-"""The compressed path starts cold (``safebits_hvd.auto.AUTO_COLD``, docs/RESULTS.md 4.3): per step, the wall time,
-the backward, and the CPU time the kernel spent for the process (page faults: first touches of memory) around a
+"""The compressed path starts cold (``safebits_hvd.policy.auto.AUTO_COLD``, docs/RESULTS.md 4.3): per step, the wall
+time, the backward, and the CPU time the kernel spent for the process (page faults: first touches of memory) around a
 short compressed probe.
 
 A run of ``bench.tasks.Workload`` (``resnet18`` or ``gpt2_small``) under Horovod on localhost passes through for

@@ -11,12 +11,12 @@ Two parts (docs/DESIGN.md, "Compressed collectives"):
     ``2 b (P - 1) / P``;
   - fp32 and fp16 ring allreduce (``dense`` is the fp32 one): ``2 * 32 (P - 1) / P`` and ``2 * 16 (P - 1) / P``;
 
-  each also as a multiple of the fp32 ring allreduce, what ``safebits_hvd.collectives.choose("auto", b, P)``
+  each also as a multiple of the fp32 ring allreduce, what ``safebits_hvd.comm.collectives.choose("auto", b, P)``
   picks (imported, not re-implemented), and what the 16-byte per-tensor payload header
-  (``safebits_hvd.wire.HEADER_BYTES``) adds for a tensor of ``--tensor-elements`` elements.
+  (``safebits_hvd.codec.wire.HEADER_BYTES``) adds for a tensor of ``--tensor-elements`` elements.
 
-* ``--measure --ranks N [N ...]``: one ``horovodrun -np N --gloo`` launch per N (``safebits_hvd.launch``) of this
-  same file with ``--worker``. Each rank trains a small MLP (279,360 parameters in 6 tensors) for a few steps with
+* ``--measure --ranks N [N ...]``: one ``horovodrun -np N --gloo`` launch per N (``safebits_hvd.frontends.launch``) of
+  this same file with ``--worker``. Each rank trains a small MLP (279,360 parameters in 6 tensors) for a few steps with
   ``hvd.DistributedOptimizer(..., compression=sb.SafeBits(model.named_parameters(), budget_bits=B))`` for each
   budget ``B`` and reads ``compression.last_step``: ``collective``, ``wire_bytes`` (this rank's bytes for the
   step) and ``modeled_bits_total``. Rank 0 writes the JSON (``--json``, default
@@ -47,8 +47,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from safebits_hvd.collectives import COLLECTIVES, choose  # noqa: E402
-from safebits_hvd.wire import HEADER_BYTES  # noqa: E402
+from safebits_hvd.codec.wire import HEADER_BYTES  # noqa: E402
+from safebits_hvd.comm.collectives import COLLECTIVES, choose  # noqa: E402
 
 TWO_PHASE_STATUS = "implemented" if "two_phase" in COLLECTIVES else "planned, not implemented"
 RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -86,7 +86,7 @@ def relative_to_fp32(bits: float, ranks: int) -> float:
 
 def auto_choice(b: float, ranks: int) -> str:
     """What ``collective="auto"`` picks for a step whose allocation models ``b`` bits per parameter (SafeBits'
-    own :func:`safebits_hvd.collectives.choose`, not a copy of it)."""
+    own :func:`safebits_hvd.comm.collectives.choose`, not a copy of it)."""
     return choose("auto", b, ranks)
 
 
@@ -160,8 +160,8 @@ def table_markdown(ranks: Sequence[int] = RANKS, payload_bits: Sequence[float] =
     lines = ["Bits per gradient element sent by each rank, and in brackets as a multiple of the fp32 ring "
              f"allreduce (`b` = modeled bits per parameter of the payload; two-phase: {TWO_PHASE_STATUS}):",
              "", *_markdown(header, bits_rows), ""]
-    lines += ["`collective=\"auto\"`: what `safebits_hvd.collectives.choose(\"auto\", b, P)` returns (dense = fp32 "
-              "ring allreduce):", ""]
+    lines += ["`collective=\"auto\"`: what `safebits_hvd.comm.collectives.choose(\"auto\", b, P)` returns "
+              "(dense = fp32 ring allreduce):", ""]
     choice_rows = [[f"b={_num(b)}", *picks] for b, picks in auto_rows(ranks, payload_bits)]
     lines += [*_markdown(["auto picks", *(f"P={p}" for p in ranks)], choice_rows), ""]
     b_min = min(payload_bits)
@@ -172,7 +172,7 @@ def table_markdown(ranks: Sequence[int] = RANKS, payload_bits: Sequence[float] =
         head_rows.append([str(p), f"{ag:.4g}", f"{100 * ag / allgather_bits(b_min, p):.3g}%",
                           f"{tp:.4g}", f"{100 * tp / two_phase_bits(b_min, p):.3g}%"])
     lines += [f"Note, payload headers: each packed payload carries a {HEADER_BYTES}-byte header "
-              f"(`safebits_hvd.wire.HEADER_BYTES`), per tensor and not counted above. For one tensor of "
+              f"(`safebits_hvd.codec.wire.HEADER_BYTES`), per tensor and not counted above. For one tensor of "
               f"{elements:,} elements, the header bits per element each rank sends (allgather: `P - 1` headers; "
               f"two-phase, assuming one header per chunk: `2 (P - 1)` headers, so `P` times the allgather "
               f"overhead relative to the body) and their share of the b={_num(b_min)} body; a tensor of `n` "
@@ -225,7 +225,7 @@ def measured_markdown(results: Sequence[dict[str, Any]]) -> str:
 
 def run_measure(ranks: int, budgets: Sequence[float], steps: int, json_path: Path, timeout: float) -> dict[str, Any]:
     """One ``horovodrun -np ranks --gloo`` launch of this file's worker; returns rank 0's JSON."""
-    from safebits_hvd.launch import horovodrun
+    from safebits_hvd.frontends.launch import horovodrun
 
     json_path.parent.mkdir(parents=True, exist_ok=True)
     if json_path.exists():

@@ -1,5 +1,5 @@
 """What one SafeBits step on a GPU costs in host-device crossings, counted on the CPU: the CUDA backend's
-orchestration under the fake CUDA backend of the tests (``tests/fake_cuda.py``), through ``safebits_hvd.host``'s
+orchestration under the fake CUDA backend of the tests (``tests/fake_cuda.py``), through ``safebits_hvd.codec.host``'s
 public seam, for a model's gradients (``bench/suites/model_shapes.py``) at the GPU's default fusion groups. Horovod's
 order: every ``compress`` (backward's order), then every ``decompress``; one process, allgather path.
 
@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import safebits_hvd as sb
-from safebits_hvd import host
+from safebits_hvd.codec import host
 from tests.fake_cuda import fake_cuda
 from tests.helpers import random_grads
 
@@ -42,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["resnet18"], choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--fusion-bytes", type=int, default=sb.collectives.DEVICE_FUSION_BYTES)
+    parser.add_argument("--fusion-bytes", type=int, default=sb.comm.collectives.DEVICE_FUSION_BYTES)
     args = parser.parse_args()
     print("| model | tensors | groups | send: reads, launches, pinned, pageable | receive: reads, launches, pinned, "
           "pageable |")
@@ -50,7 +50,7 @@ def main() -> None:
     for model in args.models:
         shapes = MODELS[model]()
         sizes = torch.tensor([numel(s) for _, s in shapes]).numpy()
-        groups = len(sb.collectives.fusion_groups(sizes, args.fusion_bytes // 4))
+        groups = len(sb.comm.collectives.fusion_groups(sizes, args.fusion_bytes // 4))
         for send, receive in traffic(model, args.steps, args.fusion_bytes):
             print(f"| {model} | {len(shapes)} | {groups} | {send.reads}, {send.launches}, {send.pinned_uploads}, "
                   f"{send.pageable_uploads} | {receive.reads}, {receive.launches}, {receive.pinned_uploads}, "

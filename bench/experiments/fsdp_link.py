@@ -254,7 +254,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def launch(link: Any, argv: list[str], args: argparse.Namespace) -> None:
     from bench.netns import torchrun_two_nodes
-    from safebits_hvd.launch import torchrun
+    from safebits_hvd.frontends.launch import torchrun
 
     if args.nodes == 2:
         out = torchrun_two_nodes(link, 2, "bench.experiments.fsdp_link", [*argv, WORKER_FLAG], args.timeout)

@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
     from bench.hvd_worker import build_compression
     from bench.protocol import SEED, pin_rank
     from bench.tasks import Workload
-    from safebits_hvd.compressor import CoreCompressor
+    from safebits_hvd.frontends.horovod import CoreCompressor
 
     torch.set_num_threads(1)
     pin_rank()
@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def launch(prefix: list[str], argv: list[str], args: argparse.Namespace) -> None:
     from bench.protocol import PIN_ENV
-    from safebits_hvd.launch import horovodrun
+    from safebits_hvd.frontends.launch import horovodrun
 
     horovodrun(2, "-m", "bench.experiments.horovod_phases", *argv, WORKER_FLAG, prefix=prefix,
                env={"OMP_NUM_THREADS": "1", PIN_ENV: "1"}, timeout=args.timeout,

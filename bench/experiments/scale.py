@@ -154,7 +154,7 @@ def step_seconds(t: Traffic, nic_gbit: float, nvlink_gbyte: float, inputs: Input
 
 def auto_path(ranks: int, inputs: Inputs) -> str:
     """The packed path ``budget_bits`` at :data:`BUDGET_BITS` takes (``collectives.choose``)."""
-    from safebits_hvd.collectives import choose
+    from safebits_hvd.comm.collectives import choose
 
     return {"allgather": "allgather", "two_phase": "two-phase"}[choose("auto", inputs.payload_bits, ranks)]
 
@@ -237,9 +237,9 @@ def measure_inputs(model: str, budget_bits: float = BUDGET_BITS, elements: int =
 
     from bench.suites import bench_step, model_shapes
     from bench.suites.timing import min_seconds
-    from safebits_hvd import actions as A
-    from safebits_hvd import kernels as K
-    from safebits_hvd import rng, wire
+    from safebits_hvd.codec import actions as A
+    from safebits_hvd.codec import kernels as K
+    from safebits_hvd.codec import rng, wire
 
     torch.set_num_threads(1)
     shapes = [shape for _, shape in model_shapes.MODELS[model]()]
@@ -339,7 +339,7 @@ def worker(args: argparse.Namespace) -> None:
 def run_measure(ranks: int, args: argparse.Namespace, json_path: Path) -> list[dict[str, Any]]:
     """One torchrun launch of :func:`worker` on ``ranks`` ranks in a namespace of its own (unlimited loopback)."""
     from bench.netns import limited_namespace
-    from safebits_hvd.launch import torchrun
+    from safebits_hvd.frontends.launch import torchrun
 
     with limited_namespace(f"sbscale{ranks}", "unlimited") as prefix:
         if prefix is None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.demo_stats import DEFAULT_THRESHOLDS, higher_is_better, mean_std
 from bench.tasks import SCHEDULES
-from safebits_hvd import launch
+from safebits_hvd.frontends import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIELDS = ["task", "compressor", "budget_bits", "seed", "final_loss", "final_metric", "metric_name",

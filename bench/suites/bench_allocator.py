@@ -1,4 +1,4 @@
-"""The global allocator (``safebits_hvd.allocator.allocate``) for 100 to 10,000 tensors and the default menu,
+"""The global allocator (``safebits_hvd.policy.allocator.allocate``) for 100 to 10,000 tensors and the default menu,
 compiled (``kernels/allocator.c``, the default) and in NumPy (the fallback).
 
 Inputs are realistic: costs from ``Action.cost`` of the default menu for log-uniform tensor sizes
@@ -15,9 +15,9 @@ import torch
 
 import safebits_hvd as sb
 from bench.suites.timing import measured_min, min_seconds
-from safebits_hvd import kernels
-from safebits_hvd.allocator import allocate, compiled_available
-from safebits_hvd.screen import admissible, distortion_cosine
+from safebits_hvd.codec import kernels
+from safebits_hvd.policy.allocator import allocate, compiled_available
+from safebits_hvd.policy.screen import admissible, distortion_cosine
 
 
 def _problem(tensors: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:

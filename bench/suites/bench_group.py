@@ -1,6 +1,6 @@
 """The batched step's group kernels on the GPU: ``kernels.send_group`` and ``kernels.decode_group`` of one fusion
 group, timed as a ratio to ``torch.clone`` of the group's float32 bytes (one flat tensor), and the reads back to
-the host (``safebits_hvd.host``) per group. Run: ``SAFEBITS_BENCH_DEVICE=cuda python -m bench.suites.bench_group``
+the host (``safebits_hvd.codec.host``) per group. Run: ``SAFEBITS_BENCH_DEVICE=cuda python -m bench.suites.bench_group``
 (bench/gpu_check.sh does). Groups: many small tensors (a transformer layer's biases and norms), and a few large."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import numpy as np
 import torch
 
 from bench.suites.bench_kernels import best_time  # the suites' timer
-from safebits_hvd import host
-from safebits_hvd import kernels as K
-from safebits_hvd.actions import DEFAULT_MENU, make_menu
-from safebits_hvd.policy import BudgetPolicy
-from safebits_hvd.rng import stream_key
+from safebits_hvd.codec import host
+from safebits_hvd.codec import kernels as K
+from safebits_hvd.codec.actions import DEFAULT_MENU, make_menu
+from safebits_hvd.codec.rng import stream_key
+from safebits_hvd.policy.budget import BudgetPolicy
+from safebits_hvd.policy.screen import ScreenRule
 
 DEVICE = os.environ.get("SAFEBITS_BENCH_DEVICE", "cpu")
 MENU = make_menu(DEFAULT_MENU)
@@ -41,7 +42,8 @@ def run(name: str, sizes: np.ndarray) -> None:
                        torch.linspace(0, nb - 1, SAMPLE_BUCKETS).long().unique().to(DEVICE))
     keys = np.array([stream_key(0, 1, k) for k in range(m)], dtype=np.uint32)
     allocated = np.random.RandomState(0).randint(0, len(MENU), m)
-    request = K.GroupSend(np.arange(m), grads, residuals, sents, samples, keys, allocated, True, True, True, 0.5, 0.7)
+    request = K.GroupSend(np.arange(m), grads, residuals, sents, samples, keys, allocated, True, True, True,
+                          ScreenRule(0.5, 0.7))
     flat = torch.randn(int(sizes.sum()), generator=gen).to(DEVICE)
     t_clone = best_time(lambda: flat.clone())
     result = K.send_group(request, tables)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from safebits_hvd import launch
+from safebits_hvd.frontends import launch
 
 WORKER = ("-m", "bench.suites.horovod_overhead")   # a module, run from the repository root
 

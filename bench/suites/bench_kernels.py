@@ -19,9 +19,9 @@ import time
 import pytest
 import torch
 
-from safebits_hvd import actions as A
-from safebits_hvd import kernels as K
-from safebits_hvd import rng
+from safebits_hvd.codec import actions as A
+from safebits_hvd.codec import kernels as K
+from safebits_hvd.codec import rng
 
 DEVICE = os.environ.get("SAFEBITS_BENCH_DEVICE", "cpu")
 SIZES = [1 << 16, 1 << 20, 1 << 24]

@@ -1,6 +1,6 @@
 """Modeled bytes per step for the parameter shapes of ResNet-18, ResNet-50 and GPT-2 small (``model_shapes``).
 
-For every compressor of :data:`safebits_hvd.baselines.REGISTRY` (SafeBits and unscreened global budgeting at
+For every compressor of :data:`safebits_hvd.frontends.baselines.REGISTRY` (SafeBits and unscreened global budgeting at
 2.0, 4.4 and 8.0 bits per parameter), one benchmark call is one real step: ``compress`` of every gradient of
 the model (synthetic Gaussian gradients scaled 1/sqrt(fan-in), a fixed seed), after one warm-up step so that
 SafeBits allocates from statistics. ``extra_info``: modeled bytes per step (one rank's upload), compression ratio
@@ -17,8 +17,8 @@ import torch
 
 from bench.suites.model_shapes import MODELS, PARAMETER_COUNTS, numel
 from bench.suites.timing import measured_min, min_seconds
-from safebits_hvd.baselines import BUDGETED, REGISTRY, make_compressor
-from safebits_hvd.baselines import label as compressor_label
+from safebits_hvd.frontends.baselines import BUDGETED, REGISTRY, make_compressor
+from safebits_hvd.frontends.baselines import label as compressor_label
 
 BUDGETS = [2.0, 4.4, 8.0]
 CASES = [(c, None) for c in REGISTRY if c not in BUDGETED] + [(c, b) for c in sorted(BUDGETED) for b in BUDGETS]

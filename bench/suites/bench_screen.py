@@ -55,6 +55,6 @@ def test_safebits_compress_vs_clone(benchmark, n: int, menu_size: int, mode: str
     benchmark.extra_info.update({
         "elements": n, "menu_size": menu_size, "screen": mode, "compress_vs_clone": compress_s / clone_s,
         "compress_ms": compress_s * 1e3, "clone_ms": clone_s * 1e3, "action": record.actions["w"],
-        "compression_ratio": record.modeled_compression_ratio, "backend": sb.kernels.backend_name("cpu"),
+        "compression_ratio": record.modeled_compression_ratio, "backend": sb.codec.kernels.backend_name("cpu"),
     })
     assert record.modeled_bits_total > 0

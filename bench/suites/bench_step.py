@@ -15,7 +15,7 @@ the dense path (each tensor a group of one, its values only), for comparison;
 timed call ends with ``torch.cuda.synchronize``).
 
 ``extra_info``: ``us_per_tensor`` (compress plus decompress, per tensor, median step), ``host_reads_per_step``
-(reads back to the host, :mod:`safebits_hvd.host`), ``step_vs_clone`` (the step over ``torch.clone`` of the same
+(reads back to the host, :mod:`safebits_hvd.codec.host`), ``step_vs_clone`` (the step over ``torch.clone`` of the same
 1,000 gradients, the machine's speed of one small tensor operation; lower is better).
 """
 
@@ -32,8 +32,9 @@ import torch
 
 import safebits_hvd as sb
 from bench.suites import model_shapes
-from safebits_hvd import host, kernels
-from safebits_hvd.transports import LocalTransport
+from safebits_hvd.codec import host, kernels
+from safebits_hvd.comm.transports import LocalTransport
+from safebits_hvd.policy.screen import ScreenRule
 
 TENSORS = 1000
 DEVICE = os.environ.get("SAFEBITS_BENCH_DEVICE", "cpu")
@@ -98,7 +99,7 @@ def median_seconds(fn: Any, repeats: int) -> float:
 @pytest.mark.parametrize("numel", [16, 272])
 def test_thousand_tensor_step(benchmark: Any, numel: int) -> None:
     compressor, reads = measure_step(benchmark, numel, "allgather")
-    groups = len(sb.collectives.fusion_groups(compressor.numels))
+    groups = len(sb.comm.collectives.fusion_groups(compressor.numels))
     assert reads <= 2 * groups + 1, (reads, groups)
 
 
@@ -123,7 +124,7 @@ def test_model_step(benchmark: Any, model: str) -> None:
     fp16 = median_seconds(synchronized(lambda: [g.half().float() for g in grads]), 5)
     clone = median_seconds(synchronized(lambda: [g.clone() for g in grads]), 5)
     benchmark.extra_info.update({"model": model, "fp16_vs_clone": round(fp16 / clone, 3)})
-    assert reads <= 2 * len(sb.collectives.fusion_groups(compressor.numels)) + 1, reads
+    assert reads <= 2 * len(sb.comm.collectives.fusion_groups(compressor.numels)) + 1, reads
 
 
 def test_thousand_tensor_pass_through_step(benchmark: Any) -> None:
@@ -141,7 +142,7 @@ def test_locating_a_gathered_group(benchmark: Any, escalated: int) -> None:
     menu = sb.DEFAULT_MENU
     rng = np.random.default_rng(0)
     sizes = np.full(TENSORS, 272)
-    tables = kernels.GroupTables(menu, sizes, sb.policy.BudgetPolicy(menu, sizes, 0.5, 0.7).cost_order)
+    tables = kernels.GroupTables(menu, sizes, sb.policy.budget.BudgetPolicy(menu, sizes, 0.5, 0.7).cost_order)
     expected = rng.integers(0, len(menu), TENSORS)
     sent = np.repeat(expected[:, None], 2, axis=1)
     slots = rng.choice(sent.size, escalated, replace=False)
@@ -166,13 +167,13 @@ def test_sending_a_group_of_thousand_tensors(benchmark: Any, numel: int) -> None
     torch.set_num_threads(1)
     menu = sb.DEFAULT_MENU
     sizes = np.full(TENSORS, numel)
-    tables = kernels.GroupTables(menu, sizes, sb.policy.BudgetPolicy(menu, sizes, 0.5, 0.7).cost_order)
+    tables = kernels.GroupTables(menu, sizes, sb.policy.budget.BudgetPolicy(menu, sizes, 0.5, 0.7).cost_order)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(numel, generator=gen) for _ in range(TENSORS)]
     request = kernels.GroupSend(np.arange(TENSORS), grads, [torch.zeros(numel) for _ in grads],
                                 [torch.empty(numel) for _ in grads], [None] * TENSORS,
                                 np.arange(TENSORS, dtype=np.uint32), np.full(TENSORS, menu.names.index("int4_nearest")),
-                                True, True, True, 0.5, 0.7)
+                                True, True, True, ScreenRule(0.5, 0.7))
     sent = benchmark.pedantic(kernels.send_group, args=(request, tables), rounds=20, iterations=1, warmup_rounds=2)
     assert sent.finite.all() and len(sent.offsets) == TENSORS + 1
     benchmark.extra_info.update({"members": TENSORS, "numel": numel,

@@ -36,7 +36,7 @@ from torch import nn
 import safebits_hvd as sb
 from bench.suites.step_timing import Loss, interleaved_times, make_model, mse_loss
 from bench.tasks import Workload
-from safebits_hvd.exchange import TimedExchange, make_exchange
+from safebits_hvd.comm.exchange import TimedExchange, make_exchange
 
 
 def same_batch_loss(workload: Workload, seed: int) -> Loss:
@@ -98,7 +98,7 @@ def bench_step(width: int, layers: int, batch: int, steps: int, warmup: int, bud
 
 def bench_exchange(tensors: int, numel: int, steps: int, warmup: int) -> dict[str, Any]:
     """Per-step exchange plus allocation time of SafeBits over ``tensors`` tensors, timed through the public seams:
-    the exchange wrapped in :class:`~safebits_hvd.exchange.TimedExchange` (its start), ``flush()`` (the wait and
+    the exchange wrapped in :class:`~safebits_hvd.comm.exchange.TimedExchange` (its start), ``flush()`` (the wait and
     the step's record) and ``core.allocation_seconds`` (the next allocation)."""
     torch.manual_seed(0)
     params = [nn.Parameter(torch.zeros(numel)) for _ in range(tensors)]

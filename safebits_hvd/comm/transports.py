@@ -1,0 +1,268 @@
+"""Payload transports: how uint8 buffers move between ranks (GRACE's "communicator"), for the collective paths of
+:mod:`.collectives`. ``start_*`` never blocks; ``wait`` returns the result, bounded by a timeout
+(:func:`~.exchange.wait_bounded`). Horovod's front end uses :class:`HorovodTransport`, the DDP hook
+:class:`TorchDistributedTransport`, one process :class:`LocalTransport`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from ..codec import host
+from .exchange import DEFAULT_TIMEOUT, check_member, horovod_if_initialized, torch_distributed_group, wait_bounded
+
+
+@runtime_checkable
+class PayloadTransport(Protocol):
+    """Moves uint8 buffers between ranks; ``start_*`` must not block, ``wait`` returns the result:
+    ``start_allgather``: every rank's buffer, concatenated in rank order; ``start_alltoall``: ``(received,
+    received_splits)``, the pieces every rank sent this one, in rank order."""
+
+    rank: int
+    size: int
+
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
+        ...
+
+    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+        ...
+
+    def wait(self, handle: Any) -> Any:
+        ...
+
+
+class LocalTransport:
+    """One process: every collective returns this rank's own buffer."""
+
+    rank = 0
+    size = 1
+
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
+        return payload
+
+    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+        return buffer, torch.tensor(splits, dtype=torch.int32)
+
+    def wait(self, handle: Any) -> Any:
+        return handle
+
+
+class HorovodTransport:
+    """Horovod's ``allgather_async`` and ``alltoall_async`` of uint8 buffers under fixed names, on a process set
+    (default: every rank); waits are bounded by ``timeout`` seconds (:func:`~.exchange.wait_bounded`)."""
+
+    def __init__(self, process_set: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        import horovod.torch as hvd
+
+        self._hvd = hvd
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+        self.timeout = timeout
+
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
+        return self._hvd.allgather_async(payload, name=name, process_set=self.process_set), name
+
+    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+        return self._hvd.alltoall_async(buffer, splits=torch.tensor(splits, dtype=torch.int32), name=name,
+                                        process_set=self.process_set), name
+
+    def wait(self, handle: Any) -> Any:
+        horovod_handle, name = handle
+        wait_bounded(lambda: self._hvd.poll(horovod_handle), self.timeout, f"SafeBits' payload collective {name!r}")
+        return self._hvd.synchronize(horovod_handle)
+
+
+class _QueuedAllgather:
+    """Allgathers queued by :class:`TorchDistributedTransport` until its next flush: launched as ONE collective.
+
+    torch's all_gather moves equal sizes. With ``expected`` (bytes every rank expects the batch to total,
+    identical on every rank) nothing waits at launch: each rank sends its payloads' lengths and the first
+    ``expected`` bytes of its payloads; a rank whose payloads are longer (it escalated) sends the rest in a second
+    all_gather that every rank starts at :meth:`complete`, having read from the lengths who has a rest. Without
+    it, every rank's lengths are exchanged first (blocking), then the payloads, padded to the longest rank's.
+    """
+
+    def __init__(self) -> None:
+        self.payloads: list[torch.Tensor] = []
+        self.names: list[str] = []
+        self.launched = False
+        self.work: Any = None
+        self.expected: int | None = None
+        self.received: list[torch.Tensor] = []          # per rank: every byte of its payloads, once complete
+        self.lengths = np.zeros((0, 0), dtype=np.int64)  # [rank, payload] bytes
+        self.offsets = np.zeros((0, 0), dtype=np.int64)
+        self._rest = torch.empty(0, dtype=torch.uint8)
+
+    def launch(self, transport: TorchDistributedTransport, expected: int | None) -> None:
+        self.launched = True
+        device = transport.device
+        count = len(self.payloads)
+        lengths = np.array([p.numel() for p in self.payloads], dtype=np.int64)
+        body = torch.cat([p.to(device) for p in self.payloads])     # a no-op where payloads are on the group's device
+        self.payloads = []
+        if expected is None:
+            self.lengths = transport.gather_now(host.upload(device, {"lengths": lengths})["lengths"],
+                                                f"the sizes of {self.names[0]!r}...")
+            longest = int(self.lengths.sum(axis=1).max())
+            mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+            mine[:body.numel()] = body
+        else:
+            self.expected = expected
+            head = min(body.numel(), expected)
+            mine = torch.zeros(8 * count + expected, dtype=torch.uint8, device=device)
+            mine[:8 * count] = host.upload(device, {"lengths": lengths})["lengths"].view(torch.uint8)
+            mine[8 * count:8 * count + head] = body[:head]
+            self._rest = body[head:]
+        self.received = [torch.empty_like(mine) for _ in range(transport.size)]
+        self.work = transport.dist.all_gather(self.received, mine, group=transport.process_group, async_op=True)
+
+    def complete(self, transport: TorchDistributedTransport, what: str) -> None:
+        """Wait for the batch (and move the rests, if any rank has one); afterwards :meth:`result` works."""
+        if self.work is None:
+            return
+        wait_bounded(self.work.is_completed, transport.timeout, what)
+        self.work.wait()                            # raises the collective's own error, if any
+        self.work = None
+        if self.expected is not None:
+            count, expected = len(self.names), self.expected
+            self.lengths = host.to_host(torch.stack([r[:8 * count] for r in self.received])).view(np.int64)
+            totals = self.lengths.sum(axis=1)
+            rests = np.maximum(totals - expected, 0)
+            heads = [r[8 * count:8 * count + int(t) - int(rest)] for r, t, rest in zip(self.received, totals, rests,
+                                                                                       strict=True)]
+            if rests.any():      # every rank read the same lengths: every rank starts this second collective
+                longest = int(rests.max())
+                mine = torch.zeros(longest, dtype=torch.uint8, device=transport.device)
+                mine[:self._rest.numel()] = self._rest
+                pieces = [torch.empty_like(mine) for _ in range(transport.size)]
+                work = transport.dist.all_gather(pieces, mine, group=transport.process_group, async_op=True)
+                wait_bounded(work.is_completed, transport.timeout, what)
+                work.wait()
+                heads = [torch.cat([h, p[:int(rest)]]) for h, p, rest in zip(heads, pieces, rests, strict=True)]
+            self.received = heads
+            self._rest = torch.empty(0, dtype=torch.uint8)
+        self.offsets = np.cumsum(self.lengths, axis=1) - self.lengths
+
+    def result(self, position: int) -> torch.Tensor:
+        """Every rank's payload ``position`` of the batch, concatenated in rank order."""
+        return torch.cat([self.received[r][int(self.offsets[r, position]):
+                                           int(self.offsets[r, position] + self.lengths[r, position])]
+                          for r in range(len(self.received))])
+
+
+class _QueuedAlltoall:
+    """One alltoall queued by :class:`TorchDistributedTransport` until its next flush."""
+
+    def __init__(self, name: str, buffer: torch.Tensor, splits: list[int]) -> None:
+        self.names = [name]
+        self.buffer = buffer
+        self.splits = splits
+        self.launched = False
+        self.work: Any = None
+        self.received = torch.empty(0, dtype=torch.uint8)
+        self.received_splits: list[int] = []
+
+    def launch(self, transport: TorchDistributedTransport, expected: int | None) -> None:
+        # all_to_all_single needs the sizes this rank receives: every rank's splits first (small).
+        self.launched = True
+        device = transport.device
+        splits = host.upload(device, {"splits": np.array(self.splits, dtype=np.int64)})["splits"]
+        matrix = transport.gather_now(splits, f"the splits of {self.names[0]!r}")
+        self.received_splits = [int(v) for v in matrix[:, transport.rank]]
+        self.received = torch.empty(sum(self.received_splits), dtype=torch.uint8, device=device)
+        self.work = transport.dist.all_to_all_single(self.received, self.buffer.to(device), self.received_splits,
+                                                     self.splits, group=transport.process_group, async_op=True)
+
+    def complete(self, transport: TorchDistributedTransport, what: str) -> None:
+        if self.work is not None:
+            wait_bounded(self.work.is_completed, transport.timeout, what)
+            self.work.wait()                        # raises the collective's own error, if any
+            self.work = None
+
+    def result(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.received, torch.tensor(self.received_splits, dtype=torch.int32)
+
+
+class TorchDistributedTransport:
+    """``torch.distributed`` collectives of uint8 buffers on a process group (None: the default group), for the DDP
+    front end (:mod:`.ddp`); Gloo on CPU, NCCL on GPU.
+
+    ``start_allgather`` and ``start_alltoall`` only queue (they never block); :meth:`flush` launches everything
+    queued, in order, and consecutive allgathers as ONE collective: the DDP hook flushes after every
+    ``chunk_bytes`` of a bucket's payloads and at the bucket's end, so they travel in a few collectives. torch's
+    collectives need every rank's sizes up front: the DDP hook passes the bytes the queued payloads' allocated
+    actions take (identical on every rank), so nothing waits at launch and only
+    an escalated rest moves in a second collective when the step closes (:class:`_QueuedAllgather`); otherwise
+    each launch is preceded by one small blocking all_gather of the sizes. Every rank flushes and waits at the
+    same points (the same bucket sequence), so none can deadlock. ``wait`` flushes first if its collective is
+    still queued; every wait is bounded by ``timeout`` seconds (:func:`~.exchange.wait_bounded`).
+    """
+
+    def __init__(self, process_group: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self.dist, self.rank, self.size, self.device = torch_distributed_group(process_group)
+        self.process_group = process_group
+        self.timeout = timeout
+        self._queue: list[_QueuedAllgather | _QueuedAlltoall] = []
+
+    def start_allgather(self, name: str, payload: torch.Tensor) -> Any:
+        if not self._queue or not isinstance(self._queue[-1], _QueuedAllgather):
+            self._queue.append(_QueuedAllgather())
+        batch = self._queue[-1]
+        assert isinstance(batch, _QueuedAllgather)
+        batch.payloads.append(payload)
+        batch.names.append(name)
+        return batch, len(batch.payloads) - 1
+
+    def start_alltoall(self, name: str, buffer: torch.Tensor, splits: list[int]) -> Any:
+        operation = _QueuedAlltoall(name, buffer, splits)
+        self._queue.append(operation)
+        return operation, 0
+
+    def flush(self, expected_bytes: int | None = None) -> None:
+        """Launch every queued collective, in the order queued. ``expected_bytes``: what the queued allgathers'
+        payloads should total on every rank (the same number on every rank), when exactly one batch is queued."""
+        queue, self._queue = self._queue, []
+        if expected_bytes is not None and len(queue) != 1:
+            raise ValueError(f"flush(expected_bytes) needs exactly one queued batch of allgathers, not {len(queue)}")
+        for operation in queue:
+            operation.launch(self, expected_bytes)
+
+    def wait(self, handle: Any) -> Any:
+        operation, position = handle
+        if not operation.launched:
+            self.flush()
+        operation.complete(self, f"SafeBits' payload collective {operation.names[0]!r} (torch.distributed)")
+        return operation.result(position)
+
+    def start_gather(self, values: torch.Tensor) -> Any:
+        """Start gathering every rank's ``values`` (same shape everywhere); :meth:`finish_gather` waits for them."""
+        pieces = [torch.empty_like(values) for _ in range(self.size)]
+        return pieces, self.dist.all_gather(pieces, values, group=self.process_group, async_op=True)
+
+    def finish_gather(self, handle: Any, what: str) -> np.ndarray:
+        """The values of :meth:`start_gather`, stacked in rank order, on the host (a bounded wait, one read)."""
+        pieces, work = handle
+        wait_bounded(work.is_completed, self.timeout, f"SafeBits' exchange of {what} (torch.distributed)")
+        work.wait()
+        return host.to_host(torch.stack(pieces))
+
+    def gather_now(self, values: torch.Tensor, what: str) -> np.ndarray:
+        """Every rank's ``values`` (same shape everywhere), in rank order, on the host (a bounded wait, one read)."""
+        return self.finish_gather(self.start_gather(values), what)
+
+
+def make_transport(process_set: Any = None,
+                   timeout: float | None = DEFAULT_TIMEOUT) -> LocalTransport | HorovodTransport:
+    """The payload transport of the current process: Horovod's on ``process_set`` (None: every rank) when Horovod
+    is initialized and the set has several ranks, else local."""
+    hvd = horovod_if_initialized()
+    if hvd is None:
+        return LocalTransport()
+    if process_set is not None and process_set != hvd.global_process_set:
+        check_member(hvd, process_set)
+        return LocalTransport() if process_set.size() == 1 else HorovodTransport(process_set, timeout)
+    return LocalTransport() if hvd.size() == 1 else HorovodTransport(None, timeout)
