@@ -16,6 +16,7 @@ import safebits_hvd as sb
 from safebits_hvd.codec import host, kernels, wire
 from safebits_hvd.comm import collectives
 from safebits_hvd.frontends.horovod import op_factor
+from safebits_hvd.step import two_phase
 
 from .helpers import many_tensor_params, random_grads
 
@@ -132,9 +133,9 @@ def train(collective: str, ranks: int, steps: int, budget_bits: float = 2.0, op_
             random_grads(params, step, seed=1 + rank)
             pending = [(name, p.grad.shape, *c.compress(p.grad)) for name, p in reversed(params)]
             sent.append({name: collectives.decode_sequence(ctx.wire, torch.zeros(shape.numel()), name)
-                         if ctx.collective != "dense" else out.clone() for name, shape, out, ctx in pending})
+                         if ctx.sent.packed else out.clone() for name, shape, out, ctx in pending})
             marker = torch.full((1,), float(ranks) if op_sum else 1.0)
-            reduced.append({name: c.decompress(marker if ctx.collective != "dense" else out, ctx).clone()
+            reduced.append({name: c.decompress(marker if ctx.sent.packed else out, ctx).clone()
                             for name, _, out, ctx in pending})
             if after_step is not None:
                 after_step(c)
@@ -211,6 +212,32 @@ def test_two_phase_is_bitwise_identical_and_conserves_the_second_hop(ranks: int)
     assert record.collective == "two_phase"
     state = results[0]["compressor"].state_dict()
     assert set(state["second_hop_residuals"]) == set(names)
+
+
+def test_the_second_hop_escalates_through_the_first_hops_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tight screen (``max_distortion=0.05``): sums whose allocated action fails its exact statistics escalate
+    through :func:`~safebits_hvd.step.sending.escalation_rounds`, and what the second hop sends of the first step
+    (no residual before it) passes the screen on every owned segment. Skipping the rounds fails the bound."""
+    escalated: list[int] = []
+    rounds = two_phase.escalation_rounds
+
+    def counted(orders: dict[int, list[int]], *rest: Any) -> Any:
+        escalated.append(len(orders))
+        return rounds(orders, *rest)
+
+    monkeypatch.setattr(two_phase, "escalation_rounds", counted)
+    ranks, max_distortion = 3, 0.05
+    results = train("two_phase", ranks=ranks, steps=1, op_sum=True, max_distortion=max_distortion)
+    assert sum(escalated) >= 10, escalated
+    bucket = sb.DEFAULT_MENU.bucket_size
+    for name, p in many_tensor_params():
+        index = results[0]["compressor"].names.index(name)
+        summed = sum(results[r]["sent"][0][name] for r in range(ranks)).double()
+        sent = results[0]["reduced"][0][name].reshape(-1).double()
+        for start, stop in collectives.segment_bounds(p.numel(), bucket, ranks, index):
+            v, q = summed[start:stop], sent[start:stop]
+            if float(v.norm()) > 0:
+                assert float((q - v).norm() ** 2 / v.norm() ** 2) <= max_distortion, (name, start)
 
 
 def test_allgather_fuses_small_tensors_and_survives_an_incomplete_step() -> None:

@@ -9,6 +9,7 @@ import torch
 
 import safebits_hvd as sb
 from safebits_hvd.frontends.elastic import SafeBitsStateHandler
+from safebits_hvd.step import world
 
 from .helpers import many_tensor_params, random_grads, run_steps
 from .test_collectives import run_ranks
@@ -20,7 +21,7 @@ def steps_together(c: sb.SafeBits, params, steps: int, seed: int) -> None:
         random_grads(params, step, seed)
         pending = [c.compress(p.grad) for _, p in reversed(params)]
         for wire, ctx in pending:
-            c.decompress(torch.ones(1) if ctx.collective != "dense" else wire, ctx)
+            c.decompress(torch.ones(1) if ctx.sent.packed else wire, ctx)
 
 
 def test_torchstate_saves_and_restores_safebits() -> None:
@@ -117,14 +118,14 @@ def test_leave_world_needs_factories_and_a_step_boundary() -> None:
     params = many_tensor_params()
     c = sb.SafeBits(params)
     run_steps(c, params, 1)
-    c.core.leave_world()                              # built from factories: rebuilt at the next step
+    world.leave_world(c.core)                              # built from factories: rebuilt at the next step
     assert c.core.transport is None
     run_steps(c, params, 1)
     assert c.step == 2 and c.core.transport is not None
     random_grads(params, 3)
     c.compress(params[0][1].grad)
     with pytest.raises(RuntimeError, match="between steps"):
-        c.core.leave_world()
+        world.leave_world(c.core)
 
 
 def test_leave_world_between_a_steps_last_send_and_its_end_is_an_error() -> None:
@@ -138,9 +139,9 @@ def test_leave_world_between_a_steps_last_send_and_its_end_is_an_error() -> None
     pending = [c.compress(p.grad) for _, p in reversed(params)]
     assert not c.core.between_steps and not c.core.in_step
     with pytest.raises(RuntimeError, match="between steps"):
-        c.core.leave_world()
+        world.leave_world(c.core)
     for sent, ctx in pending:
         c.decompress(sent, ctx)
     assert c.core.closing.ended and c.core.between_steps
     with pytest.raises(ValueError, match="as an object"):     # ended: only the exchange given as an object stops it
-        c.core.leave_world()
+        world.leave_world(c.core)

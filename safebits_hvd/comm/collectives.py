@@ -26,7 +26,7 @@ the two-phase path batches every tensor of the step into one alltoall and one al
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ import torch
 from ..codec import host, kernels, wire
 from ..codec.actions import Action, Menu
 from ..codec.rng import stream_key
+from . import transports
 from .transports import LocalTransport, PayloadTransport
 
 COLLECTIVES = ("auto", "allgather", "two_phase", "dense")
@@ -49,6 +50,16 @@ def choose(collective: str, bits_per_parameter: float, world_size: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the paths
+class Grouping(NamedTuple):
+    """How a front end groups its step's tensors into the collectives it starts (:meth:`CollectivePath.chunks`),
+    which every rank must do alike: compared before the step's first payload moves
+    (:class:`~.transports.AllocationCheck`)."""
+
+    word: int                   # a number every rank must agree on (DDP's chunk bytes, the node size), 0 if none
+    described: str              # the word, for the error (``"chunk_bytes 262144"``)
+    built_as: str               # what the user built, for the error (``"SafeBitsState"``)
+
+
 class CollectivePath:
     """One way a step's tensors travel, a strategy the core picks per step (:func:`choose`; the same on every rank).
 
@@ -106,6 +117,21 @@ class CollectivePath:
         """Send these tensors (none sent yet this step) in one batched pass, each one's ``q`` into its ``owns``
         tensor (on the dense path every one must be given: the values the front end all-reduces)."""
         raise NotImplementedError
+
+    def chunks(self, indices: list[int], chunk_bytes: int) -> list[tuple[int, int]]:
+        """How a front end cuts its tensors (a DDP bucket) into the groups it sends together (:meth:`send_together`),
+        as ``(start, stop)`` positions: here all of them at once."""
+        return [(0, len(indices))] if indices else []
+
+    def launch(self, members: list[int] | np.ndarray) -> None:
+        """Start the collective of a group a front end sent together (the transport may hold it back): here none."""
+
+    def start_check(self, grouping: Grouping | None, digest: str) -> None:
+        """A step begins whose tensors a front end groups itself (``grouping``; None: the path groups them): where
+        its transport needs it, start comparing every rank's allocation (``digest``) and grouping."""
+
+    def finish_check(self) -> None:
+        """Finish that comparison, if one is under way (before the step's first payload moves, or at its close)."""
 
     def payload(self, index: int, step: int) -> torch.Tensor:
         """This rank's packed payload(s) of tensor ``index`` at ``step``, back to back, once sent."""
@@ -293,6 +319,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self.collective_name = collective_name
         self.fusion_bytes = fusion_bytes  # None: by the device of the first gradient registered
         self.step = -1
+        self._check = transports.AllocationCheck()      # start_check: a front end's grouping, compared
         self._fusion: list[list[int]] = []
         self._regroup()                   # no groups until fusion_bytes is known
         if fusion_bytes is not None:
@@ -348,6 +375,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self._verdicts: list[torch.Tensor] = []
         self._unverified: list[int] = []
         self._marker: tuple[torch.Tensor, int, str] | None = None     # expect_at_close
+        self._check.drop()
 
     def begin(self, step: int, transport: PayloadTransport) -> None:
         """A new step: collectives of the last one that nobody waited for are completed and dropped; what it decoded
@@ -404,6 +432,24 @@ class AllgatherPath(PackedCodec, CollectivePath):
         rows = np.asarray(indices, dtype=np.int64)
         return self.tables.payload_bytes[rows, self.sender.allocation.choice[rows]]
 
+    def chunks(self, indices: list[int], chunk_bytes: int) -> list[tuple[int, int]]:
+        """Chunks of about ``chunk_bytes`` of payloads at the allocated actions (:func:`chunk_bounds`)."""
+        return chunk_bounds(self.allocated_payload_bytes(indices).tolist(), chunk_bytes)
+
+    def launch(self, members: list[int] | np.ndarray) -> None:
+        """Start the allgather of a group sent together, once the step's check is done, at the bytes its allocated
+        actions take (the same on every rank: no size exchange; only an escalated rest waits for the close)."""
+        self._check.finish()
+        transports.launch(self.transport, int(self.allocated_payload_bytes(members).sum()))
+
+    def start_check(self, grouping: Grouping | None, digest: str) -> None:
+        every = np.arange(len(self.names))
+        self._check.start(self.transport, self.step, grouping, digest, len(self.names),
+                          int(self.allocated_payload_bytes(every).sum()) if grouping is not None else 0)
+
+    def finish_check(self) -> None:
+        self._check.finish()
+
     def send_together(self, members: list[int], gradients: list[torch.Tensor],
                       owns: list[torch.Tensor | None]) -> None:
         """Make ``members`` one group (:meth:`group_together`), register them all and send the group: a front end's
@@ -425,10 +471,6 @@ class AllgatherPath(PackedCodec, CollectivePath):
         for group in list(self._registered):
             self.send_group(group)
 
-    def has_unsent(self, index: int) -> bool:
-        """Whether tensor ``index``'s group has registered members not yet sent."""
-        return int(self.group_of[index]) in self._registered
-
     def start(self, group: int, buffer: torch.Tensor, offsets: np.ndarray, expected: np.ndarray,
               owns: dict[int, torch.Tensor | None], sent_bytes: int) -> None:
         """Start the group's allgather of ``buffer`` (the members' payloads back to back, member ``k`` at
@@ -449,7 +491,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         so every rank must ask at the same point)."""
         if step != self.step:
             raise RuntimeError(f"the payloads of step {step} are no longer held (a later step began)")
-        if self.has_unsent(index):
+        if int(self.group_of[index]) in self._registered:
             self.flush()
         group = int(self.group_of[index])
         if group not in self._sent:
@@ -470,7 +512,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         rank 1's ``(q1 + q0) + q2 ...`` is bitwise ``(q0 + q1) + q2 ...``); the other ranks decode every payload."""
         if step != self.step:
             raise RuntimeError(f"the allgather of step {step} is no longer held (a later step began)")
-        if self._registered and any(self.has_unsent(index) for index in indices):
+        if self._registered and any(int(self.group_of[index]) in self._registered for index in indices):
             self.flush()     # a step in which some registered tensors were never sent (on every rank)
         totals = []
         for index, out in zip(indices, outs, strict=True):
@@ -547,6 +589,18 @@ class AllgatherPath(PackedCodec, CollectivePath):
                 rows, names, what = self._received_as(group)
                 kernels.raise_received_error(verdict, self._decoded[group][2], rows, self._expected[group],
                                              self.tables, names, what)
+
+
+def chunk_bounds(sizes: list[int], chunk_bytes: int) -> list[tuple[int, int]]:
+    """Tensors of these payload ``sizes`` cut into chunks, as ``(start, stop)`` positions, each sent and started
+    before the next is packed: a chunk ends once its sizes reach ``chunk_bytes`` (the same cut on every rank)."""
+    bounds, first, queued = [], 0, 0
+    for position, size in enumerate(sizes):
+        queued += size
+        if queued >= chunk_bytes or position == len(sizes) - 1:
+            bounds.append((first, position + 1))
+            first, queued = position + 1, 0
+    return bounds
 
 
 def segment_bounds(n: int, bucket_size: int, ranks: int, index: int) -> list[tuple[int, int]]:

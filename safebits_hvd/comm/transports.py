@@ -6,13 +6,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from ..codec import host
-from .exchange import DEFAULT_TIMEOUT, check_member, horovod_if_initialized, torch_distributed_group, wait_bounded
+from ..errors import SafeBitsConsistencyError
+from .exchange import (
+    DEFAULT_TIMEOUT,
+    LocalExchange,
+    StatisticsExchange,
+    TorchDistributedExchange,
+    check_member,
+    horovod_if_initialized,
+    torch_distributed_group,
+    wait_bounded,
+)
 
 
 @runtime_checkable
@@ -255,6 +266,54 @@ class TorchDistributedTransport:
         return self.finish_gather(self.start_gather(values), what)
 
 
+def launch(transport: PayloadTransport, expected_bytes: int | None = None) -> None:
+    """Start the collectives ``transport`` holds back: :class:`TorchDistributedTransport` queues them until a flush
+    (``expected_bytes``: what one queued batch of allgathers totals on every rank); every other transport started
+    them already."""
+    if isinstance(transport, TorchDistributedTransport):
+        transport.flush(expected_bytes)
+
+
+class AllocationCheck:
+    """Before a step's first payload moves through ``torch.distributed``: every rank allocated alike and groups its
+    payloads alike (else the collectives' sizes or counts differ, and Gloo or NCCL fails inside, or hangs).
+    :meth:`start`, at the step's begin, launches one small all_gather of the allocation digest, the tensor count,
+    the step's payload bytes at the allocated actions and the front end's ``grouping`` word; :meth:`finish` compares
+    them before the first payload moves (the round trip overlaps the first packing). A mismatch raises
+    :class:`~safebits_hvd.errors.SafeBitsConsistencyError` on every rank. Other transports: nothing to compare."""
+
+    def __init__(self) -> None:
+        # (step, transport, the gather in flight, the grouping, the digest), until finished
+        self._pending: tuple[int, TorchDistributedTransport, Any, Any, str] | None = None
+
+    def start(self, transport: PayloadTransport, step: int, grouping: Any, digest: str, tensors: int,
+              payload_bytes: int) -> None:
+        """``grouping``: the front end's (:class:`~.collectives.Grouping`), None where the path groups the tensors
+        itself (nothing to compare)."""
+        self._pending = None
+        if grouping is None or not isinstance(transport, TorchDistributedTransport):
+            return              # one rank, or another transport: nothing to compare
+        value = int(digest, 16)
+        words = host.upload(transport.device, {"words": np.array(
+            [*((value >> (16 * k)) & 0xFFFF for k in range(4)), tensors, payload_bytes, grouping.word])})["words"]
+        self._pending = (step, transport, transport.start_gather(words), grouping, digest)
+
+    def finish(self) -> None:
+        """Wait for the check :meth:`start` started, if any."""
+        if self._pending is None:
+            return
+        (step, transport, handle, grouping, digest), self._pending = self._pending, None
+        everyone = transport.finish_gather(handle, f"the allocation digest of step {step}")
+        if not np.all(everyone == everyone[0]):
+            raise SafeBitsConsistencyError(
+                f"ranks disagree on the allocation of step {step} (this rank's digest {digest}, "
+                f"{grouping.described}); every rank must build {grouping.built_as} with the same parameters, menu, "
+                f"budget, thresholds and options")
+
+    def drop(self) -> None:
+        self._pending = None
+
+
 def make_transport(process_set: Any = None,
                    timeout: float | None = DEFAULT_TIMEOUT) -> LocalTransport | HorovodTransport:
     """The payload transport of the current process: Horovod's on ``process_set`` (None: every rank) when Horovod
@@ -266,3 +325,24 @@ def make_transport(process_set: Any = None,
         check_member(hvd, process_set)
         return LocalTransport() if process_set.size() == 1 else HorovodTransport(process_set, timeout)
     return LocalTransport() if hvd.size() == 1 else HorovodTransport(None, timeout)
+
+
+class Links(NamedTuple):
+    """A front end's statistics exchange and payload transport, as factories of the timeout that the core calls at
+    its first step (a trainer may build the front end before the process group exists)."""
+
+    exchange: Callable[[float | None], StatisticsExchange]
+    transport: Callable[[float | None], PayloadTransport]
+
+
+def over_process_group(process_group: Any = None) -> Links:
+    """The links over a ``torch.distributed`` process group (None: the default one): local where the group has one
+    rank."""
+    import torch.distributed as dist
+
+    def several() -> bool:
+        return dist.get_world_size(process_group) > 1
+
+    return Links(lambda timeout: TorchDistributedExchange(process_group, timeout) if several() else LocalExchange(),
+                 lambda timeout: (TorchDistributedTransport(process_group, timeout) if several()
+                                  else LocalTransport()))

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from ..codec.actions import DEFAULT_MENU, Menu
-from ..comm.exchange import DEFAULT_TIMEOUT, LocalExchange, StatisticsExchange, TorchDistributedExchange, wait_bounded
-from ..comm.transports import LocalTransport, PayloadTransport, TorchDistributedTransport
-from .shared import AllocationCheck, CoreRecords, build_core, check_transports, refuse_unsent, send_and_launch
+from ..comm.exchange import DEFAULT_TIMEOUT, StatisticsExchange, wait_bounded
+from ..comm.transports import PayloadTransport, over_process_group
+from ..step.core import Grouping, Handle
+from .shared import CoreRecords, build_core, check_transports, refuse_unsent
 
 CHUNK_BYTES = 1 << 18
 """Payload bytes (at the allocated actions) after which a bucket's payloads start their allgather on the CPU, before
@@ -110,18 +111,13 @@ class SafeBitsState(CoreRecords):
                                         or chunk_bytes < 1):
             raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
         self.chunk_bytes = chunk_bytes
-        # The factories run at the first step (the core's begin and close), when the group exists.
-        def several() -> bool:
-            return dist.get_world_size(process_group) > 1
-
+        links = over_process_group(process_group)      # made at the first step, when the group exists
         params, core = build_core(
             named_parameters, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
             screen=screen, name=name, max_history=max_history, collective=collective, timeout=timeout,
-            exchange=exchange if exchange is not None else (
-                lambda t: TorchDistributedExchange(process_group, t) if several() else LocalExchange()),
-            transport=transport if transport is not None else (
-                lambda t: TorchDistributedTransport(process_group, t) if several() else LocalTransport()),
+            exchange=exchange if exchange is not None else links.exchange,
+            transport=transport if transport is not None else links.transport,
             fusion_bytes=0,       # the hook batches a bucket's payloads itself (CHUNK_BYTES, the transport's flush)
             residual_dtype=residual_dtype)
         self.core = core
@@ -131,7 +127,6 @@ class SafeBitsState(CoreRecords):
         self._numels: list[int] = core.numels.tolist()
         self._params = params
         self._pending: list[_PendingBucket] = []
-        self._allocation_check = AllocationCheck("SafeBitsState")
 
     @property
     def world_size(self) -> int:
@@ -172,28 +167,21 @@ class SafeBitsState(CoreRecords):
         began = not core.in_step
         if began:
             self._pending = []       # buckets of a step that an error interrupted: DDP never waits for them
-        core.begin()
-        step, collective = core.step, core.path.name
-        if began:
-            self._allocation_check.drop()
-            if core.path.front_end_groups:      # the step's first collective, on every rank alike
-                self._allocation_check.start(core, self.chunk_bytes)
+        handle = core.begin(Grouping(self.chunk_bytes, f"chunk_bytes {self.chunk_bytes}", "SafeBitsState"))
         pieces: list[_Piece] = []     # passing through, none: DDP all-reduces the bucket as its default hook does
         if not (in_place and core.pass_on_unchanged(indices, buffer)):
-            pieces = self._send(buffer, bucket, indices, numels, in_place)
+            pieces = self._send(handle, buffer, bucket, indices, numels, in_place)
         work = None
-        if collective == "dense" and self.world_size > 1:
+        if not handle.packed and self.world_size > 1:        # the values: DDP's own all_reduce of the bucket
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-        elif collective == "two_phase" and isinstance(core.transport, TorchDistributedTransport):
-            core.transport.flush()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._pending.append(_PendingBucket(future, buffer, pieces, work))
         if bucket.is_last():
-            self._close_step(step, collective)
+            self._close_step(handle)
         return future
 
-    def _send(self, buffer: torch.Tensor, bucket: dist.GradBucket, indices: list[int], numels: list[int],
-              in_place: bool) -> list[_Piece]:
+    def _send(self, handle: Handle, buffer: torch.Tensor, bucket: dist.GradBucket, indices: list[int],
+              numels: list[int], in_place: bool) -> list[_Piece]:
         """Send the bucket's tensors through the core on the step's path; returns their pieces of the buffer."""
         core = self.core
         # What DDP reduces is the buffer: its ranges are the gradients (bucket.gradients() would make the same
@@ -202,41 +190,32 @@ class SafeBitsState(CoreRecords):
         starts = np.concatenate([[0], np.cumsum(numels)]).tolist()
         targets = grads if in_place else [None] * len(indices)
         pieces = [_Piece(index, starts[k], starts[k + 1], targets[k]) for k, index in enumerate(indices)]
-        if not core.path.front_end_groups and in_place:
-            # Dense: the dequantized values replace the gradients in the buffer (one batched pass), which DDP
-            # all-reduces below.
-            core.send_group(indices, grads, targets)
-        elif not core.path.front_end_groups:
-            for k, index in enumerate(indices):
-                sent = core.send(index, grads[k], into=targets[k])
-                if not sent.packed and sent.wire is not targets[k]:
-                    buffer[starts[k]:starts[k + 1]].copy_(sent.wire)     # the values, into the buffer
-        else:
-            # Allgather: each chunk of the bucket is one group, sent in one batched pass, its collective started
-            # before the rest of the bucket is packed.
-            first, queued = 0, 0        # the chunk's first position, its bytes at the allocated actions
-            sizes = core.allgather.allocated_payload_bytes(indices).tolist()
-            for position, size in enumerate(sizes):
-                queued += size
-                if queued >= self.chunk_bytes or position == len(indices) - 1:
-                    send_and_launch(core, self._allocation_check, f"chunk_bytes {self.chunk_bytes}",
-                                    indices[first:position + 1], grads[first:position + 1],
-                                    targets[first:position + 1], expected=queued)
-                    first, queued = position + 1, 0
+        if handle.packed:
+            # Each chunk of the bucket (on the allgather path about chunk_bytes of payloads) sent in one batched
+            # pass, its collective started before the rest of the bucket is packed.
+            for start, stop in core.chunks(indices, self.chunk_bytes):
+                core.send_group(indices[start:stop], grads[start:stop], targets[start:stop], close=False)
             # Closing starts the statistics exchange: only after the allocation check and the payloads' launch,
             # so every rank issues its collectives in the same order even when the check fails.
             core.close()
+        elif in_place:
+            # The dequantized values replace the gradients in the buffer (one batched pass), which DDP all-reduces.
+            core.send_group(indices, grads, targets)
+        else:
+            for k, index in enumerate(indices):
+                sent = core.send(index, grads[k], into=targets[k])
+                if sent.wire is not targets[k]:
+                    buffer[starts[k]:starts[k + 1]].copy_(sent.wire)     # the values, into the buffer
         return pieces
 
-    def _close_step(self, step: int, collective: str) -> None:
+    def _close_step(self, handle: Handle) -> None:
         """The last bucket: every bucket's mean into its buffer, the step finished, every future completed."""
         core = self.core
         pending, self._pending = self._pending, []
-        self._allocation_check.finish(core, f"chunk_bytes {self.chunk_bytes}")
         refuse_unsent(core, "SafeBitsState")
         ranks = self.world_size
         for bucket in pending:
-            if collective == "dense":
+            if not handle.packed:
                 if bucket.work is not None:
                     wait_bounded(bucket.work.is_completed, self.timeout, "the DDP bucket's all_reduce")
                     bucket.work.wait()
@@ -244,12 +223,12 @@ class SafeBitsState(CoreRecords):
                 core.noise.reduced([bucket.buffer])
                 continue
             pieces = bucket.pieces
-            totals = core.reduced_sums([p.index for p in pieces], step, collective, [p.target for p in pieces],
+            totals = core.reduced_sums([p.index for p in pieces], handle, [p.target for p in pieces],
                                        divisor=ranks)
             for piece, total in zip(pieces, totals, strict=True):
                 if piece.target is None:
                     bucket.buffer[piece.start:piece.stop].copy_(total)
-        core.end(step)                   # its statistics exchange runs until the next step begins
+        core.end(handle.step)                   # its statistics exchange runs until the next step begins
         for bucket in pending:
             bucket.future.set_result(bucket.buffer)
 

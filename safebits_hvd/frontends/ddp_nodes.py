@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 
 from ..codec.actions import DEFAULT_MENU, Menu
-from ..comm.exchange import DEFAULT_TIMEOUT, LocalExchange, TorchDistributedExchange
-from ..comm.transports import LocalTransport, TorchDistributedTransport
-from .shared import AllocationCheck, CoreRecords, build_core_over, refuse_unsent, registered_parameters, send_and_launch
+from ..comm.exchange import DEFAULT_TIMEOUT
+from ..comm.transports import over_process_group
+from ..step.core import Grouping, Handle
+from .shared import CoreRecords, build_core_over, refuse_unsent, registered_parameters
 
 
 def node_groups(node_size: int) -> tuple[Any, Any]:
@@ -112,20 +113,18 @@ class AcrossNodesState(CoreRecords):
         if not mine:
             raise ValueError(f"{len(params)} parameters for {self.node_size} ranks a node: rank {self.place} of each "
                              f"node would own none; use fewer ranks a node")
-        inter, several = self.inter, self.nodes > 1
+        links = over_process_group(self.inter)
         self.core = build_core_over(
             [names[i] for i in mine], np.array([params[i].numel() for i in mine], dtype=np.int64), budget_bits,
             max_distortion, min_cosine, menu, seed, log_path, sample_buckets=sample_buckets,
             consistency_check_every=consistency_check_every, nonfinite=nonfinite, screen=screen, name=name,
             max_history=max_history, collective="allgather", timeout=timeout,
-            exchange=lambda t: TorchDistributedExchange(inter, t) if several else LocalExchange(),
-            transport=lambda t: TorchDistributedTransport(inter, t) if several else LocalTransport(), fusion_bytes=0)
+            exchange=links.exchange, transport=links.transport, fusion_bytes=0)
         self.names = self.core.names
         slot = {i: k for k, i in enumerate(mine)}
         self._index = {id(p): slot.get(i, -1) for i, p in enumerate(params)}
         self._pending: list[_Bucket] = []
-        self._step = 0
-        self._check = AllocationCheck("AcrossNodesState")
+        self._handle: Handle | None = None
 
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Steps 1 and 2 of the module docstring for one bucket, 3 and 4 at the last one; returns the bucket's
@@ -141,16 +140,14 @@ class AcrossNodesState(CoreRecords):
         slots = [self._index[id(p)] for p in parameters]
         core = self.core
         if not self._pending:        # the step's first bucket (the core may close before DDP's last bucket)
-            core.begin()
-            self._step = core.step
-            self._check.start(core, self.node_size)
+            self._handle = core.begin(Grouping(self.node_size, f"node_size {self.node_size}", "AcrossNodesState"))
         # 1. Node sum.
         dist.all_reduce(buffer, group=self.intra)
         # 2. Across nodes: this rank's parameters of the bucket.
         owned = [s for s in slots if s >= 0]
         mine = [v for v, s in zip(views, slots, strict=True) if s >= 0]
         if owned:
-            send_and_launch(core, self._check, f"node_size {self.node_size}", owned, mine, list(mine))
+            core.send_group(owned, mine, list(mine), close=False)
             core.close()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         others = [v for v, s in zip(views, slots, strict=True) if s < 0]
@@ -162,16 +159,16 @@ class AcrossNodesState(CoreRecords):
     def _close_step(self) -> None:
         """Steps 3 and 4: the means of the owned parameters, shared inside the node; every future completed."""
         core, pending, self._pending = self.core, self._pending, []
-        self._check.finish(core, f"node_size {self.node_size}")
         refuse_unsent(core, "AcrossNodesState")
-        step = self._step
+        handle = self._handle
+        assert handle is not None
         world = self.node_size * self.nodes
         for bucket in pending:
             if bucket.owned:
-                core.reduced_sums(bucket.owned, step, "allgather", list(bucket.views), divisor=float(world))
+                core.reduced_sums(bucket.owned, handle, list(bucket.views), divisor=float(world))
             for view in bucket.others:
                 view.zero_()
-        core.end(step)
+        core.end(handle.step)
         for bucket in pending:
             dist.all_reduce(bucket.buffer, group=self.intra)
             bucket.future.set_result(bucket.buffer)

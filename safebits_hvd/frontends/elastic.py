@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..step import checkpoint
+from ..step import checkpoint, world
 from ..step.checkpoint import PER_RANK
 from .horovod import CoreCompressor
 
@@ -54,7 +54,7 @@ class SafeBitsStateHandler(StateHandler):  # type: ignore[misc,valid-type]
 
     def restore(self) -> None:
         """2. Restore: drop the failed step, load the last commit."""
-        self.value.core.abort_step()
+        world.abort_step(self.value.core)
         self.value.load_state_dict(self._saved)
 
     def sync(self) -> None:
@@ -65,7 +65,7 @@ class SafeBitsStateHandler(StateHandler):  # type: ignore[misc,valid-type]
             raise ValueError("SafeBits built with a process_set cannot follow an elastic world change; elastic "
                              "training runs on every rank (process_set=None)")
         core = self.value.core
-        core.leave_world()
+        world.leave_world(core)
         state = checkpoint.save(core)
         shared = hvd.broadcast_object({key: value for key, value in state.items() if key not in PER_RANK},
                                       root_rank=0, name=f"{core.name}.elastic.sync")

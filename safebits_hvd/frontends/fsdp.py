@@ -52,9 +52,10 @@ import torch
 import torch.distributed as dist
 
 from ..codec.actions import DEFAULT_MENU, Menu
-from ..comm.exchange import DEFAULT_TIMEOUT, TorchDistributedExchange
-from ..comm.transports import TorchDistributedTransport
-from .shared import AllocationCheck, CoreRecords, build_core_over, send_and_launch
+from ..comm.exchange import DEFAULT_TIMEOUT
+from ..comm.transports import over_process_group
+from ..step.core import Grouping
+from .shared import CoreRecords, build_core_over
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -160,15 +161,13 @@ class FSDPState(CoreRecords):
         self.modules = sharded_modules(model, self.ranks, rows)
         names = [f"{n}#row{r}" for m in self.modules for r in m.rows for n in m.names]
         numels = np.array([k for m in self.modules for _ in m.rows for k in m.row_numels], dtype=np.int64)
-        group = self.group
+        links = over_process_group(self.group)
         self.core = build_core_over(
             names, numels, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
             screen=screen, name=name, max_history=max_history, collective="allgather", timeout=timeout,
-            exchange=lambda t: TorchDistributedExchange(group, t),
-            transport=lambda t: TorchDistributedTransport(group, t), fusion_bytes=0, residual_dtype=residual_dtype)
+            exchange=links.exchange, transport=links.transport, fusion_bytes=0, residual_dtype=residual_dtype)
         self.names = self.core.names
-        self._check = AllocationCheck("safebits_hvd.fsdp.compress")
 
     def reduce_scatter(self, module: ShardedModule, output: torch.Tensor, values: torch.Tensor, op: Any) -> None:
         """Steps 1-4 of the module docstring for one module's reduce-scatter buffer ``values`` (every row); this
@@ -204,24 +203,20 @@ class FSDPState(CoreRecords):
         """Steps 1-4 over ``values`` (the module's rows this rank sends, back to back): the sums over
         :attr:`group`, divided by ``divisor``; in place where ``values`` is contiguous float32."""
         core = self.core
-        began = not core.in_step
-        core.begin()
-        step = core.step
-        if began:
-            self._check.start(core, 0)
+        handle = core.begin(Grouping(0, "the FSDP modules' layout", "safebits_hvd.fsdp.compress"))
         # 1. Send (and 2): every member of the module; a contiguous float32 buffer is decoded back in place.
         indices = module.indices
         in_place = values.dtype == torch.float32 and values.is_contiguous()
         pieces = list(values.reshape(-1).split(list(module.row_numels) * len(module.rows)))
         intos = pieces if in_place else [None] * len(pieces)
         # 2. Gather: the sizes at the allocated actions are the same on every rank, so nothing waits to launch.
-        send_and_launch(core, self._check, "the FSDP modules' layout", indices, pieces, intos)
+        core.send_group(indices, pieces, intos, close=False)
         core.close()
         # 3. Sum, in rank order.
-        totals = core.reduced_sums(indices, step, core.path.name, intos, divisor=divisor)
+        totals = core.reduced_sums(indices, handle, intos, divisor=divisor)
         # 4. Close: the step's last module ends it.
         if not core.in_step:
-            core.end(step)
+            core.end(handle.step)
         return totals
 
 

@@ -19,7 +19,8 @@ from ..codec import host
 from ..codec.actions import DEFAULT_MENU, Menu
 from ..comm.exchange import DEFAULT_TIMEOUT, StatisticsExchange, horovod_if_initialized, make_exchange
 from ..comm.transports import PayloadTransport, make_transport
-from ..step.core import SafeBitsCore
+from ..step import world
+from ..step.core import Handle, SafeBitsCore
 from .params import GradientIndex
 from .shared import CoreRecords, build_core, check_transports
 
@@ -33,15 +34,11 @@ except ImportError:  # pragma: no cover - exercised only without Horovod
 class Context(NamedTuple):
     """What ``decompress`` needs of a ``compress``."""
 
-    step: int                   # to finish that step's statistics exchange
     shape: torch.Size
     dtype: torch.dtype
     index: int                  # the parameter
-    collective: str             # "dense", "allgather" or "two_phase"
-    # What this rank sent: the dense float32 values, the two-phase payloads, or on the allgather path the path
-    # (collectives.AllgatherPath), which holds the packed payload once the tensor's group has been sent (read it as
-    # ``wire``).
-    sent: Any
+    sent: Handle                # the core's handle on what this rank sent (its step, whether packed)
+    core: SafeBitsCore          # which holds what was sent (read it as ``wire``)
     # Packed paths: the gradient's own flat storage, which the reduced sum is decoded into (compress has consumed
     # its values; Horovod's uncompressed allreduce overwrites it too), so a step allocates no new gradients; on the
     # allgather path compress leaves this rank's dequantized values there, where the sum starts. None when it is
@@ -50,13 +47,15 @@ class Context(NamedTuple):
     original: torch.Tensor | None = None        # the gradient as compress got it (returned when the sum is in it)
 
     @property
+    def step(self) -> int:
+        return self.sent.step
+
+    @property
     def wire(self) -> torch.Tensor:
         """What this rank sent: the packed payload (uint8) or the dense float32 values. On the allgather path the
         payload exists once the tensor's group has been sent: when its last member was compressed, at the latest
         when the step closes."""
-        if self.collective != "dense":
-            return self.sent.payload(self.index, self.step)
-        return self.sent
+        return self.core.payload(self.sent, self.index)
 
 
 def op_factor(reduced_marker: torch.Tensor, ranks: int) -> float:
@@ -112,14 +111,13 @@ class CoreCompressor(CoreRecords, Compressor):
         if reusable and core.passes_on(index):
             # Passing through, after the step's first tensor: Horovod allreduces the gradient itself, as with
             # Compression.none.
-            step = core.step
-            return core.pass_on(index, tensor), Context(step, tensor.shape, tensor.dtype, index, "dense", None)
+            sent = core.pass_on(index, tensor)
+            return sent.wire, Context(tensor.shape, tensor.dtype, index, sent, core)
         flat = (tensor if tensor.dim() == 1 else tensor.view(-1)) if reusable else None
         sent = core.send(index, tensor if flat is None else flat, into=flat)
         if not sent.packed:
-            return sent.wire, Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, sent.wire)
-        wire = core.paths[sent.collective]       # it holds the payload once sent (Context.wire)
-        ctx = Context(sent.step, tensor.shape, tensor.dtype, index, sent.collective, wire, flat, tensor)
+            return sent.wire, Context(tensor.shape, tensor.dtype, index, sent, core)
+        ctx = Context(tensor.shape, tensor.dtype, index, sent, core, flat, tensor)
         return self._marker(index, tensor.device, began), ctx
 
     def _reduction_factor(self, marker: torch.Tensor, ranks: int, ctx: Context) -> float:
@@ -133,10 +131,10 @@ class CoreCompressor(CoreRecords, Compressor):
             known = self._known_factor = (ranks, op_factor(torch.from_numpy(value), ranks),
                                           int(value.view(np.int32)[0]))
         else:
-            self.core.paths[ctx.collective].expect_at_close(
-                marker, known[2], f"Horovod reduced step {ctx.step}'s tensors with another op than earlier steps' "
-                f"(its marker came back with other bits); SafeBits' packed collectives take one op per optimizer "
-                f"(collective='dense' mixes them)")
+            self.core.expect_at_close(
+                ctx.sent, marker, known[2], f"Horovod reduced step {ctx.step}'s tensors with another op "
+                f"than earlier steps' (its marker came back with other bits); SafeBits' packed collectives take one op "
+                f"per optimizer (collective='dense' mixes them)")
         return known[1]
 
     def _marker(self, index: int, device: torch.device, refill: bool) -> torch.Tensor:
@@ -153,13 +151,13 @@ class CoreCompressor(CoreRecords, Compressor):
         """The reduced gradient in its shape and dtype (the step's last one also finishes its statistics
         exchange)."""
         core = self.core
-        if ctx.collective != "dense":
-            ranks = core.transport.size if core.transport is not None else 1
+        if ctx.sent.packed:
+            ranks = core.ranks or 1
             if self._op_factor[0] != ctx.step:
                 self._op_factor = (ctx.step, self._reduction_factor(tensor, ranks, ctx))
             factor = self._op_factor[1]
             # Average (factor 1): the division by the rank count rides on the last payload's decode.
-            total = core.reduced_sums([ctx.index], ctx.step, ctx.collective, [ctx.gradient],
+            total = core.reduced_sums([ctx.index], ctx.sent, [ctx.gradient],
                                       divisor=ranks if factor == 1.0 else 1.0)[0]
             if factor not in (1.0, ranks):
                 total.mul_(factor / ranks)
@@ -177,12 +175,12 @@ class CoreCompressor(CoreRecords, Compressor):
     def _follow_world(self) -> None:
         """Between steps: when elastic Horovod removed workers it re-initializes without a state sync
         (``hvd.elastic.run``), so the new world is noticed here, by its size, and SafeBits rebuilt for it."""
-        transport = self.core.transport
-        if transport is None or self.process_set is not None:
+        ranks = self.core.ranks
+        if ranks is None or self.process_set is not None:
             return
         hvd = horovod_if_initialized()
-        if hvd is not None and hvd.size() != transport.size:
-            self.core.leave_world()
+        if hvd is not None and hvd.size() != ranks:
+            world.leave_world(self.core)
 
     def flush(self) -> None:
         """Finish a pending statistics exchange (``decompress`` does this; call it if you only ``compress``)."""

@@ -12,11 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..codec import host
 from ..codec.actions import Menu, make_menu
 from ..comm.exchange import StatisticsExchange
-from ..comm.transports import PayloadTransport, TorchDistributedTransport
-from ..errors import SafeBitsConsistencyError
+from ..comm.transports import PayloadTransport
 from ..policy.auto import Auto
 from ..policy.budget import BudgetPolicy
 from ..policy.schedules import Constant
@@ -159,64 +157,6 @@ def build_core_over(names: list[str], numels: np.ndarray, budget_bits: float | C
         transport=transport if isinstance(transport, PayloadTransport) else (lambda: transport(timeout)),
         name=name, fusion_bytes=fusion_bytes, residual_dtype=residual_dtype)
     return core
-
-
-class AllocationCheck:
-    """Before a step's first payload moves through ``torch.distributed``: every rank allocated alike and groups its
-    payloads alike (else the collectives' sizes or counts differ, and Gloo or NCCL fails inside, or hangs).
-    :meth:`start`, at the step's begin, launches one small all_gather of the allocation digest, the tensor count,
-    the step's payload bytes at the allocated actions and the front end's own ``grouping`` word;
-    :meth:`finish` compares them before the first payload moves (the round trip overlaps the first packing). A
-    mismatch raises :class:`~.errors.SafeBitsConsistencyError` on every rank."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what                          # how the front end's state is built, for the error message
-        self._pending: tuple[int, Any] | None = None      # (step, the all_gather in flight)
-
-    def start(self, core: SafeBitsCore, grouping: int) -> None:
-        self._pending = None
-        transport = core.transport
-        if not isinstance(transport, TorchDistributedTransport):
-            return              # one rank, or a custom transport: nothing to compare
-        digest = int(core.allocation_digest, 16)
-        total = int(core.allgather.allocated_payload_bytes(np.arange(len(core.names))).sum())
-        words = host.upload(transport.device, {"words": np.array(
-            [*((digest >> (16 * k)) & 0xFFFF for k in range(4)), len(core.names), total, grouping])})["words"]
-        self._pending = (core.step, transport.start_gather(words))
-
-    def finish(self, core: SafeBitsCore, grouping: str) -> None:
-        """Wait for the check :meth:`start` started, if any (``grouping``: the word's meaning, for the error)."""
-        if self._pending is None:
-            return
-        (step, handle), self._pending = self._pending, None
-        transport = core.transport
-        assert isinstance(transport, TorchDistributedTransport)
-        everyone = transport.finish_gather(handle, f"the allocation digest of step {step}")
-        if not np.all(everyone == everyone[0]):
-            raise SafeBitsConsistencyError(
-                f"ranks disagree on the allocation of step {step} (this rank's digest {core.allocation_digest}, "
-                f"{grouping}); every rank must build {self.what} with the same parameters, menu, budget, thresholds "
-                f"and options")
-
-    def drop(self) -> None:
-        self._pending = None
-
-
-def send_and_launch(core: SafeBitsCore, check: AllocationCheck, grouping: str, indices: list[int],
-                    grads: list[torch.Tensor], intos: list[torch.Tensor | None], expected: int | None = None) -> None:
-    """One group of a front end's step on the allgather path, its collective started at once: sent in one batched
-    pass (``close=False``: the front end closes the step), the step's ``check`` finished before its first payload
-    moves (``grouping``: the front end's word, for the error), and ``torch.distributed``'s collective launched at the
-    bytes the group's allocated actions take (``expected``, else computed; identical on every rank), so nothing
-    waits for a size exchange (only an escalated rest waits for the step's close). One rank, or a custom transport:
-    nothing to launch."""
-    core.send_group(indices, grads, intos, close=False)
-    check.finish(core, grouping)
-    transport = core.transport
-    if isinstance(transport, TorchDistributedTransport):
-        if expected is None:
-            expected = int(core.allgather.allocated_payload_bytes(indices).sum())
-        transport.flush(expected)
 
 
 def refuse_unsent(core: SafeBitsCore, what: str) -> None:

@@ -51,7 +51,7 @@ from ..codec import kernels
 from ..codec.actions import Menu
 from ..comm import collectives
 from ..comm.clock import StepClock
-from ..comm.collectives import AllgatherPath, CollectivePath, DensePath
+from ..comm.collectives import AllgatherPath, CollectivePath, DensePath, Grouping
 from ..comm.exchange import StatisticsExchange, allocation_digest, digest_words, waited_seconds
 from ..comm.statistics import StatisticsLayout, StepStatistics
 from ..comm.transports import PayloadTransport, make_transport
@@ -66,8 +66,10 @@ from .sending import Sender, check_numel, checked_into, flat_gradient
 from .two_phase import TwoPhasePath
 
 
-class Sent(NamedTuple):
-    """What :meth:`SafeBitsCore.send` hands the front end for one tensor."""
+class Handle(NamedTuple):
+    """A front end's handle on a step: what :meth:`SafeBitsCore.send` returns for one tensor (and
+    :meth:`SafeBitsCore.begin` for the step), handed back to :meth:`SafeBitsCore.reduced_sums` and
+    :meth:`SafeBitsCore.payload`."""
 
     wire: torch.Tensor | None   # dense: the dequantized float32 values; the packed paths: None, the tensor is sent
     #                             later, with its group or the step (CollectivePath.payload)
@@ -126,7 +128,7 @@ class SafeBitsCore:
         if collective not in collectives.COLLECTIVES:
             raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
         self.collective_setting = collective
-        self._transport_or_factory = transport
+        self.transport_source = transport
         self.transport: PayloadTransport | None = transport if isinstance(transport, PayloadTransport) else None
         self.name = name
 
@@ -149,7 +151,7 @@ class SafeBitsCore:
         # -- the step in progress
         tensors, actions = len(names), len(self.menu)
         self.unsent = np.ones(tensors, dtype=bool)     # tensors not sent yet in the step in progress
-        self._unsent_count = tensors                   # how many (numpy's any() per tensor costs microseconds)
+        self.unsent_count = tensors                   # how many (numpy's any() per tensor costs microseconds)
         self.in_step = False
         self._allocation: Allocation | None = None
         self._budget_bits_total = 0.0
@@ -172,7 +174,7 @@ class SafeBitsCore:
         self.noise: NoiseMeter = self.closing.noise    # fed here (the dense path's reduced: by the front end)
 
     # ------------------------------------------------------------------ 2 and 3: screen and send
-    def send(self, index: int, grad: torch.Tensor, into: torch.Tensor | None = None) -> Sent:
+    def send(self, index: int, grad: torch.Tensor, into: torch.Tensor | None = None) -> Handle:
         """Quantize tensor ``index``'s gradient for the wire (and start its payload collective, if any). ``into``:
         the flat float32 tensor the front end will pass :meth:`reduced_sums` as ``out`` (it may share ``grad``'s
         storage, whose values are consumed here); on the allgather path the send pass writes this rank's ``q``
@@ -191,23 +193,22 @@ class SafeBitsCore:
             wire = path.add(index, self.sender.send(index, g, own))
         if path.batched and group is not None:
             path.send_group(group)
-        return self._sent(index, 1, Sent(wire, self.step, path.name), start)
+        return self._mark_sent(index, 1, Handle(wire, self.step, path.name), start)
 
     def passes_on(self, index: int) -> bool:
         """Whether tensor ``index`` is one of a pass-through step begun already and not sent yet (:meth:`pass_on`
         takes it)."""
         return self.in_step and self.pass_through and bool(self.unsent[index])
 
-    def pass_on(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+    def pass_on(self, index: int, grad: torch.Tensor) -> Handle:
         """:meth:`send` where :meth:`passes_on`: a float32 contiguous gradient in its own shape, handed on as it is
         (or with a residual of an earlier step added, flat): no flattening, no torch call, so that passing
-        through costs about what ``Compression.none`` costs. Returns what travels."""
+        through costs about what ``Compression.none`` costs."""
         start = time.perf_counter()
         check_numel(self.names[index], grad, self._numels[index])
         self.noise.local([grad])
         wire = self.path.add(index, self.sender.pass_on(index, grad, None))
-        self._sent(index, 1, Sent(wire, self.step, self.path.name), start)
-        return wire
+        return self._mark_sent(index, 1, Handle(wire, self.step, self.path.name), start)
 
     def pass_on_unchanged(self, indices: list[int], values: torch.Tensor) -> bool:
         """:meth:`send_group` of tensors the front end's allreduce takes where they are (``values``: DDP's bucket),
@@ -222,33 +223,53 @@ class SafeBitsCore:
         assert isinstance(path, DensePath)          # a pass-through step's
         self.sender.record_passed(rows)
         path.add_unchanged(self.numels[rows].astype(np.int64))
-        self._sent(rows, len(rows), Sent(None, self.step, path.name), start)
+        self._mark_sent(rows, len(rows), Handle(None, self.step, path.name), start)
         return True
 
     def send_group(self, indices: list[int], grads: list[torch.Tensor], intos: list[torch.Tensor | None], *,
-                   close: bool = True) -> Sent:
+                   close: bool = True) -> Handle:
         """:meth:`send` of several tensors at once: on the allgather path one group of the step, one batched pass
         and one collective (the DDP hook's chunks of a bucket; every rank must group alike); on the dense path one
         batched pass, the values written into ``intos`` (every one given: the bucket DDP all-reduces); else each in
-        turn. ``close=False``: the front end closes the step (:meth:`close`) once its own collectives are started."""
+        turn. On the allgather path the group's collective starts at once, after the step's allocation check (a
+        :class:`Grouping` given to :meth:`begin`). ``close=False``: the front end closes the step (:meth:`close`)
+        once its own collectives are started."""
         start = time.perf_counter()
         self._begin_for(indices)
         rows, path = np.asarray(indices, dtype=np.int64), self.path
         if not (path.sends_together and len(rows) and len(set(indices)) == len(rows)
                 and (path.packed or all(into is not None for into in intos))):
             sents = [self.send(index, grad, into) for index, grad, into in zip(indices, grads, intos, strict=True)]
-            return sents[-1] if sents else Sent(None, self.step, self.path.name)
+            return sents[-1] if sents else Handle(None, self.step, self.path.name)
         # The whole group at once, with one clock reading: the Python of one send per member is what this saves.
         flats = [flat_gradient(self.names[i], g, self._numels[i]) for i, g in zip(indices, grads, strict=True)]
         self.noise.local(flats)
         owns = [checked_into(self.names[i], g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
         path.send_together(indices, flats, owns)
-        return self._sent(rows, len(rows), Sent(None, self.step, path.name), start, close)
+        path.launch(rows)
+        return self._mark_sent(rows, len(rows), Handle(None, self.step, path.name), start, close)
 
-    def _sent(self, rows: int | np.ndarray, count: int, sent: Sent, start: float, close: bool = True) -> Sent:
+    def chunks(self, indices: list[int], chunk_bytes: int) -> list[tuple[int, int]]:
+        """:meth:`.collectives.CollectivePath.chunks` of the step's path: how to cut a DDP bucket for send_group."""
+        return self.path.chunks(indices, chunk_bytes)
+
+    @property
+    def ranks(self) -> int | None:
+        """How many ranks the payloads travel between (None until the first step makes the transport)."""
+        return self.transport.size if self.transport is not None else None
+
+    def payload(self, handle: Handle, index: int) -> torch.Tensor:
+        """What this rank sent of tensor ``index``: the values, or its payload(s) once sent (at the latest at close)."""
+        return self.paths[handle.collective].payload(index, handle.step) if handle.packed else handle.wire
+
+    def expect_at_close(self, handle: Handle, value: torch.Tensor, bits: int, what: str) -> None:
+        """:meth:`.collectives.CollectivePath.expect_at_close` of the handle's step: a front end's check of a value."""
+        self.paths[handle.collective].expect_at_close(value, bits, what)
+
+    def _mark_sent(self, rows: int | np.ndarray, count: int, sent: Handle, start: float, close: bool = True) -> Handle:
         """These ``count`` tensors are on their way (handed over at ``start``); the step closes after its last."""
         self.unsent[rows] = False
-        self._unsent_count -= count
+        self.unsent_count -= count
         self.clock.sent(start, time.perf_counter())
         if close:
             self.close()
@@ -263,18 +284,17 @@ class SafeBitsCore:
 
     def close(self) -> None:
         """4. Close the step if every tensor of it has been sent (else nothing)."""
-        if self.in_step and not self._unsent_count:
+        if self.in_step and not self.unsent_count:
             self._close()
 
-    def reduced_sums(self, indices: list[int], step: int, collective: str, outs: list[torch.Tensor | None],
+    def reduced_sums(self, indices: list[int], handle: Handle, outs: list[torch.Tensor | None],
                      divisor: float = 1.0) -> list[torch.Tensor]:
         """The sum over ranks of what every rank sent of each tensor at ``step`` on a packed path, decoded in rank
         order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a mean), as flat
         float32 tensors (``outs[k]`` if given: written over); waits for the collectives. On the allgather path
         each group is decoded once, into the ``into`` tensors its members were sent with."""
         start, waited = time.perf_counter(), waited_seconds()
-        path = self.paths[collective]
-        totals = path.reduced_sums(indices, step, outs, divisor)
+        totals = self.paths[handle.collective].reduced_sums(indices, handle.step, outs, divisor)
         self.noise.reduced(totals)
         self.clock.received(start, time.perf_counter(), waited_seconds() - waited)
         return totals
@@ -309,11 +329,13 @@ class SafeBitsCore:
             self.closing.end()
 
     # ------------------------------------------------------------------ 1. begin
-    def begin(self) -> None:
-        """Begin a step unless one is in progress (the first :meth:`send` does; the DDP hook, which needs the step's
-        path first, calls it itself)."""
+    def begin(self, grouping: Grouping | None = None) -> Handle:
+        """Begin a step unless one is in progress (the first :meth:`send` does; the DDP and FSDP front ends, which
+        need the step's path first, call it themselves). ``grouping``: how the front end groups its tensors itself;
+        on the allgather path every rank's allocation and grouping are then compared before the first payload
+        moves. Returns the step's :class:`Handle`."""
         if self.in_step:
-            return
+            return Handle(None, self.step, self.path.name)
         self.finish()
         bits_per_parameter = budget_at(self.schedule, self.step)
         self._budget_bits_total = self.policy.budget_bits_total(bits_per_parameter, self.total_elements)
@@ -321,7 +343,7 @@ class SafeBitsCore:
         self._allocation = self.policy.allocate(bits_per_parameter, self._budget_bits_total,
                                                 self.closing.previous_screened, self.closing.previous_v2)
         if self.transport is None:
-            self.transport = factory_made(self._transport_or_factory)
+            self.transport = factory_made(self.transport_source)
         if self.two_phase.configured_for is None:
             self.two_phase.configure(self.transport, self.memory if self.error_feedback else None)
         self.path = self.paths[collectives.choose(self.collective_setting,
@@ -335,17 +357,20 @@ class SafeBitsCore:
         for path in self.paths.values():      # each drops what is left of the last step
             path.begin(self.step, self.transport)
         self.unsent[:] = True
-        self._unsent_count = len(self.names)
+        self.unsent_count = len(self.names)
         self._fields = self.closing.fields(self.step)
         self.layout.reset(self._fields, self.policy.lossless, digest_words(self.allocation_digest))
         self.sender.begin(self.step, self.seed, self._allocation, self._fields, self.path, self.pass_through)
         self.noise.begin(self.step)
         self.in_step = True
+        self.path.start_check(grouping, self.allocation_digest)
+        return Handle(None, self.step, self.path.name)
 
     # ------------------------------------------------------------------ 4. close
     def _close(self) -> None:
         """4. Every tensor of the step is on its way (one process: the step ends and finishes now)."""
         assert self._allocation is not None
+        self.path.finish_check()        # where no payload of the step moved before its close
         if self.path.batched:
             self.path.flush()
         self.path.close(self.step, self._allocation.choice, self.seed)
@@ -357,27 +382,3 @@ class SafeBitsCore:
         self.step += 1
         if exchange.is_local:
             self.closing.finish()
-
-    # ------------------------------------------------------------------ elastic training
-    def abort_step(self) -> None:
-        """Drop the step in progress and the pending exchange (a collective failed: a worker left); the residuals
-        may hold part of that step, so load the last state next (elastic ``restore`` does)."""
-        self.in_step, self._unsent_count = False, len(self.names)
-        self.closing.drop()
-        self.unsent[:] = True
-        self.clock.abort()
-        for path in self.paths.values():
-            path.abort()
-
-    def leave_world(self) -> None:
-        """The world changed (elastic training): the statistics exchange and the payload transport are rebuilt for
-        the new one at the next step, and the two-phase segments with them. Exchanges and transports given as
-        objects rather than factories cannot be rebuilt: ``ValueError``. Call between steps."""
-        if not self.between_steps:
-            raise RuntimeError("leave_world() must be called between steps (abort_step() first after a failure)")
-        if not (self.closing.follows_worlds and callable(self._transport_or_factory)):
-            raise ValueError("SafeBits was given its exchange or transport as an object, which cannot follow a new "
-                             "world; pass factories (or nothing) for elastic training")
-        self.closing.leave_world()       # an exchange in flight is the old world's: dropped
-        self.transport = None
-        self.two_phase.leave_world()

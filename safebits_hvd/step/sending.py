@@ -4,9 +4,9 @@
 (docs/DESIGN.md, "The batched step"): a whole fusion group at a time on the allgather path (:meth:`Sender.send_group`),
 the whole step on the two-phase path (:func:`.two_phase.send_first_hop`), on the dense path a tensor (Horovod
 allreduces the values ``compress`` returns) or a DDP bucket at a time, values only (:meth:`Sender.send_values`).
-:func:`escalate` is the per-tensor screen-and-escalate loop, which the two-phase second hop's rare failures use: try
-the actions of an order until the exact statistics of what would be sent pass the screen (the lossless action
-always passes). The batched pass escalates in the same order, with the same keys and records, a round at a time.
+Members whose exact statistics fail the screen escalate together, a round at a time (:func:`escalation_rounds`,
+which the two-phase second hop shares): each tries the next action of its order until what it would send passes
+(the lossless action always does).
 """
 
 from __future__ import annotations
@@ -14,42 +14,51 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from ..codec import host, kernels
-from ..codec.actions import Action, ActionKind, Menu
+from ..codec.actions import ActionKind
 from ..codec.rng import stream_keys
 from ..comm.statistics import StepStatistics
 from ..errors import SafeBitsNonFiniteError
 from ..policy.allocator import Allocation
 from ..policy.budget import BudgetPolicy
-from ..policy.screen import ACCEPT_MARGIN, distortion_cosine, distortion_cosine_of
+from ..policy.screen import ACCEPT_MARGIN, distortion_cosine
 from .memory import ErrorFeedback
 
 
-class Codec(Protocol):
-    """What :func:`escalate` needs of a path: a pass, and its undoing (see :class:`.collectives.CollectivePath`)."""
+class EscalationRound(NamedTuple):
+    """One round of :func:`escalation_rounds`: the rows repacked, the action each was repacked at, the exact
+    statistics of what it now sends, their distortion and cosine, and which passed."""
 
-    def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
-        ...
-
-    def restore(self, index: int, sent: Any, e: torch.Tensor, name: str, action: int | None = None) -> None:
-        ...
-
-
-class Escalation(NamedTuple):
-    """What :func:`escalate` sent: the action, what travels, its exact statistics, and the actions that failed."""
-
-    action: int
-    sent: Any
+    rows: np.ndarray
+    actions: np.ndarray
     stats: np.ndarray
-    distortion: float
-    cosine: float
-    failed: list[int]
+    distortion: np.ndarray
+    cosine: np.ndarray
+    passed: np.ndarray
+
+
+def escalation_rounds(orders: dict[int, list[int]], repack: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                      passes: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]) -> Iterator[EscalationRound]:
+    """3. Send, the escalation: every row of ``orders`` sent its order's first action, whose exact statistics
+    failed; each round repacks all those still failing at the next action of their orders (``repack(rows,
+    actions)``: restore each row's residual from what it sent, pack it again, return the exact statistics), until
+    every one ``passes`` (the last action of each order, the lossless one, always does). Both hops of every path
+    escalate here: the first in :meth:`Sender.escalate_group`, the two-phase second in ``TwoPhasePath``."""
+    escalating, attempt = list(orders), 0
+    while escalating:
+        attempt += 1
+        rows = np.array(escalating, dtype=np.int64)
+        actions = np.array([orders[k][attempt] for k in escalating], dtype=np.int64)
+        stats = repack(rows, actions)
+        distortion, cosine = distortion_cosine(stats)
+        passed = passes(actions, distortion, cosine)
+        yield EscalationRound(rows, actions, stats, distortion, cosine, passed)
+        escalating = [k for j, k in enumerate(escalating) if not passed[j]]
 
 
 def holds_nonfinite(g: torch.Tensor) -> bool:
@@ -58,25 +67,6 @@ def holds_nonfinite(g: torch.Tensor) -> bool:
     if math.isfinite(float(host.to_host(g.sum()))):
         return False
     return not host.to_host(torch.isfinite(g).all())[()]
-
-
-def escalate(codec: Codec, actions: Menu, index: int, order: list[int], g: torch.Tensor | None,
-             e: torch.Tensor, key: int, own: torch.Tensor | None, accepts: Callable[[int, float, float], bool],
-             name: str) -> Escalation:
-    """3. Send: ``order[0]``'s pass, then, while its exact statistics fail ``accepts``, undo it (``e`` holds ``v``
-    again, to float rounding) and try the next action of ``order``, whose last action must always pass. (The
-    batched step escalates a group's failures together, round by round, in :meth:`Sender.send_group`.)"""
-    source, sent, failed = g, None, []
-    for attempt, action_index in enumerate(order):
-        if attempt:
-            codec.restore(index, sent, e, name)
-            source = None
-        sent, stats = codec.encode(index, source, e, actions[action_index], key, own)
-        distortion, cosine = distortion_cosine_of(stats.tolist())
-        if accepts(action_index, distortion, cosine):
-            break
-        failed.append(action_index)
-    return Escalation(action_index, sent, stats, distortion, cosine, failed)
 
 
 def flat_gradient(name: str, tensor: torch.Tensor, numel: int) -> torch.Tensor:
@@ -406,7 +396,7 @@ class Sender:
         entry); escalate the rest together, one ``repack(rows, actions)`` per round (it restores those members'
         residuals from what they sent, packs each at its action, one read back, and returns the exact
         statistics), in each member's ``send_order``, until every one passes (the lossless action always does):
-        the order, keys and records of the per-tensor path (:func:`escalate`)."""
+        the rounds of :func:`escalation_rounds`."""
         policy, fields = self.policy, self.fields
         assert fields is not None and self.allocation is not None
         finite, chosen = result.finite, result.chosen
@@ -418,7 +408,6 @@ class Sender:
         self.record_sent(members[accepted], actions, distortion[accepted], cosine[accepted],
                          policy.sent_passes(actions, distortion[accepted], cosine[accepted],
                                             policy.planning_margin), stats[accepted, 3])
-        escalating: list[int] = []
         orders: dict[int, list[int]] = {}
         for k in np.flatnonzero(~accepted).tolist():
             index = int(members[k])
@@ -428,21 +417,15 @@ class Sender:
             ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
                   else np.ones(len(self.menu), dtype=bool))
             orders[k] = policy.send_order(index, int(allocated[k]), ok)
-            escalating.append(k)
-        attempt = 0
-        while escalating:
-            attempt += 1
-            for k in escalating:
-                fields.screened[int(members[k]), orders[k][attempt - 1]] = math.inf
-            rows = np.array(escalating, dtype=np.int64)
-            actions = np.array([orders[k][attempt] for k in escalating], dtype=np.int64)
-            retry = repack(rows, actions)
-            distortion, cosine = distortion_cosine(retry)
-            passed = policy.sent_passes(actions, distortion, cosine, ACCEPT_MARGIN)
-            self.record_sent(members[rows[passed]], actions[passed], distortion[passed], cosine[passed],
-                             policy.sent_passes(actions[passed], distortion[passed], cosine[passed],
-                                                policy.planning_margin), retry[passed, 3])
-            escalating = [k for j, k in enumerate(escalating) if not passed[j]]
+        tried = {k: 0 for k in orders}          # the position in its order of the action each row last failed
+        for r in escalation_rounds(orders, repack, lambda a, d, c: policy.sent_passes(a, d, c, ACCEPT_MARGIN)):
+            for k in r.rows.tolist():
+                fields.screened[int(members[k]), orders[k][tried[k]]] = math.inf
+                tried[k] += 1
+            passed = r.passed
+            self.record_sent(members[r.rows[passed]], r.actions[passed], r.distortion[passed], r.cosine[passed],
+                             policy.sent_passes(r.actions[passed], r.distortion[passed], r.cosine[passed],
+                                                policy.planning_margin), r.stats[passed, 3])
 
     # ------------------------------------------------------------------ per-tensor state
     def sample_of(self, index: int, n: int, device: torch.device) -> torch.Tensor | None:

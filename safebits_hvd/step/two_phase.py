@@ -8,10 +8,10 @@ the choice, one for the packing of every segment), and :meth:`TwoPhasePath.close
 segment ``r`` of every tensor (index order) to rank ``r`` in ONE alltoall (alltoalls never fuse in Horovod).
 :meth:`TwoPhasePath.finish`, at the first ``decompress`` of the step, sums the segment this rank owns over every
 rank (rank order), re-encodes each sum ``s`` with a residual this rank owns (``v = s + e2``, ``e2 <- v - q2``: the
-second hop's error feedback, as DeepSpeed's ``server_error``) through the first hop's screen-and-escalate loop
-(:func:`.sending.escalate`), and ONE allgather delivers every owner's payloads to every rank, which decodes each
-tensor whole. Both collectives are submitted for every tensor at the same point
-of the step on every rank, so none can wait on a collective another rank has not submitted.
+second hop's error feedback, as DeepSpeed's ``server_error``) through the first hop's escalation
+(:func:`.sending.escalation_rounds`), and ONE allgather delivers every owner's payloads to every rank, which decodes
+each tensor whole. Both collectives are submitted for every tensor at the same point of the step on every rank, so
+none can wait on a collective another rank has not submitted.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch
 from ..codec import host, kernels, wire
 from ..codec.actions import Action
 from ..codec.rng import stream_key, stream_keys
-from ..comm import collectives
-from ..comm.collectives import CollectivePath, PackedCodec, packed_zeros
+from ..comm import collectives, transports
+from ..comm.collectives import CollectivePath, packed_zeros
 from ..comm.transports import PayloadTransport
 from ..policy.budget import BudgetPolicy
-from ..policy.screen import distortion_cosine
+from ..policy.screen import ACCEPT_MARGIN, distortion_cosine
 from .memory import ErrorFeedback
-from .sending import Sender, escalate
+from .sending import Sender, escalation_rounds
 
 
 class TwoPhasePath(CollectivePath):
@@ -59,7 +59,6 @@ class TwoPhasePath(CollectivePath):
         self.segments: list[list[tuple[int, int]]] = []
         self.configured_for: PayloadTransport | None = None       # the transport the segments were cut for
         self.step_begun = -1
-        self._codec = PackedCodec()
         self._registered: dict[int, torch.Tensor] = {}           # the step's gradients, until the step closes
         self._payloads: dict[int, list[torch.Tensor]] = {}       # the step's first-hop payloads, by tensor
         self._sent: tuple[int, dict[int, list[torch.Tensor]]] = (-1, {})   # (step, its payloads) once closed
@@ -201,6 +200,7 @@ class TwoPhasePath(CollectivePath):
         buffer = torch.cat([p for piece in pieces for p in piece])
         handle = self.transport.start_alltoall(f"{self.collective_name}.two_phase.alltoall", buffer,
                                                [sum(p.numel() for p in piece) for piece in pieces])
+        transports.launch(self.transport)         # the step's first hop moves now, wherever its transport queues
         self._pending = (step, handle, allocation.copy(), seed)
         self._sent = (step, self._payloads)
         self._payloads = {}
@@ -263,7 +263,7 @@ class TwoPhasePath(CollectivePath):
                     totals: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every owned segment's sum re-encoded with error feedback, screened like the first hop: the allocated
         action if its exact statistics pass, else costlier ones, else lossless; one batched pass (one read back)
-        over every tensor, then :func:`.sending.escalate` for each one that failed (from its next action) and a
+        over every tensor, then the first hop's rounds (:func:`.sending.escalation_rounds`) for those that failed and a
         lossless pass on a scratch residual for a non-finite sum (a rank propagated NaN/Inf: the sum is passed on,
         ``e2`` kept clean). Returns the payloads in tensor order."""
         policy, tables, ranks, rank = self.policy, self.segment_tables, self.transport.size, self.transport.rank
@@ -280,7 +280,8 @@ class TwoPhasePath(CollectivePath):
         sent = kernels.send_group(kernels.GroupSend(rows, totals, residuals, [None] * tensors, [None] * tensors,
                                                     keys, allocation, True, False, False, policy.rule), tables)
         distortion, cosine = distortion_cosine(sent.stats)
-        payloads = []
+        payloads: list[torch.Tensor] = []
+        orders: dict[int, list[int]] = {}
         for index in range(tensors):
             name, allocated, total = self.names[index], int(allocation[index]), totals[index]
             if not sent.finite[index]:
@@ -290,17 +291,26 @@ class TwoPhasePath(CollectivePath):
                                                          self.menu[policy.lossless_index], 0)[0])
                 continue
             self.ranges[name] = self.segments[index][rank]
-            payload = sent.buffer[sent.offsets[index]:sent.offsets[index + 1]]
+            payloads.append(sent.buffer[sent.offsets[index]:sent.offsets[index + 1]])
             if not policy.accepts(allocated, float(distortion[index]), float(cosine[index])):
-                order = []
-                if policy.screen_enabled:
-                    cost = policy.costs[index]
-                    order += [int(a) for a in policy.cost_order[index]
-                              if cost[a] > cost[allocated] and not policy.lossless[a]] + [policy.lossless_index]
-                self._codec.restore(index, payload, residuals[index], name)
-                payload = escalate(self._codec, self.menu, index, order, None, residuals[index], int(keys[index]),
-                                   None, policy.accepts, name).sent
-            payloads.append(payload)
+                # No screen estimate of a sum: the costlier actions, by cost, then the lossless one.
+                costlier = policy.costs[index] > policy.costs[index, allocated]
+                costlier[allocated] = True
+                orders[index] = policy.send_order(index, allocated, costlier)
+
+        def repack(escalating: np.ndarray, actions: np.ndarray) -> np.ndarray:
+            for index in escalating.tolist():
+                kernels.decode_add(payloads[index], residuals[index], name=self.names[index])      # e <- e + q
+            retry = kernels.send_group(kernels.GroupSend(
+                rows[escalating], [None] * len(escalating), [residuals[i] for i in escalating.tolist()],
+                [None] * len(escalating), [None] * len(escalating), keys[escalating], actions, False, False, False,
+                policy.rule), tables)
+            for j, index in enumerate(escalating.tolist()):
+                payloads[index] = retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
+            return retry.stats
+
+        for _ in escalation_rounds(orders, repack, lambda a, d, c: policy.sent_passes(a, d, c, ACCEPT_MARGIN)):
+            pass                # nothing to record: a sum's statistics are not the step's (its first hop's are)
         return payloads
 
 
