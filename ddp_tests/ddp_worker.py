@@ -409,11 +409,11 @@ def run_front_end_parity() -> dict[str, Any]:
         contexts = [(p, *compressor.compress(p.grad)) for _, p in reversed(named)]   # backward order
         for p, wire, ctx in contexts:
             # Horovod would average the marker (1 on the packed paths) or the dense values over ranks.
-            if not ctx.sent.packed:
+            if not ctx.handle.packed:
                 wire = wire.clone()
                 dist.all_reduce(wire)
                 wire /= dist.get_world_size()
-            p.grad = compressor.decompress(torch.ones(1) if ctx.sent.packed else wire, ctx)
+            p.grad = compressor.decompress(torch.ones(1) if ctx.handle.packed else wire, ctx)
         opt.step()
         twin_opt.step()
         a, b = state.last_step, compressor.last_step

@@ -64,8 +64,8 @@ class TrackingSafeBits(sb.SafeBits):
         out, ctx = super().compress(tensor)
         if name is None:     # super() accepted it (e.g. sparse_as_dense); nothing to track
             return out, ctx
-        self.collectives.add(ctx.sent.collective)
-        if ctx.sent.packed:       # Horovod reduces a one-element marker; the payloads travel beside it
+        self.collectives.add(ctx.handle.collective)
+        if ctx.handle.packed:       # Horovod reduces a one-element marker; the payloads travel beside it
             if out.numel() != 1:
                 self.wire_problems.append(f"{name}: marker of {out.numel()}")
             # The payload exists once the tensor's group has been sent: read it in decompress.

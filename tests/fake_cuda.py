@@ -35,7 +35,7 @@ class FakeCuda:
     """A backend (``kernels.use_backend``) named ``"cuda"``: each call issues what the CUDA backend issues, then
     returns the C backend's values (which the CUDA backend's equal bitwise)."""
 
-    NAME = "cuda"
+    NAME, PACKS_GROUPS, ON_HOST, TAKES_ADDRESSES = cuda.NAME, cuda.PACKS_GROUPS, cuda.ON_HOST, cuda.TAKES_ADDRESSES
 
     def __init__(self) -> None:
         self.runtime = RecordingRuntime()

@@ -133,9 +133,9 @@ def train(collective: str, ranks: int, steps: int, budget_bits: float = 2.0, op_
             random_grads(params, step, seed=1 + rank)
             pending = [(name, p.grad.shape, *c.compress(p.grad)) for name, p in reversed(params)]
             sent.append({name: collectives.decode_sequence(ctx.wire, torch.zeros(shape.numel()), name)
-                         if ctx.sent.packed else out.clone() for name, shape, out, ctx in pending})
+                         if ctx.handle.packed else out.clone() for name, shape, out, ctx in pending})
             marker = torch.full((1,), float(ranks) if op_sum else 1.0)
-            reduced.append({name: c.decompress(marker if ctx.sent.packed else out, ctx).clone()
+            reduced.append({name: c.decompress(marker if ctx.handle.packed else out, ctx).clone()
                             for name, _, out, ctx in pending})
             if after_step is not None:
                 after_step(c)

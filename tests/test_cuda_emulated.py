@@ -64,7 +64,7 @@ CASES = [(n, action) for n in SIZES for action in ACTIONS + ODD_ACTIONS] + [
 def test_every_action_packs_decodes_and_quantizes_as_the_c_backend(n: int, action: A.Action) -> None:
     g, e = make(n)
     e_c, sent_c, out_c = e.clone(), torch.empty(n), torch.empty(n)
-    payload_c, stats_c = K.quantize_pack_ef(g, e_c, action, KEY, sent=sent_c)
+    payload_c, stats_c = K.quantize_pack_ef(g, e_c, action, KEY, into=sent_c)
     q_stats_c = K.quantize_ef(g, e.clone(), out_c, action, KEY)
     decoded_c = K.decode_add(payload_c, torch.ones(n), divisor=3.0)
     with cuda_emulator.emulated():
@@ -96,11 +96,11 @@ def test_the_screen_measures_every_action_as_the_c_backend(n: int) -> None:
         assert _same_bits(got, want)
 
 
-def _send(request: K.GroupSend, tables: K.GroupTables, emulated: bool) -> K.GroupSent:
+def _send(request: K.PackRequest, tables: K.GroupTables, emulated: bool) -> K.PackResult:
     if not emulated:
-        return K.send_group(request, tables)
+        return K.pack_group(request, tables)
     with cuda_emulator.emulated(), recycled_memory():
-        return cuda.send_group(request, tables)
+        return cuda.pack_group(request, tables)
 
 
 @contextlib.contextmanager
@@ -138,7 +138,7 @@ def test_the_group_send_is_the_c_backends(output: K.GroupOutput, thresholds: tup
         gradients, residuals, keys = group_case_sized(11, nan_member)
         samples = [None if -(-int(n) // MENU.bucket_size) <= 2 else torch.tensor([0, 2]) for n in GROUP_SIZES]
         sents = [torch.full_like(g, 5.0) for g in gradients]
-        result = _send(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
+        result = _send(K.PackRequest(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
                                    True, True, True, ScreenRule(max_distortion, min_cosine), output), tables, emulated)
         results.append((result, residuals, sents))
     (want, want_e, want_q), (got, got_e, got_q) = results
@@ -159,7 +159,7 @@ def test_a_group_of_empty_members_sends_the_allocated_actions() -> None:
     results = []
     for emulated in (False, True):
         empty = [torch.empty(0) for _ in sizes]
-        request = K.GroupSend(np.arange(3), empty, [torch.empty(0) for _ in sizes], [None] * 3, [None] * 3,
+        request = K.PackRequest(np.arange(3), empty, [torch.empty(0) for _ in sizes], [None] * 3, [None] * 3,
                               np.arange(3, dtype=np.uint32), allocated, True, True, True, ScreenRule(0.5, 0.7))
         results.append(_send(request, tables, emulated))
     assert np.array_equal(results[1].chosen, results[0].chosen) and np.array_equal(results[0].chosen, allocated)
@@ -190,7 +190,7 @@ def test_the_group_decode_is_the_c_backends_and_names_an_invalid_topk_payload(ra
         for r in range(ranks):
             g, e = make(int(n), 10 * k + r)
             sent = torch.empty(int(n))
-            payload, _ = K.quantize_pack_ef(g, e, MENU[int(actions[k, r])], 7, sent=sent)
+            payload, _ = K.quantize_pack_ef(g, e, MENU[int(actions[k, r])], 7, into=sent)
             member.append(torch.cat([torch.zeros(1 + r, dtype=torch.uint8), payload])[1 + r:])
             member_values.append(sent)
         payloads.append(member)

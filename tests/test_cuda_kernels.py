@@ -139,7 +139,7 @@ def test_quantize_pack_ef_cuda_matches_cpu(n, action):
     assert torch.equal(bits(K.decode_add(p_gpu, acc)), bits(expect))
     assert torch.equal(bits(K.decode(p_cpu.cuda()).cpu()), bits(K.decode(p_cpu)))
     g_over, e_over = g.cuda(), e.cuda()                       # q written over the gradient itself, as the front
-    p_over, _ = K.quantize_pack_ef(g_over, e_over, action, KEY, sent=g_over)   # ends do
+    p_over, _ = K.quantize_pack_ef(g_over, e_over, action, KEY, into=g_over)   # ends do
     torch.cuda.synchronize()
     assert torch.equal(p_over.cpu(), p_cpu) and torch.equal(bits(e_over.cpu()), bits(e_cpu))
     assert torch.equal(bits(g_over.cpu()), bits(out_ref.cpu()))
@@ -158,7 +158,7 @@ def test_decode_cuda_rejects_bad_topk_indices():
 
 
 # ------------------------------------------------------------------------------ the batched step (group kernels)
-# cuda.send_group / cuda.decode_group against the per-tensor CUDA kernels. Payloads, residuals, q and the choice are
+# cuda.pack_group / cuda.decode_group against the per-tensor CUDA kernels. Payloads, residuals, q and the choice are
 # compared bitwise; the float64 sums only to 1e-12 relative (the group kernels reduce the per-bucket partials in a
 # fixed order of their own, the per-tensor kernels with torch's part.sum(dim=0)).
 
@@ -181,7 +181,7 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
 @needs_gpu
 @pytest.mark.parametrize("thresholds", [(0.5, 0.7), (0.02, 0.97)], ids=["loose", "tight"])
 @pytest.mark.parametrize("allocation", ["each action", "mixed", "nan"])
-def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocation):
+def test_cuda_pack_group_is_bitwise_the_per_tensor_kernels(thresholds, allocation):
     max_distortion, min_cosine = thresholds
     tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, max_distortion, min_cosine).cost_order)
     cases = ([np.full(GROUP_M, a) for a in range(len(MENU))] if allocation == "each action"
@@ -191,7 +191,7 @@ def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocatio
                                                                      5 if allocation == "nan" else None)
         expected_residuals = [e.clone() for e in residuals]
         sents = [torch.empty_like(g) for g in gradients]
-        result = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys,
+        result = K.pack_group(K.PackRequest(np.arange(GROUP_M), gradients, residuals, sents, samples, keys,
                                           allocated, True, True, True, ScreenRule(max_distortion, min_cosine)), tables)
         assert result.buffer.is_cuda and result.buffer.numel() == result.offsets[-1]
         # the device's choice is exactly first_candidates on the statistics it returned
@@ -208,7 +208,7 @@ def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocatio
             assert result.chosen[k] == rule.first_candidates(screen[None], allocated[k:k + 1],
                                                              tables.cost_order[k:k + 1], tables.lossless)[0]
             sent = torch.empty_like(g)
-            payload, stats = K.quantize_pack_ef(g, e, MENU[int(result.chosen[k])], int(keys[k]), sent=sent)
+            payload, stats = K.quantize_pack_ef(g, e, MENU[int(result.chosen[k])], int(keys[k]), into=sent)
             assert torch.equal(result.buffer[result.offsets[k]:result.offsets[k + 1]], payload), k
             assert _close(result.stats[k], stats.cpu().numpy()), k
             assert torch.equal(bits(sents[k]), bits(sent)), k
@@ -219,7 +219,7 @@ def test_cuda_send_group_is_bitwise_the_per_tensor_kernels(thresholds, allocatio
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("nan_member", [None, 5])
-def test_cuda_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member):
+def test_cuda_pack_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member):
     """``GroupOutput.SCREEN`` (the two-phase first hop's screen) on the GPU: the verdicts, screen statistics and
     choices of the packing pass, no payload, no residual or q written, one read back."""
     tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.02, 0.97).cost_order)
@@ -228,13 +228,13 @@ def test_cuda_send_group_without_packing_screens_and_chooses_alike_and_writes_no
     before = [e.clone() for e in residuals]
     sents = [torch.full_like(g, 5.0) for g in gradients]
     reads = host.reads()
-    screened = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
+    screened = K.pack_group(K.PackRequest(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
                                         True, True, True, ScreenRule(0.02, 0.97), K.GroupOutput.SCREEN), tables)
     assert host.reads() - reads == 1
     assert screened.buffer.numel() == 0 and not screened.offsets.any() and not screened.stats.any()
     for got, want, sent in zip(residuals, before, sents, strict=True):
         assert torch.equal(bits(got), bits(want)) and bool((sent == 5.0).all())
-    packed = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
+    packed = K.pack_group(K.PackRequest(np.arange(GROUP_M), gradients, residuals, sents, samples, keys, allocated,
                                       True, True, True, ScreenRule(0.02, 0.97)), tables)
     assert np.array_equal(screened.finite, packed.finite)
     assert np.array_equal(screened.chosen, packed.chosen)
@@ -244,7 +244,7 @@ def test_cuda_send_group_without_packing_screens_and_chooses_alike_and_writes_no
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("nan_member", [None, 5])
-def test_cuda_send_group_of_values_writes_q_and_residuals_as_the_packing_pass_and_no_payload(nan_member):
+def test_cuda_pack_group_of_values_writes_q_and_residuals_as_the_packing_pass_and_no_payload(nan_member):
     """``GroupOutput.VALUES`` (the dense path) on the GPU: bitwise the packing pass's q and residuals, the same
     choices and statistics, no payload, one read back."""
     tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.02, 0.97).cost_order)
@@ -254,11 +254,11 @@ def test_cuda_send_group_of_values_writes_q_and_residuals_as_the_packing_pass_an
     value_sents = [torch.full_like(g, 5.0) for g in gradients]
     packed_sents = [torch.full_like(g, 5.0) for g in gradients]
     reads = host.reads()
-    values = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, value_sents, samples, keys,
+    values = K.pack_group(K.PackRequest(np.arange(GROUP_M), gradients, residuals, value_sents, samples, keys,
                                       allocated, True, True, True, ScreenRule(0.02, 0.97), K.GroupOutput.VALUES),
                           tables)
     assert host.reads() - reads == 1
-    packed = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, packed_residuals, packed_sents, samples, keys,
+    packed = K.pack_group(K.PackRequest(np.arange(GROUP_M), gradients, packed_residuals, packed_sents, samples, keys,
                                       allocated, True, True, True, ScreenRule(0.02, 0.97)), tables)
     assert values.buffer.numel() == 0 and not values.offsets.any()
     assert np.array_equal(values.chosen, packed.chosen) and np.array_equal(values.stats, packed.stats)
@@ -269,11 +269,11 @@ def test_cuda_send_group_of_values_writes_q_and_residuals_as_the_packing_pass_an
 
 @gpu
 @needs_gpu
-def test_cuda_send_group_without_screen_sends_the_allocated_actions():
+def test_cuda_pack_group_without_screen_sends_the_allocated_actions():
     tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.01, 0.99).cost_order)
     gradients, residuals, samples, keys, allocated = _cuda_group(np.full(GROUP_M, 4), 0, None)
     expected = [e.clone() for e in residuals]
-    result = K.send_group(K.GroupSend(np.arange(GROUP_M), gradients, residuals, [None] * GROUP_M, samples, keys,
+    result = K.pack_group(K.PackRequest(np.arange(GROUP_M), gradients, residuals, [None] * GROUP_M, samples, keys,
                                       allocated, False, False, False, ScreenRule(0.01, 0.99)), tables)
     assert (result.chosen == 4).all() and not result.screen_stats.any() and result.finite.all()
     for k, (g, e) in enumerate(zip(gradients, expected, strict=True)):
@@ -284,14 +284,14 @@ def test_cuda_send_group_without_screen_sends_the_allocated_actions():
 
 @gpu
 @needs_gpu
-def test_cuda_send_group_reads_back_once():
+def test_cuda_pack_group_reads_back_once():
     tables = K.GroupTables(MENU, GROUP_SIZES, BudgetPolicy(MENU, GROUP_SIZES, 0.5, 0.7).cost_order)
     gradients, residuals, samples, keys, allocated = _cuda_group(np.full(GROUP_M, 2), 0, 5)
-    request = K.GroupSend(np.arange(GROUP_M), gradients, residuals, [None] * GROUP_M, samples, keys, allocated,
+    request = K.PackRequest(np.arange(GROUP_M), gradients, residuals, [None] * GROUP_M, samples, keys, allocated,
                           True, True, True, ScreenRule(0.5, 0.7))
-    K.send_group(request, tables)                         # warm: compile, device tables cached
+    K.pack_group(request, tables)                         # warm: compile, device tables cached
     before = host.reads()
-    K.send_group(request, tables)
+    K.pack_group(request, tables)
     assert host.reads() - before == 1
 
 
@@ -306,7 +306,7 @@ def _gathered_group(ranks: int, seed: int):
         for r in range(ranks):
             g, e = make(int(n), 10 * k + r)
             sent = torch.empty(int(n), device="cuda")
-            payload, _ = K.quantize_pack_ef(g.cuda(), e.cuda(), MENU[int(actions[k, r])], 7, sent=sent)
+            payload, _ = K.quantize_pack_ef(g.cuda(), e.cuda(), MENU[int(actions[k, r])], 7, into=sent)
             pad = torch.zeros(1 + r, dtype=torch.uint8, device="cuda")
             member.append(torch.cat([pad, payload])[1 + r:])
             member_values.append(sent)

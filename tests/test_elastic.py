@@ -21,7 +21,7 @@ def steps_together(c: sb.SafeBits, params, steps: int, seed: int) -> None:
         random_grads(params, step, seed)
         pending = [c.compress(p.grad) for _, p in reversed(params)]
         for wire, ctx in pending:
-            c.decompress(torch.ones(1) if ctx.sent.packed else wire, ctx)
+            c.decompress(torch.ones(1) if ctx.handle.packed else wire, ctx)
 
 
 def test_torchstate_saves_and_restores_safebits() -> None:

@@ -1,4 +1,4 @@
-"""The multi-tensor kernels (kernels.send_group, kernels.decode_group) against the per-tensor kernels, bit for bit,
+"""The multi-tensor kernels (kernels.pack_group, kernels.decode_group) against the per-tensor kernels, bit for bit,
 and the batched step's count of reads back to the host (safebits_hvd.codec.host)."""
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ def per_tensor(gradients, residuals, samples, keys, allocated, tables, max_disto
         chosen = int(ScreenRule(max_distortion, min_cosine).first_candidates(
             screen_stats[None], allocated[k:k + 1], tables.cost_order[k:k + 1], tables.lossless)[0])
         sent = torch.empty_like(g)
-        payload, stats = kernels.quantize_pack_ef(g, e, MENU[chosen], int(keys[k]), sent=sent)
+        payload, stats = kernels.quantize_pack_ef(g, e, MENU[chosen], int(keys[k]), into=sent)
         out.append((screen_stats, chosen, payload, stats.numpy(), sent))
     return out
 
 
 @pytest.mark.parametrize("thresholds", [(0.5, 0.7), (0.02, 0.97)])
 @pytest.mark.parametrize("allocation", ["each action", "mixed", "nan"])
-def test_send_group_is_bitwise_the_per_tensor_kernels(thresholds: tuple[float, float], allocation: str) -> None:
+def test_pack_group_is_bitwise_the_per_tensor_kernels(thresholds: tuple[float, float], allocation: str) -> None:
     max_distortion, min_cosine = thresholds
     policy = BudgetPolicy(MENU, SIZES, max_distortion, min_cosine)
     tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
@@ -64,7 +64,7 @@ def test_send_group_is_bitwise_the_per_tensor_kernels(thresholds: tuple[float, f
         expected = per_tensor(gradients, expected_residuals, samples, keys, allocated, tables, max_distortion,
                               min_cosine)
         sents = [torch.empty_like(g) for g in gradients]
-        result = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals, sents, samples,
+        result = kernels.pack_group(kernels.PackRequest(np.arange(len(SIZES)), gradients, residuals, sents, samples,
                                                       keys, allocated, True, True, True,
                                                       ScreenRule(max_distortion, min_cosine)), tables)
         for k, want in enumerate(expected):
@@ -83,11 +83,11 @@ def test_send_group_is_bitwise_the_per_tensor_kernels(thresholds: tuple[float, f
             assert torch.equal(bits(got), bits(want))
 
 
-def test_send_group_without_screen_sends_the_allocated_actions() -> None:
+def test_pack_group_without_screen_sends_the_allocated_actions() -> None:
     policy = BudgetPolicy(MENU, SIZES, 0.01, 0.99)
     tables = kernels.GroupTables(MENU, SIZES, policy.cost_order)
     gradients, residuals, samples, keys, allocated = group_case(np.full(len(SIZES), 4), 0)
-    result = kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), gradients, residuals,
+    result = kernels.pack_group(kernels.PackRequest(np.arange(len(SIZES)), gradients, residuals,
                                                   [None] * len(SIZES), samples, keys, allocated, False, False, False,
                                                   ScreenRule(0.01, 0.99)), tables)
     assert (result.chosen == 4).all() and not result.screen_stats.any()
@@ -106,7 +106,7 @@ def test_decode_group_is_bitwise_decode_then_decode_add_in_rank_order(divisor: f
         for r in range(ranks):
             g, e = make(int(n), 10 * k + r)
             sent = torch.empty_like(g)
-            payload, _ = kernels.quantize_pack_ef(g, e, MENU[int(actions[k, r])], 7, sent=sent)
+            payload, _ = kernels.quantize_pack_ef(g, e, MENU[int(actions[k, r])], 7, into=sent)
             member.append(torch.cat([torch.zeros(1 + r, dtype=torch.uint8), payload])[1 + r:])   # misaligned
             member_values.append(sent)
         payloads.append(member)
@@ -150,14 +150,14 @@ class TightGroup:
         self.sents: list[torch.Tensor | None] = [torch.full_like(g, 5.0) for g in self.gradients]
 
     def send(self, residuals: list[torch.Tensor], sents: list[torch.Tensor | None],
-             output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.GroupSent:
-        return kernels.send_group(kernels.GroupSend(np.arange(len(SIZES)), self.gradients, residuals, sents,
+             output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.PackResult:
+        return kernels.pack_group(kernels.PackRequest(np.arange(len(SIZES)), self.gradients, residuals, sents,
                                                     self.samples, self.keys, self.allocated, True, True, True,
                                                     ScreenRule(0.02, 0.97), output), self.tables)
 
 
 @pytest.mark.parametrize("nan_member", [None, 5])
-def test_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member: int | None) -> None:
+def test_pack_group_without_packing_screens_and_chooses_alike_and_writes_nothing(nan_member: int | None) -> None:
     """``GroupOutput.SCREEN`` (the two-phase first hop's screen): the same verdicts, screen statistics and choices
     as the packing pass, and no payload, residual or ``q`` written."""
     group = TightGroup(3, 7, nan_member)
@@ -173,7 +173,7 @@ def test_send_group_without_packing_screens_and_chooses_alike_and_writes_nothing
 
 
 @pytest.mark.parametrize("nan_member", [None, 5])
-def test_send_group_of_values_is_bitwise_the_per_tensor_quantize_ef_and_writes_no_payload(
+def test_pack_group_of_values_is_bitwise_the_per_tensor_quantize_ef_and_writes_no_payload(
         nan_member: int | None) -> None:
     """``GroupOutput.VALUES`` (the dense path): each finite member's q, residual and statistics bitwise what
     :func:`kernels.quantize_ef` gives at the action the pass chose, the same choices as the packing pass, no

@@ -62,7 +62,7 @@ def test_every_dispatch_target_packs_the_same_bits(target: str, n: int) -> None:
     g, e = make(n)
     for action in ACTIONS:
         e_loaded, sent_loaded = e.clone(), torch.empty(n)
-        payload, stats = K.quantize_pack_ef(g, e_loaded, action, KEY, sent=sent_loaded)
+        payload, stats = K.quantize_pack_ef(g, e_loaded, action, KEY, into=sent_loaded)
         e_target, sent_target, again = e.clone(), torch.empty(n), payload.clone()
         again[wire.HEADER_BYTES:] = 0                        # the header as the loaded build wrote it
         stats_target = cpu.quantize_pack_ef(g, e_target, again, action, KEY, sent_target, lib=lib)

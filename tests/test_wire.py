@@ -187,7 +187,7 @@ def test_decode_add_accumulates(action):
 @needs_c
 @pytest.mark.parametrize("action", ALL_ACTIONS, ids=_ids)
 def test_sent_holds_the_decoded_payload(action):
-    """``quantize_pack_ef(..., sent=)`` writes q, bitwise what decoding the payload gives, also over ``g`` itself
+    """``quantize_pack_ef(..., into=)`` writes q, bitwise what decoding the payload gives, also over ``g`` itself
     (the front ends pass the gradient's storage), C and reference alike; payload, e and statistics unchanged."""
     for n in (0, 1, 513, 5000, 70_001):
         g, e = make(n, seed=5)
@@ -195,9 +195,9 @@ def test_sent_holds_the_decoded_payload(action):
         payload, stats = K.quantize_pack_ef(g, e_plain, action, KEY)
         decoded = K.decode(payload)
         sent, e_sent = torch.full((n,), 7.0), e.clone()
-        payload_sent, stats_sent = K.quantize_pack_ef(g, e_sent, action, KEY, sent=sent)
+        payload_sent, stats_sent = K.quantize_pack_ef(g, e_sent, action, KEY, into=sent)
         g_over, e_over = g.clone(), e.clone()
-        payload_over, _ = K.quantize_pack_ef(g_over, e_over, action, KEY, sent=g_over)
+        payload_over, _ = K.quantize_pack_ef(g_over, e_over, action, KEY, into=g_over)
         for p, q, e_after in ((payload_sent, sent, e_sent), (payload_over, g_over, e_over)):
             assert torch.equal(p, payload) and torch.equal(bits(e_after), bits(e_plain))
             assert torch.equal(bits(q), bits(decoded)), (action.name, n)
@@ -211,9 +211,9 @@ def test_sent_holds_the_decoded_payload(action):
 def test_sent_must_not_be_the_residual():
     g, e = make(100)
     with pytest.raises(ValueError, match="sent must not be e"):
-        K.quantize_pack_ef(g, e, A.ACTIONS["int4"], KEY, sent=e)
+        K.quantize_pack_ef(g, e, A.ACTIONS["int4"], KEY, into=e)
     with pytest.raises(ValueError, match="sent has 99 elements"):
-        K.quantize_pack_ef(g, e, A.ACTIONS["int4"], KEY, sent=torch.zeros(99))
+        K.quantize_pack_ef(g, e, A.ACTIONS["int4"], KEY, into=torch.zeros(99))
 
 
 @pytest.mark.parametrize("divisor", [2, 3, 7.5])

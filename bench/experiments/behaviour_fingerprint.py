@@ -270,7 +270,7 @@ def safebits_configs() -> dict[str, Factory]:
         "loose_thresholds_seed7": make(budget_bits=2.5, max_distortion=1.0, min_cosine=0.0, seed=7,
                                        sample_buckets=4),
         "budget4.4_horovod_order": make(budget_bits=4.4),
-        # The allgather path in one process (the batched step: fusion groups, kernels.send_group/decode_group).
+        # The allgather path in one process (the batched step: fusion groups, kernels.pack_group/decode_group).
         "allgather_budget2": make(budget_bits=2.0, collective="allgather"),
         "allgather_budget4.4_horovod_order": make(budget_bits=4.4, collective="allgather"),
         "allgather_tight_thresholds": make(budget_bits=1.5, max_distortion=0.05, min_cosine=0.97,

@@ -1,4 +1,4 @@
-"""The batched step's group kernels on the GPU: ``kernels.send_group`` and ``kernels.decode_group`` of one fusion
+"""The batched step's group kernels on the GPU: ``kernels.pack_group`` and ``kernels.decode_group`` of one fusion
 group, timed as a ratio to ``torch.clone`` of the group's float32 bytes (one flat tensor), and the reads back to
 the host (``safebits_hvd.codec.host``) per group. Run: ``SAFEBITS_BENCH_DEVICE=cuda python -m bench.suites.bench_group``
 (bench/gpu_check.sh does). Groups: many small tensors (a transformer layer's biases and norms), and a few large."""
@@ -42,13 +42,13 @@ def run(name: str, sizes: np.ndarray) -> None:
                        torch.linspace(0, nb - 1, SAMPLE_BUCKETS).long().unique().to(DEVICE))
     keys = np.array([stream_key(0, 1, k) for k in range(m)], dtype=np.uint32)
     allocated = np.random.RandomState(0).randint(0, len(MENU), m)
-    request = K.GroupSend(np.arange(m), grads, residuals, sents, samples, keys, allocated, True, True, True,
+    request = K.PackRequest(np.arange(m), grads, residuals, sents, samples, keys, allocated, True, True, True,
                           ScreenRule(0.5, 0.7))
     flat = torch.randn(int(sizes.sum()), generator=gen).to(DEVICE)
     t_clone = best_time(lambda: flat.clone())
-    result = K.send_group(request, tables)
+    result = K.pack_group(request, tables)
     before = host.reads()
-    t_send = best_time(lambda: K.send_group(request, tables))
+    t_send = best_time(lambda: K.pack_group(request, tables))
     send_reads = (host.reads() - before) / 8            # best_time: one warm-up call + 7 timed ones
     # every rank sent this rank's payloads (the decode work of a RANKS-rank allgather)
     payloads = [[result.buffer[result.offsets[k]:result.offsets[k + 1]]] * RANKS for k in range(m)]

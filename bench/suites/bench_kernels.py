@@ -103,14 +103,14 @@ def test_quantize_pack_ef(benchmark, name):
 
 @pytest.mark.parametrize("name", ["int8", "int3_mse"])
 def test_quantize_pack_ef_sent(benchmark, name):
-    """The packing pass that also writes ``q`` (``sent=``), as the allgather path runs it: the price of the decode it
+    """The packing pass that also writes ``q`` (``into=``), as the allgather path runs it: the price of the decode it
     saves this rank (ResNet-18 at 4.4 bits sends these two actions)."""
     g, e, out = _wire_tensors()
     action = A.ACTIONS[name]
     payload, _ = K.quantize_pack_ef(g, e, action, KEY)
 
     def fn():
-        K.quantize_pack_ef(g, e, action, KEY, payload, sent=out)
+        K.quantize_pack_ef(g, e, action, KEY, payload, into=out)
         _sync()
 
     _run(benchmark, fn, g, "pack_sent_vs_clone")

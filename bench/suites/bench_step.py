@@ -7,7 +7,7 @@ kernels' own work is small, so the figure is SafeBits' cost per tensor; with 272
 of ``bench.suites.horovod_overhead``) it includes the kernels. ``test_thousand_tensor_dense_step``: the same step on
 the dense path (each tensor a group of one, its values only), for comparison;
 ``test_thousand_tensor_pass_through_step``: a pass-through step (32 bits).
-``test_sending_a_group_of_thousand_tensors``: the batched send pass of one such group alone (``kernels.send_group``).
+``test_sending_a_group_of_thousand_tensors``: the batched send pass of one such group alone (``kernels.pack_group``).
 ``test_locating_a_gathered_group``: where each payload of a gathered group of 1,000 members from 2 ranks starts
 (``kernels.locate_payloads``), when every rank sent what was allocated and when some escalated.
 
@@ -161,7 +161,7 @@ def test_locating_a_gathered_group(benchmark: Any, escalated: int) -> None:
 
 @pytest.mark.parametrize("numel", [1, 272])
 def test_sending_a_group_of_thousand_tensors(benchmark: Any, numel: int) -> None:
-    """``kernels.send_group`` of one group of 1,000 members of ``numel`` elements: the NaN/Inf check, the screen of
+    """``kernels.pack_group`` of one group of 1,000 members of ``numel`` elements: the NaN/Inf check, the screen of
     the default menu on every bucket and the packing at int4_nearest, one thread. With one element a member, the
     figure is the pass's fixed cost per member (``us_per_member``)."""
     torch.set_num_threads(1)
@@ -170,11 +170,11 @@ def test_sending_a_group_of_thousand_tensors(benchmark: Any, numel: int) -> None
     tables = kernels.GroupTables(menu, sizes, sb.policy.budget.BudgetPolicy(menu, sizes, 0.5, 0.7).cost_order)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(numel, generator=gen) for _ in range(TENSORS)]
-    request = kernels.GroupSend(np.arange(TENSORS), grads, [torch.zeros(numel) for _ in grads],
+    request = kernels.PackRequest(np.arange(TENSORS), grads, [torch.zeros(numel) for _ in grads],
                                 [torch.empty(numel) for _ in grads], [None] * TENSORS,
                                 np.arange(TENSORS, dtype=np.uint32), np.full(TENSORS, menu.names.index("int4_nearest")),
                                 True, True, True, ScreenRule(0.5, 0.7))
-    sent = benchmark.pedantic(kernels.send_group, args=(request, tables), rounds=20, iterations=1, warmup_rounds=2)
+    sent = benchmark.pedantic(kernels.pack_group, args=(request, tables), rounds=20, iterations=1, warmup_rounds=2)
     assert sent.finite.all() and len(sent.offsets) == TENSORS + 1
     benchmark.extra_info.update({"members": TENSORS, "numel": numel,
                                  "us_per_member": round(1e6 * benchmark.stats.stats.median / TENSORS, 3)})

@@ -78,7 +78,6 @@ class CollectivePath:
     packed = True
     batched = False
     sends_together = False
-    front_end_groups = False
 
     def __init__(self, menu: Menu, cheapest: np.ndarray) -> None:
         self.menu = menu
@@ -101,11 +100,11 @@ class CollectivePath:
         """Drop the step in flight (one of its collectives failed)."""
 
     # -- batched paths: the send pass runs over many tensors at once
-    def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
+    def register(self, index: int, gradient: torch.Tensor, into: torch.Tensor | None) -> int | None:
         """Tensor ``index``'s flat gradient, to be sent with others; returns a group to send now, else None."""
         raise NotImplementedError
 
-    def send_group(self, group: int) -> None:
+    def start_group(self, group: int) -> None:
         """Send a group :meth:`register` returned."""
         raise NotImplementedError
 
@@ -113,8 +112,8 @@ class CollectivePath:
         """Send everything registered and not sent yet (the step closes)."""
 
     def send_together(self, members: list[int], gradients: list[torch.Tensor],
-                      owns: list[torch.Tensor | None]) -> None:
-        """Send these tensors (none sent yet this step) in one batched pass, each one's ``q`` into its ``owns``
+                      intos: list[torch.Tensor | None]) -> None:
+        """Send these tensors (none sent yet this step) in one batched pass, each one's ``q`` into its ``intos``
         tensor (on the dense path every one must be given: the values the front end all-reduces)."""
         raise NotImplementedError
 
@@ -138,8 +137,8 @@ class CollectivePath:
         raise NotImplementedError
 
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
-        """What travels of tensor ``index`` at ``action``, and the float64 statistics of all of ``q``; ``own``, if
+               into: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+        """What travels of tensor ``index`` at ``action``, and the float64 statistics of all of ``q``; ``into``, if
         given, receives ``q`` (the dense path's values, the allgather path's own part of the sum)."""
         raise NotImplementedError
 
@@ -187,20 +186,20 @@ class DensePath(CollectivePath):
         self.bytes_per_element = bytes_per_element
 
     def send_together(self, members: list[int], gradients: list[torch.Tensor],
-                      owns: list[torch.Tensor | None]) -> None:
-        """The DDP hook's bucket: every member's values into its ``owns`` tensor (the bucket's buffer, which DDP
+                      intos: list[torch.Tensor | None]) -> None:
+        """The DDP hook's bucket: every member's values into its ``intos`` tensor (the bucket's buffer, which DDP
         all-reduces), in one batched pass (:meth:`.sending.Sender.send_values`); a pass-through step passes each on."""
-        sender, outs = self.sender, [own for own in owns if own is not None]
-        if len(outs) != len(owns):
+        sender, outs = self.sender, [into for into in intos if into is not None]
+        if len(outs) != len(intos):
             raise ValueError("the dense path's send_together needs a tensor for every member's values")
-        if sender.pass_through or not sender.error_feedback:
-            sent = [sender.send(index, g, own) for index, g, own in zip(members, gradients, outs, strict=True)]
+        if sender.pass_through_step or not sender.error_feedback:
+            sent = [sender.send(index, g, into) for index, g, into in zip(members, gradients, outs, strict=True)]
         else:
             sent = sender.send_values(np.asarray(members, dtype=np.int64), gradients, outs)
-        for index, values, own in zip(members, sent, outs, strict=True):
-            if values is not own:
-                own.copy_(values)
-            self.add(index, own)
+        for index, values, into in zip(members, sent, outs, strict=True):
+            if values is not into:
+                into.copy_(values)
+            self.add(index, into)
 
     def add_unchanged(self, numels: np.ndarray) -> None:
         """Tensors of these sizes go on as they are (a pass-through step's bucket): count their bytes at once, as
@@ -208,8 +207,8 @@ class DensePath(CollectivePath):
         self.wire_bytes += int(np.sum(self._ring_bytes(numels)))
 
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
-        out = own if own is not None else torch.empty_like(e)
+               into: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+        out = into if into is not None else torch.empty_like(e)
         return out, host.to_host(kernels.quantize_ef(g, e, out, action, key))
 
     def restore(self, index: int, sent: Any, e: torch.Tensor, name: str, action: int | None = None) -> None:
@@ -282,8 +281,8 @@ class PackedCodec:
     menu: Menu
 
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
-        return encode_packed(g, e, action, key, own)
+               into: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+        return encode_packed(g, e, action, key, into)
 
     def restore(self, index: int, sent: Any, e: torch.Tensor, name: str, action: int | None = None) -> None:
         header = None if action is None else wire.header_of(self.menu[action], e.numel())
@@ -307,7 +306,6 @@ class AllgatherPath(PackedCodec, CollectivePath):
     name = "allgather"
     batched = True
     sends_together = True
-    front_end_groups = True
 
     def __init__(self, names: list[str], numels: np.ndarray, tables: kernels.GroupTables, cheapest: np.ndarray,
                  sender: Any, collective_name: str, fusion_bytes: int | None = None) -> None:
@@ -363,11 +361,11 @@ class AllgatherPath(PackedCodec, CollectivePath):
         # group -> member index -> (flat gradient, the tensor that receives q or None), until the group is sent
         self._registered: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._handles: dict[int, Any] = {}                          # group -> allgather in flight
-        self._sent: dict[int, tuple[torch.Tensor, np.ndarray]] = {} # group -> this rank's buffer and offsets
+        self._buffers: dict[int, tuple[torch.Tensor, np.ndarray]] = {} # group -> this rank's buffer and offsets
         self._expected: dict[int, np.ndarray] = {}                  # group -> the members' allocated actions
         # Member index -> the tensor the send pass wrote this rank's own q into: the sum starts from it instead of
         # decoding this rank's payload again (see reduced_sums).
-        self._own: dict[int, torch.Tensor] = {}
+        self._intos: dict[int, torch.Tensor] = {}
         # group -> (divisor, member index -> reduced sum, the gathered buffer)
         self._decoded: dict[int, tuple[float, dict[int, torch.Tensor], torch.Tensor]] = {}
         # What the device decoded without a read back, checked when the step closes (_check_received): its
@@ -416,14 +414,14 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self._made += 1
         return group
 
-    def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
-        """Tensor ``index``'s flat gradient (``own``: where its ``q`` is to be written, or None); returns its group
+    def register(self, index: int, gradient: torch.Tensor, into: torch.Tensor | None) -> int | None:
+        """Tensor ``index``'s flat gradient (``into``: where its ``q`` is to be written, or None); returns its group
         when this completes it (the caller sends the group then), else None."""
         if self.fusion_bytes is None:
             self._group_by(fusion_bytes_for(gradient.device, int(self.numels.sum())))
         group = int(self.group_of[index])
         members = self._registered.setdefault(group, {})
-        members[index] = (gradient, own)
+        members[index] = (gradient, into)
         return group if len(members) == len(self.groups[group]) else None
 
     def allocated_payload_bytes(self, indices: list[int] | np.ndarray) -> np.ndarray:
@@ -451,36 +449,36 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self._check.finish()
 
     def send_together(self, members: list[int], gradients: list[torch.Tensor],
-                      owns: list[torch.Tensor | None]) -> None:
+                      intos: list[torch.Tensor | None]) -> None:
         """Make ``members`` one group (:meth:`group_together`), register them all and send the group: a front end's
         whole group at once (the DDP hook's chunk of a bucket)."""
         group = self.group_together(members)
-        self._registered[group] = dict(zip(self.groups[group], zip(gradients, owns, strict=True), strict=True))
-        self.send_group(group)
+        self._registered[group] = dict(zip(self.groups[group], zip(gradients, intos, strict=True), strict=True))
+        self.start_group(group)
 
-    def send_group(self, group: int) -> None:
+    def start_group(self, group: int) -> None:
         """Send the group in one batched pass (:meth:`.sending.Sender.send_group`) and start its allgather."""
         members, registered = self.groups[group], self._registered.pop(group, {})
-        buffer, offsets, sent_bytes = self.sender.send_group(members, registered)
-        owns = {index: own for index, (_, own) in registered.items()}
-        self.start(group, buffer, offsets, self.sender.allocation.choice[members], owns, sent_bytes)
+        buffer, offsets, member_bytes = self.sender.send_registered(members, registered)
+        intos = {index: into for index, (_, into) in registered.items()}
+        self.start(group, buffer, offsets, self.sender.allocation.choice[members], intos, member_bytes)
 
     def flush(self) -> None:
         """Send every group some member of which was registered but not all (zeros for the missing ones): the step
         closes, or a payload or reduced sum is wanted before the group is complete (the same on every rank)."""
         for group in list(self._registered):
-            self.send_group(group)
+            self.start_group(group)
 
     def start(self, group: int, buffer: torch.Tensor, offsets: np.ndarray, expected: np.ndarray,
-              owns: dict[int, torch.Tensor | None], sent_bytes: int) -> None:
+              intos: dict[int, torch.Tensor | None], member_bytes: int) -> None:
         """Start the group's allgather of ``buffer`` (the members' payloads back to back, member ``k`` at
         ``offsets[k]:offsets[k + 1]``); ``expected``: the members' allocated actions (the same on every rank);
-        ``sent_bytes``: the bytes of the members' payloads that were sent (not of the zeros standing in for the
+        ``member_bytes``: the bytes of the members' payloads that were sent (not of the zeros standing in for the
         missing ones), which the link carries to every other rank."""
-        self.wire_bytes += sent_bytes * (self.transport.size - 1)
-        self._sent[group] = (buffer, offsets)
+        self.wire_bytes += member_bytes * (self.transport.size - 1)
+        self._buffers[group] = (buffer, offsets)
         self._expected[group] = np.asarray(expected, dtype=np.int64)
-        self._own.update((index, own) for index, own in owns.items() if own is not None)
+        self._intos.update((index, into) for index, into in intos.items() if into is not None)
         # Named by the group's first tensor: a group of one tensor is named by that tensor (disjoint groups: unique).
         first = self.groups[group][0]
         self._handles[group] = self.transport.start_allgather(f"{self.collective_name}.payload.{first}", buffer)
@@ -494,20 +492,20 @@ class AllgatherPath(PackedCodec, CollectivePath):
         if int(self.group_of[index]) in self._registered:
             self.flush()
         group = int(self.group_of[index])
-        if group not in self._sent:
+        if group not in self._buffers:
             raise RuntimeError(f"the payload of {self.names[index]!r} is not sent yet: its group is sent when its "
                                f"last member is compressed, or when the step closes")
-        buffer, offsets = self._sent[group]
+        buffer, offsets = self._buffers[group]
         member = int(self.member_of[index])
         return buffer[int(offsets[member]):int(offsets[member + 1])]
 
     # -- the receive side
     def reduced_sums(self, indices: list[int], step: int, outs: list[torch.Tensor | None],
                      divisor: float) -> list[torch.Tensor]:
-        """The first member of a group asked for decodes the whole group, into each member's ``own`` tensor when it
+        """The first member of a group asked for decodes the whole group, into each member's ``into`` tensor when it
         has one; the others take their sum from it.
 
-        When a member's ``own`` tensor holds this rank's values, this rank's payload is not decoded again on ranks
+        When a member's ``into`` tensor holds this rank's values, this rank's payload is not decoded again on ranks
         0 and 1: each adds the other ranks' values to its own in rank order (float addition is commutative, so
         rank 1's ``(q1 + q0) + q2 ...`` is bitwise ``(q0 + q1) + q2 ...``); the other ranks decode every payload."""
         if step != self.step:
@@ -538,22 +536,22 @@ class AllgatherPath(PackedCodec, CollectivePath):
         gathered = self.transport.wait(self._handles.pop(group))
         me = self.transport.rank
         members = self._members[group]
-        outs, own = [], np.full(len(members), -1, dtype=np.int64)
+        outs, own_rank = [], np.full(len(members), -1, dtype=np.int64)
         for k, member in enumerate(members.tolist()):
-            target = self._own.get(member)
+            target = self._intos.get(member)
             if target is not None and me <= 1:
-                own[k] = me
+                own_rank[k] = me
             outs.append(target if target is not None else
                         torch.empty(int(self.tables.numels[member]), dtype=torch.float32, device=gathered.device))
-        self._receive(group, gathered, outs, own, divisor)
+        self._receive(group, gathered, outs, own_rank, divisor)
         decoded = self._decoded[group] = (divisor, dict(zip(members.tolist(), outs, strict=True)), gathered)
         return decoded
 
-    def _receive(self, group: int, gathered: torch.Tensor, outs: list[torch.Tensor], own: np.ndarray,
+    def _receive(self, group: int, gathered: torch.Tensor, outs: list[torch.Tensor], own_rank: np.ndarray,
                  divisor: float) -> None:
         rows, names, what = self._received_as(group)
         verdict = torch.full((2,), kernels.NO_ERROR, dtype=torch.int32, device=gathered.device)
-        if kernels.receive_group(gathered, rows, self._expected[group], outs, own, self.tables, names, what,
+        if kernels.receive_group(gathered, rows, self._expected[group], outs, own_rank, self.tables, names, what,
                                  divisor, verdict):
             self._verdicts.append(verdict)
             self._unverified.append(group)
@@ -621,10 +619,10 @@ def segment_key(key: int, segment: int) -> int:
 
 
 def encode_packed(g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-                  own: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray]:
-    """One packed payload of ``v = g + e`` at ``action`` (``e <- v - q``, ``q`` into ``own`` if given) and the
+                  into: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray]:
+    """One packed payload of ``v = g + e`` at ``action`` (``e <- v - q``, ``q`` into ``into`` if given) and the
     float64 statistics of ``q``, read back."""
-    payload, stats = kernels.quantize_pack_ef(g, e, action, key, sent=own)
+    payload, stats = kernels.quantize_pack_ef(g, e, action, key, into=into)
     return payload, host.to_host(stats)
 
 

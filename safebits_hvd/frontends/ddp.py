@@ -31,7 +31,7 @@ from ..codec.actions import DEFAULT_MENU, Menu
 from ..comm.exchange import DEFAULT_TIMEOUT, StatisticsExchange, wait_bounded
 from ..comm.transports import PayloadTransport, over_process_group
 from ..step.core import Grouping, Handle
-from .shared import CoreRecords, build_core, check_transports, refuse_unsent
+from .shared import CoreView, build_core, check_transports, refuse_unsent
 
 CHUNK_BYTES = 1 << 18
 """Payload bytes (at the allocated actions) after which a bucket's payloads start their allgather on the CPU, before
@@ -61,7 +61,7 @@ class _PendingBucket(NamedTuple):
     work: Any                   # dense path: the buffer's all_reduce
 
 
-class SafeBitsState(CoreRecords):
+class SafeBitsState(CoreView):
     """SafeBits' state for one DDP model: pass it with :func:`safebits_hook` to ``register_comm_hook``.
 
     Args:
@@ -169,7 +169,7 @@ class SafeBitsState(CoreRecords):
             self._pending = []       # buckets of a step that an error interrupted: DDP never waits for them
         handle = core.begin(Grouping(self.chunk_bytes, f"chunk_bytes {self.chunk_bytes}", "SafeBitsState"))
         pieces: list[_Piece] = []     # passing through, none: DDP all-reduces the bucket as its default hook does
-        if not (in_place and core.pass_on_unchanged(indices, buffer)):
+        if not (in_place and core.pass_through_unchanged(indices, buffer)):
             pieces = self._send(handle, buffer, bucket, indices, numels, in_place)
         work = None
         if not handle.packed and self.world_size > 1:        # the values: DDP's own all_reduce of the bucket

@@ -36,7 +36,7 @@ from ..codec.actions import DEFAULT_MENU, Menu
 from ..comm.exchange import DEFAULT_TIMEOUT
 from ..comm.transports import over_process_group
 from ..step.core import Grouping, Handle
-from .shared import CoreRecords, build_core_over, refuse_unsent, registered_parameters
+from .shared import CoreView, build_core_over, refuse_unsent, registered_parameters
 
 
 def node_groups(node_size: int) -> tuple[Any, Any]:
@@ -77,7 +77,7 @@ class _Bucket(NamedTuple):
     others: list[torch.Tensor]            # the ranges of the parameters other ranks of the node own
 
 
-class AcrossNodesState(CoreRecords):
+class AcrossNodesState(CoreView):
     """SafeBits' DDP state for the hop across nodes only (see the module docstring); pass it with
     :func:`~safebits_hvd.ddp.safebits_hook` to ``register_comm_hook``.
 

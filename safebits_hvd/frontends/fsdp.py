@@ -55,7 +55,7 @@ from ..codec.actions import DEFAULT_MENU, Menu
 from ..comm.exchange import DEFAULT_TIMEOUT
 from ..comm.transports import over_process_group
 from ..step.core import Grouping
-from .shared import CoreRecords, build_core_over
+from .shared import CoreView, build_core_over
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -136,7 +136,7 @@ def sharded_modules(model: torch.nn.Module, ranks: int, rows: tuple[int, ...]) -
     return out
 
 
-class FSDPState(CoreRecords):
+class FSDPState(CoreView):
     """SafeBits' state for one FSDP2 model: one core over every module's reduce-scatter rows (see the module
     docstring). Made by :func:`compress`; ``last_step``, ``history``, ``memory``, ``state_dict`` and
     ``load_state_dict`` as on the other front ends (each rank saves its own residuals)."""

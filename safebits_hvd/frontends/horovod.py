@@ -22,7 +22,7 @@ from ..comm.transports import PayloadTransport, make_transport
 from ..step import world
 from ..step.core import Handle, SafeBitsCore
 from .params import GradientIndex
-from .shared import CoreRecords, build_core, check_transports
+from .shared import CoreView, build_core, check_transports
 
 try:  # Subclass Horovod's interface when Horovod is there; the object also works without it.
     from horovod.torch.compression import Compressor
@@ -37,7 +37,7 @@ class Context(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     index: int                  # the parameter
-    sent: Handle                # the core's handle on what this rank sent (its step, whether packed)
+    handle: Handle               # the core's handle on what this rank sent (its step, whether packed)
     core: SafeBitsCore          # which holds what was sent (read it as ``wire``)
     # Packed paths: the gradient's own flat storage, which the reduced sum is decoded into (compress has consumed
     # its values; Horovod's uncompressed allreduce overwrites it too), so a step allocates no new gradients; on the
@@ -48,14 +48,14 @@ class Context(NamedTuple):
 
     @property
     def step(self) -> int:
-        return self.sent.step
+        return self.handle.step
 
     @property
     def wire(self) -> torch.Tensor:
         """What this rank sent: the packed payload (uint8) or the dense float32 values. On the allgather path the
         payload exists once the tensor's group has been sent: when its last member was compressed, at the latest
         when the step closes."""
-        return self.core.payload(self.sent, self.index)
+        return self.core.payload(self.handle, self.index)
 
 
 def op_factor(reduced_marker: torch.Tensor, ranks: int) -> float:
@@ -73,7 +73,7 @@ def op_factor(reduced_marker: torch.Tensor, ranks: int) -> float:
     return value
 
 
-class CoreCompressor(CoreRecords, Compressor):
+class CoreCompressor(CoreView, Compressor):
     """A Horovod compressor over a :class:`~.core.SafeBitsCore`: ``compress`` sends through the core,
     ``decompress`` finishes the step's exchange. Shared by :class:`SafeBits` and the fixed-action baselines."""
 
@@ -108,10 +108,10 @@ class CoreCompressor(CoreRecords, Compressor):
             self._follow_world()
         index = self._index.find(tensor, None if began else core.unsent)
         reusable = tensor.dtype == torch.float32 and tensor.is_contiguous() and not tensor.requires_grad
-        if reusable and core.passes_on(index):
+        if reusable and core.in_pass_through(index):
             # Passing through, after the step's first tensor: Horovod allreduces the gradient itself, as with
             # Compression.none.
-            sent = core.pass_on(index, tensor)
+            sent = core.pass_through(index, tensor)
             return sent.wire, Context(tensor.shape, tensor.dtype, index, sent, core)
         flat = (tensor if tensor.dim() == 1 else tensor.view(-1)) if reusable else None
         sent = core.send(index, tensor if flat is None else flat, into=flat)
@@ -132,7 +132,7 @@ class CoreCompressor(CoreRecords, Compressor):
                                           int(value.view(np.int32)[0]))
         else:
             self.core.expect_at_close(
-                ctx.sent, marker, known[2], f"Horovod reduced step {ctx.step}'s tensors with another op "
+                ctx.handle, marker, known[2], f"Horovod reduced step {ctx.step}'s tensors with another op "
                 f"than earlier steps' (its marker came back with other bits); SafeBits' packed collectives take one op "
                 f"per optimizer (collective='dense' mixes them)")
         return known[1]
@@ -151,23 +151,23 @@ class CoreCompressor(CoreRecords, Compressor):
         """The reduced gradient in its shape and dtype (the step's last one also finishes its statistics
         exchange)."""
         core = self.core
-        if ctx.sent.packed:
+        if ctx.handle.packed:
             ranks = core.ranks or 1
             if self._op_factor[0] != ctx.step:
                 self._op_factor = (ctx.step, self._reduction_factor(tensor, ranks, ctx))
             factor = self._op_factor[1]
             # Average (factor 1): the division by the rank count rides on the last payload's decode.
-            total = core.reduced_sums([ctx.index], ctx.sent, [ctx.gradient],
+            total = core.reduced_sums([ctx.index], ctx.handle, [ctx.gradient],
                                       divisor=ranks if factor == 1.0 else 1.0)[0]
             if factor not in (1.0, ranks):
                 total.mul_(factor / ranks)
-            core.taken(ctx.step)
+            core.reduced_taken(ctx.step)
             if total is ctx.gradient and ctx.original is not None:
                 return ctx.original          # the sum is in the gradient's own storage, in its shape and dtype
             tensor = total
         else:
             core.noise.reduced([tensor])
-            core.taken(ctx.step)
+            core.reduced_taken(ctx.step)
         if tensor.dtype != ctx.dtype:
             tensor = tensor.to(ctx.dtype)
         return tensor if tensor.shape == ctx.shape else tensor.view(ctx.shape)

@@ -1,6 +1,6 @@
 """What every front end shares (the Horovod compressor, :mod:`.compressor`; the DDP hook, :mod:`.ddp`; the
 fixed-action baselines): the parameters registered, SafeBits' options checked and the core built over them
-(:func:`build_core`), and what a front end exposes of its core (:class:`CoreRecords`)."""
+(:func:`build_core`), and what a front end exposes of its core (:class:`CoreView`)."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def check_transports(exchange: Any, transport: Any) -> None:
                         f"start_alltoall, wait, rank, size), got {type(transport).__name__}")
 
 
-class CoreRecords:
+class CoreView:
     """What every front end exposes of its :class:`~.core.SafeBitsCore`: records, step, residuals, checkpoints."""
 
     core: SafeBitsCore

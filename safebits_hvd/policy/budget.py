@@ -125,7 +125,7 @@ class BudgetPolicy:
         """Modeled bits of every tensor sent lossless: a budget this large needs no compression."""
         return self._lossless_bits
 
-    def passes_through(self, budget_bits_total: float, packed: bool) -> bool:
+    def fits_pass_through(self, budget_bits_total: float, packed: bool) -> bool:
         """Whether a step passes its gradients through (no screen, no packing): its budget fits every tensor
         uncompressed, on the dense path (``packed``: a path of SafeBits' own collectives), under a policy that
         allocates from statistics (not a fixed baseline's)."""

@@ -43,7 +43,7 @@ class ClosedStep(NamedTuple):
     pass_through: bool
 
 
-def factory_made(factory: Any) -> Any:
+def call_factory(factory: Any) -> Any:
     """What a factory (a callable with no argument) makes."""
     assert callable(factory)
     return factory()
@@ -84,11 +84,11 @@ class StepClosing:
         # The closed step not finished yet; how many tensors it sent and how many of them the front end has taken
         # (it ends after the last one); once it has ended, its exchange's handle and its link bytes (None before).
         self.pending: ClosedStep | None = None
-        self._sent = self._taken = 0
+        self._to_take = self._taken = 0
         self._handle: Any = None
         self._wire_bytes: int | None = None
 
-    def fields(self, step: int) -> StepStatistics:
+    def statistics_of(self, step: int) -> StepStatistics:
         """Step ``step``'s statistics vector, as the layout's views."""
         return self._views[step % 2]
 
@@ -97,17 +97,17 @@ class StepClosing:
         """Step ``closed.step`` sent its last gradient (``sent`` tensors in all). Returns the transport (made now
         if it was not yet)."""
         if self.exchange is None:
-            self.exchange = factory_made(self._exchange_or_factory)
+            self.exchange = call_factory(self._exchange_or_factory)
         check_length = getattr(self.exchange, "check_length", None)
         if check_length is not None:   # ranks built differently fail here, clearly, before a payload is decoded
             check_length(len(self._vectors[0]))
-        self.pending, self._sent, self._taken, self._wire_bytes = closed, sent, 0, None
+        self.pending, self._to_take, self._taken, self._wire_bytes = closed, sent, 0, None
         return self.exchange
 
-    def taken(self) -> bool:
+    def reduced_taken(self) -> bool:
         """The front end took one more reduced tensor of the pending step; whether that was its last."""
         self._taken += 1
-        return self._taken >= self._sent
+        return self._taken >= self._to_take
 
     # ------------------------------------------------------------------ 5. end
     @property
@@ -125,11 +125,11 @@ class StepClosing:
         assert closed is not None and exchange is not None and self._wire_bytes is None
         wire_bytes = closed.wire_bytes + self.complete_second_hop(closed.step)
         self.clock.finished(closed.step, wire_bytes)
-        self.fields(closed.step).timing[:] = self.clock.last      # UNKNOWN where none: the MAX keeps a known one
+        self.statistics_of(closed.step).timing[:] = self.clock.last      # UNKNOWN where none: the MAX keeps a known one
         if self.noise.active:                                     # an earlier step's: they have reached the host
             published = self.noise.publish()
             self._noise_step = published[0] if published is not None else -1
-            self.fields(closed.step).noise[:] = noise_values(published[1] if published is not None else None)
+            self.statistics_of(closed.step).noise[:] = noise_values(published[1] if published is not None else None)
         self._handle, self._wire_bytes = exchange.start(self._vectors[closed.step % 2]), wire_bytes
 
     # ------------------------------------------------------------------ 6. finish

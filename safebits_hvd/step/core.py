@@ -5,8 +5,8 @@ each gradient to a parameter index and drives the core through three calls:
 
 * :meth:`SafeBitsCore.send` (tensor *i*): quantize it for the wire, with error feedback. The first send of a step
   begins the step; the last one (every registered tensor sent once) closes it.
-* :meth:`SafeBitsCore.taken` / :meth:`SafeBitsCore.end` (step *t*): the front end has the step's reduced tensors;
-  the step's statistics and telemetry start their exchange.
+* :meth:`SafeBitsCore.reduced_taken` / :meth:`SafeBitsCore.end` (step *t*): the front end has the step's reduced
+  tensors; the step's statistics and telemetry start their exchange.
 * :meth:`SafeBitsCore.finish`: wait for that exchange, if it is still pending (the next begin does), and take in
   the reduced statistics: the step's record, the next allocation's input and, for ``budget_bits="auto"``, the
   next budget's telemetry.
@@ -60,7 +60,7 @@ from ..policy.budget import BudgetPolicy
 from ..policy.quality import NoiseMeter
 from ..policy.schedules import budget_at
 from ..policy.telemetry import StepLog, warn_never_sent
-from .closing import ClosedStep, StepClosing, factory_made
+from .closing import ClosedStep, StepClosing, call_factory
 from .memory import ErrorFeedback
 from .sending import Sender, check_numel, checked_into, flat_gradient
 from .two_phase import TwoPhasePath
@@ -159,18 +159,19 @@ class SafeBitsCore:
         self.allocation_seconds = 0.0                  # wall time of the last allocation (overhead telemetry)
         # A step whose budget fits every tensor uncompressed on the dense path passes the gradients through: no
         # screen, no packing (and the next allocation, with no statistics from it, uses the start policy).
-        self.pass_through = False
+        self.pass_through_step = False
         self.clock = StepClock()                       # this rank's telemetry (clock.py), exchanged at the step's end
 
         # -- steps 4 to 6 (closing.py): the statistics and telemetry go into the vector the exchange reduces in
-        # place, started by taken() or end(), finished by the next begin or finish(): the records, the next input.
+        # place, started by reduced_taken() or end(), finished by the next begin or finish(): the records, the
+        # next input.
         self.layout = StatisticsLayout(tensors, actions)
         self.log = StepLog(names, self.menu.names, self.total_elements, max_history,
                            os.fspath(log_path) if log_path is not None else None)
         self.closing = StepClosing(self.layout, exchange, policy=policy, schedule=schedule, log=self.log,
                                    clock=self.clock, consistency_check_every=consistency_check_every,
                                    complete_second_hop=self.two_phase.complete)
-        self._fields: StepStatistics = self.closing.fields(0)
+        self._statistics: StepStatistics = self.closing.statistics_of(0)
         self.noise: NoiseMeter = self.closing.noise    # fed here (the dense path's reduced: by the front end)
 
     # ------------------------------------------------------------------ 2 and 3: screen and send
@@ -184,44 +185,44 @@ class SafeBitsCore:
         path = self.path
         g = flat_gradient(self.names[index], grad, self._numels[index])
         self.noise.local([g])
-        own = checked_into(self.names[index], g, into) if path.batched else None
+        into = checked_into(self.names[index], g, into) if path.batched else None
         if path.batched:
             # Only registered: the group's members are sent together when its last one arrives.
-            group = path.register(index, g, own)
+            group = path.register(index, g, into)
             wire = None
         else:
-            wire = path.add(index, self.sender.send(index, g, own))
+            wire = path.add(index, self.sender.send(index, g, into))
         if path.batched and group is not None:
-            path.send_group(group)
+            path.start_group(group)
         return self._mark_sent(index, 1, Handle(wire, self.step, path.name), start)
 
-    def passes_on(self, index: int) -> bool:
-        """Whether tensor ``index`` is one of a pass-through step begun already and not sent yet (:meth:`pass_on`
+    def in_pass_through(self, index: int) -> bool:
+        """Whether tensor ``index`` is one of a pass-through step begun already and not sent yet (:meth:`pass_through`
         takes it)."""
-        return self.in_step and self.pass_through and bool(self.unsent[index])
+        return self.in_step and self.pass_through_step and bool(self.unsent[index])
 
-    def pass_on(self, index: int, grad: torch.Tensor) -> Handle:
-        """:meth:`send` where :meth:`passes_on`: a float32 contiguous gradient in its own shape, handed on as it is
-        (or with a residual of an earlier step added, flat): no flattening, no torch call, so that passing
+    def pass_through(self, index: int, grad: torch.Tensor) -> Handle:
+        """:meth:`send` where :meth:`in_pass_through`: a float32 contiguous gradient in its own shape, handed on as it
+        is (or with a residual of an earlier step added, flat): no flattening, no torch call, so that passing
         through costs about what ``Compression.none`` costs."""
         start = time.perf_counter()
         check_numel(self.names[index], grad, self._numels[index])
         self.noise.local([grad])
-        wire = self.path.add(index, self.sender.pass_on(index, grad, None))
+        wire = self.path.add(index, self.sender.pass_through(index, grad, None))
         return self._mark_sent(index, 1, Handle(wire, self.step, self.path.name), start)
 
-    def pass_on_unchanged(self, indices: list[int], values: torch.Tensor) -> bool:
+    def pass_through_unchanged(self, indices: list[int], values: torch.Tensor) -> bool:
         """:meth:`send_group` of tensors the front end's allreduce takes where they are (``values``: DDP's bucket),
-        in a pass-through step where they go on unchanged (:meth:`.sending.Sender.passes_unchanged`): marked sent at
-        once, no Python per tensor. False, with nothing sent, where :meth:`send_group` must run instead."""
+        in a pass-through step where they go on unchanged (:meth:`.sending.Sender.pass_through_is_unchanged`): marked
+        sent at once, no Python per tensor. False, with nothing sent, where :meth:`send_group` must run instead."""
         start = time.perf_counter()
         self._begin_for(indices)
-        if not self.sender.passes_unchanged():
+        if not self.sender.pass_through_is_unchanged():
             return False
         self.noise.local([values])
         rows, path = np.asarray(indices, dtype=np.int64), self.path
         assert isinstance(path, DensePath)          # a pass-through step's
-        self.sender.record_passed(rows)
+        self.sender.record_pass_through(rows)
         path.add_unchanged(self.numels[rows].astype(np.int64))
         self._mark_sent(rows, len(rows), Handle(None, self.step, path.name), start)
         return True
@@ -239,13 +240,13 @@ class SafeBitsCore:
         rows, path = np.asarray(indices, dtype=np.int64), self.path
         if not (path.sends_together and len(rows) and len(set(indices)) == len(rows)
                 and (path.packed or all(into is not None for into in intos))):
-            sents = [self.send(index, grad, into) for index, grad, into in zip(indices, grads, intos, strict=True)]
-            return sents[-1] if sents else Handle(None, self.step, self.path.name)
+            handles = [self.send(index, grad, into) for index, grad, into in zip(indices, grads, intos, strict=True)]
+            return handles[-1] if handles else Handle(None, self.step, self.path.name)
         # The whole group at once, with one clock reading: the Python of one send per member is what this saves.
         flats = [flat_gradient(self.names[i], g, self._numels[i]) for i, g in zip(indices, grads, strict=True)]
         self.noise.local(flats)
-        owns = [checked_into(self.names[i], g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
-        path.send_together(indices, flats, owns)
+        intos = [checked_into(self.names[i], g, into) for i, g, into in zip(indices, flats, intos, strict=True)]
+        path.send_together(indices, flats, intos)
         path.launch(rows)
         return self._mark_sent(rows, len(rows), Handle(None, self.step, path.name), start, close)
 
@@ -319,13 +320,13 @@ class SafeBitsCore:
         if self.closing.ending(step):
             self.closing.end()
 
-    def taken(self, step: int) -> None:
+    def reduced_taken(self, step: int) -> None:
         """The front end has taken one reduced tensor of ``step``; after the step's last one, the step ends (5)."""
         if not self.closing.ending(step):
             return
         now = time.perf_counter()
         self.clock.received(now, now, 0.0)          # on the dense path, the first reduced tensor back
-        if self.closing.taken():
+        if self.closing.reduced_taken():
             self.closing.end()
 
     # ------------------------------------------------------------------ 1. begin
@@ -343,14 +344,14 @@ class SafeBitsCore:
         self._allocation = self.policy.allocate(bits_per_parameter, self._budget_bits_total,
                                                 self.closing.previous_screened, self.closing.previous_v2)
         if self.transport is None:
-            self.transport = factory_made(self.transport_source)
+            self.transport = call_factory(self.transport_source)
         if self.two_phase.configured_for is None:
             self.two_phase.configure(self.transport, self.memory if self.error_feedback else None)
         self.path = self.paths[collectives.choose(self.collective_setting,
                                                   self._allocation.cost_bits / max(1, self.total_elements),
                                                   self.transport.size)]
-        self.pass_through = self.policy.passes_through(self._budget_bits_total, self.path.packed)
-        if self.pass_through:
+        self.pass_through_step = self.policy.fits_pass_through(self._budget_bits_total, self.path.packed)
+        if self.pass_through_step:
             self._allocation = self.policy.lossless_allocation(self._budget_bits_total)
         self.allocation_seconds = time.perf_counter() - start
         self.allocation_digest = allocation_digest(self.step, self._budget_bits_total, self._allocation.choice)
@@ -358,9 +359,9 @@ class SafeBitsCore:
             path.begin(self.step, self.transport)
         self.unsent[:] = True
         self.unsent_count = len(self.names)
-        self._fields = self.closing.fields(self.step)
-        self.layout.reset(self._fields, self.policy.lossless, digest_words(self.allocation_digest))
-        self.sender.begin(self.step, self.seed, self._allocation, self._fields, self.path, self.pass_through)
+        self._statistics = self.closing.statistics_of(self.step)
+        self.layout.reset(self._statistics, self.policy.lossless, digest_words(self.allocation_digest))
+        self.sender.begin(self.step, self.seed, self._allocation, self._statistics, self.path, self.pass_through_step)
         self.noise.begin(self.step)
         self.in_step = True
         self.path.start_check(grouping, self.allocation_digest)
@@ -376,7 +377,7 @@ class SafeBitsCore:
         self.path.close(self.step, self._allocation.choice, self.seed)
         self.clock.closed()
         closed = ClosedStep(self.step, self._allocation, self.allocation_digest, self._budget_bits_total,
-                            self.path.wire_bytes, self.path.name, self.pass_through)
+                            self.path.wire_bytes, self.path.name, self.pass_through_step)
         exchange = self.closing.close(closed, sent=int((~self.unsent).sum()))
         self.in_step = False
         self.step += 1

@@ -183,34 +183,34 @@ class Sender:
         # The step in progress (begin).
         self.step, self.seed = 0, 0
         self.allocation: Allocation | None = None
-        self.fields: StepStatistics | None = None
+        self.statistics: StepStatistics | None = None
         self.path: Any = None
-        self.pass_through = False
+        self.pass_through_step = False
 
-    def begin(self, step: int, seed: int, allocation: Allocation, fields: StepStatistics, path: Any,
-              pass_through: bool = False) -> None:
-        self.step, self.seed, self.allocation, self.fields, self.path = step, seed, allocation, fields, path
-        self.pass_through = pass_through
+    def begin(self, step: int, seed: int, allocation: Allocation, statistics: StepStatistics, path: Any,
+              pass_through_step: bool = False) -> None:
+        self.step, self.seed, self.allocation, self.statistics, self.path = step, seed, allocation, statistics, path
+        self.pass_through_step = pass_through_step
 
     # ------------------------------------------------------------------ one tensor
-    def send(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> Any:
+    def send(self, index: int, g: torch.Tensor, into: torch.Tensor | None) -> Any:
         """Screen and send tensor ``index`` (flat float32 ``g``) on the step's path; returns what travels."""
-        assert self.allocation is not None and self.fields is not None
-        if self.pass_through:            # before the residual is looked up: a missing one is not made
-            return self.pass_on(index, g, own)
-        fields, policy, path = self.fields, self.policy, self.path
+        assert self.allocation is not None and self.statistics is not None
+        if self.pass_through_step:            # before the residual is looked up: a missing one is not made
+            return self.pass_through(index, g, into)
+        statistics, policy, path = self.statistics, self.policy, self.path
         allocated = int(self.allocation.choice[index])
         action = self.menu[allocated]
         if not self.error_feedback and not path.packed and action.kind in (ActionKind.FLOAT32, ActionKind.FLOAT16):
             # Horovod's NoneCompressor and FP16Compressor (the fp32 and fp16 baselines): no memory, at most a cast
             # on the wire, nothing measured (the fp16 cast's distortion is recorded as NaN).
-            fields.sent_position[index] = policy.position_in_cost_order[index, allocated]
-            fields.sent_distortion[index] = 0.0 if action.lossless else math.nan
-            fields.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
+            statistics.sent_position[index] = policy.position_in_cost_order[index, allocated]
+            statistics.sent_distortion[index] = 0.0 if action.lossless else math.nan
+            statistics.neg_sent_cosine[index] = -1.0 if action.lossless else math.nan
             return g if action.lossless else g.to(torch.float16)
         # Dense (the packed paths are batched: the core only registers their tensors): Horovod allreduces the
         # values compress returns, so each tensor is a group of one.
-        out = own if own is not None else torch.empty_like(g)
+        out = into if into is not None else torch.empty_like(g)
         return self.send_values(np.array([index], dtype=np.int64), [g], [out])[0]
 
     def send_values(self, members: np.ndarray, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> list[Any]:
@@ -220,74 +220,74 @@ class Sender:
         _, replaced = self.send_members(members, grads, list(outs), kernels.GroupOutput.VALUES)
         return [replaced.get(int(index), out) for index, out in zip(members, outs, strict=True)]
 
-    def pass_on(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
+    def pass_through(self, index: int, g: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         """A pass-through step (the budget fits every tensor uncompressed, on the dense path): the gradient as it
         is, as ``Compression.none`` sends it, with no screen and no pass over it; a residual left from earlier
         steps is added once and dropped (lossless: nothing is lost, only sent late). The NaN/Inf check runs only
         where ``nonfinite`` asks for more than passing them on. ``g`` may keep its own shape (contiguous) when
-        ``own`` is None (:meth:`.core.SafeBitsCore.pass_on`); what is returned then is ``g``, or flat."""
-        fields = self.fields
-        assert fields is not None
+        ``into`` is None (:meth:`.core.SafeBitsCore.pass_through`); what is returned then is ``g``, or flat."""
+        statistics = self.statistics
+        assert statistics is not None
         if self.nonfinite != "propagate" and g.numel() and holds_nonfinite(g):
-            return self.send_nonfinite(index, g.view(-1), own)
-        self.record_passed(index)
+            return self.send_nonfinite(index, g.view(-1), into)
+        self.record_pass_through(index)
         e = self.memory.pop(self.names[index]) if self.error_feedback and self.memory.residuals else None
         if e is None:
             return g
-        out = own if own is not None else torch.empty_like(e, dtype=torch.float32)     # a bfloat16 residual too
+        out = into if into is not None else torch.empty_like(e, dtype=torch.float32)     # a bfloat16 residual too
         return torch.add(g.view(-1), e.to(g.device), out=out)
 
-    def passes_unchanged(self) -> bool:
+    def pass_through_is_unchanged(self) -> bool:
         """Whether a pass-through step's tensors go on exactly as they are: nothing to check for NaN/Inf and no
-        residual left to flush (:meth:`pass_on` would return each gradient itself)."""
-        return self.pass_through and self.nonfinite == "propagate" and not (self.error_feedback
+        residual left to flush (:meth:`pass_through` would return each gradient itself)."""
+        return self.pass_through_step and self.nonfinite == "propagate" and not (self.error_feedback
                                                                             and self.memory.residuals)
 
-    def record_passed(self, rows: Any) -> None:
+    def record_pass_through(self, rows: Any) -> None:
         """The step's statistics of tensors passed through (one index or an array): the lossless action sent."""
-        fields = self.fields
-        assert fields is not None
-        fields.sent_position[rows] = self.lossless_position[rows]
-        fields.sent_distortion[rows] = 0.0
-        fields.neg_sent_cosine[rows] = -1.0
+        statistics = self.statistics
+        assert statistics is not None
+        statistics.sent_position[rows] = self.lossless_position[rows]
+        statistics.sent_distortion[rows] = 0.0
+        statistics.neg_sent_cosine[rows] = -1.0
 
     def record_sent(self, rows: Any, actions: Any, distortion: Any, cosine: Any, plannable: Any, v2: Any) -> None:
         """The step's statistics of what was sent: of one tensor (Python numbers) or of many (arrays)."""
-        fields = self.fields
-        assert fields is not None and self.allocation is not None
-        fields.sent_position[rows] = self.policy.position_in_cost_order[rows, actions]
-        fields.escalated[rows] = actions != self.allocation.choice[rows]
-        fields.sent_distortion[rows] = distortion
-        fields.neg_sent_cosine[rows] = -cosine
+        statistics = self.statistics
+        assert statistics is not None and self.allocation is not None
+        statistics.sent_position[rows] = self.policy.position_in_cost_order[rows, actions]
+        statistics.escalated[rows] = actions != self.allocation.choice[rows]
+        statistics.sent_distortion[rows] = distortion
+        statistics.neg_sent_cosine[rows] = -cosine
         # The exact figure beats the estimate (it passed the screen; planning may need it to pass by more).
-        fields.screened[rows, actions] = np.where(plannable, distortion, np.inf)
-        fields.v2[rows] = np.where(np.isfinite(v2), v2, np.inf)     # never NaN: NaN would poison the MAX
+        statistics.screened[rows, actions] = np.where(plannable, distortion, np.inf)
+        statistics.v2[rows] = np.where(np.isfinite(v2), v2, np.inf)     # never NaN: NaN would poison the MAX
 
-    def send_nonfinite(self, index: int, g: torch.Tensor, own: torch.Tensor | None) -> Any:
+    def send_nonfinite(self, index: int, g: torch.Tensor, into: torch.Tensor | None) -> Any:
         """A gradient holding NaN or Inf, by ``nonfinite``: raise, send zeros, or send it unquantized."""
-        fields, path = self.fields, self.path
-        assert fields is not None
+        statistics, path = self.statistics, self.path
+        assert statistics is not None
         if self.nonfinite == "raise":
             raise SafeBitsNonFiniteError(f"gradient of {self.names[index]!r} holds NaN or Inf at step {self.step}; "
                                          f"nothing was sent and its error-feedback residual is unchanged "
                                          f"(SafeBits(nonfinite='propagate') passes it on, 'skip' sends zeros)")
         # No statistics this step: the next allocation knows only the lossless action is safe for it.
-        fields.nonfinite[index] = 1.0
-        fields.v2[index] = math.inf
+        statistics.nonfinite[index] = 1.0
+        statistics.v2[index] = math.inf
         if self.nonfinite == "skip":
-            if own is not None:
-                own.zero_()
+            if into is not None:
+                into.zero_()
             return path.zeros(index, g.numel(), g.device)
-        fields.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
-        if own is not None and own.data_ptr() != g.data_ptr():
-            own.copy_(g)
+        statistics.sent_position[index] = self.policy.position_in_cost_order[index, self.policy.lossless_index]
+        if into is not None and into.data_ptr() != g.data_ptr():
+            into.copy_(g)
         # "propagate": the gradient itself, lossless, so NaN and Inf reach the reduced gradient as with an
         # uncompressed allreduce; the residual is not touched (a scratch zero residual takes its place).
         lossless = self.menu[self.policy.lossless_index]
         return path.encode(index, g, torch.zeros_like(g), lossless, 0, None)[0]
 
     # ------------------------------------------------------------------ a group (the batched step)
-    def send_group(self, members: list[int],
+    def send_registered(self, members: list[int],
                    registered: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, np.ndarray,
                                                                                               int]:
         """The batched step of one group on a packed path (docs/DESIGN.md, "The batched step"):
@@ -325,23 +325,23 @@ class Sender:
         assert buffer is not None
         return buffer, offsets, int(sizes.sum())
 
-    def send_members(self, members: np.ndarray, grads: list[torch.Tensor], owns: list[torch.Tensor | None],
-                     output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> tuple[kernels.GroupSent,
+    def send_members(self, members: np.ndarray, grads: list[torch.Tensor], intos: list[torch.Tensor | None],
+                     output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> tuple[kernels.PackResult,
                                                                                           dict[int, Any]]:
-        """One pass screens, chooses and packs every member (:func:`.kernels.send_group`, one read back), ``q``
-        into its ``owns`` tensor if any (``GroupOutput.VALUES``: only there, the dense path's values); a NaN/Inf
+        """One pass screens, chooses and packs every member (:func:`.kernels.pack_group`, one read back), ``q``
+        into its ``intos`` tensor if any (``GroupOutput.VALUES``: only there, the dense path's values); a NaN/Inf
         gradient then takes :meth:`send_nonfinite`, and members whose exact statistics fail the screen escalate
         together, one batched pass (one read back) per round (:meth:`escalate_group`). Returns the pass's result
         and, by tensor, what replaced a member's payload (or values) in it (escalated or non-finite)."""
         with self.member_tensors.of(members, grads[0].device) as (residuals, samples):
-            return self._send_members(members, grads, owns, output, residuals, samples)
+            return self._send_members(members, grads, intos, output, residuals, samples)
 
-    def _send_members(self, members: np.ndarray, grads: list[torch.Tensor], owns: list[torch.Tensor | None],
+    def _send_members(self, members: np.ndarray, grads: list[torch.Tensor], intos: list[torch.Tensor | None],
                       output: kernels.GroupOutput, residuals: list[torch.Tensor],
-                      samples: list[torch.Tensor | None]) -> tuple[kernels.GroupSent, dict[int, Any]]:
+                      samples: list[torch.Tensor | None]) -> tuple[kernels.PackResult, dict[int, Any]]:
         policy = self.policy
         keys = stream_keys(self.seed, self.step, members)
-        result = kernels.send_group(self.group_request(members, grads, residuals, samples, owns, keys, output),
+        result = kernels.pack_group(self.group_request(members, grads, residuals, samples, intos, keys, output),
                                     self.tables)
         self.take_screen(members, result)
         payloads: dict[int, Any] = {}
@@ -351,45 +351,45 @@ class Sender:
         def repack(rows: np.ndarray, actions: np.ndarray) -> np.ndarray:
             for k in rows.tolist():
                 index = int(members[k])
-                sent = payloads.get(index, owns[k] if values
+                sent = payloads.get(index, intos[k] if values
                                     else result.buffer[result.offsets[k]:result.offsets[k + 1]])
                 self.path.restore(index, sent, residuals[k], self.names[index], int(sent_at[k]))     # e <- e + q
             sent_at[rows] = actions
-            retry = kernels.send_group(kernels.GroupSend(
-                members[rows], [None] * len(rows), [residuals[k] for k in rows], [owns[k] for k in rows],
+            retry = kernels.pack_group(kernels.PackRequest(
+                members[rows], [None] * len(rows), [residuals[k] for k in rows], [intos[k] for k in rows],
                 [None] * len(rows), keys[rows], actions, False, False, False, policy.rule, output), self.tables)
             for j, k in enumerate(rows.tolist()):
                 index = int(members[k])
-                payloads[index] = owns[k] if values else retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
+                payloads[index] = intos[k] if values else retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
             return retry.stats
 
-        self.escalate_group(members, result, result.stats, grads, owns, payloads, repack)
+        self.escalate_group(members, result, result.stats, grads, intos, payloads, repack)
         return result, payloads
 
     def group_request(self, members: np.ndarray, grads: list[torch.Tensor], residuals: list[torch.Tensor],
-                      samples: list[torch.Tensor | None], owns: list[torch.Tensor | None], keys: np.ndarray,
-                      output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.GroupSend:
+                      samples: list[torch.Tensor | None], intos: list[torch.Tensor | None], keys: np.ndarray,
+                      output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.PackRequest:
         """The batched pass's request for ``members`` (their residuals and samples: :attr:`member_tensors`): the
         NaN/Inf check, the screen on each member's sampled buckets, the choice from the allocation, and what
         ``output`` says to write."""
         policy = self.policy
         assert self.allocation is not None
-        return kernels.GroupSend(members, grads, residuals, owns, samples, keys, self.allocation.choice[members],
+        return kernels.PackRequest(members, grads, residuals, intos, samples, keys, self.allocation.choice[members],
                                  self.checks_finite, policy.allocates_from_statistics, policy.screen_enabled,
                                  policy.rule, output)
 
-    def take_screen(self, members: np.ndarray, result: kernels.GroupSent) -> None:
+    def take_screen(self, members: np.ndarray, result: kernels.PackResult) -> None:
         """Record what the screen of a batched pass estimated, for the next allocation."""
-        policy, fields = self.policy, self.fields
-        assert fields is not None
+        policy, statistics = self.policy, self.statistics
+        assert statistics is not None
         finite = result.finite
         if policy.allocates_from_statistics:
             estimated, estimated_cosine = distortion_cosine(result.screen_stats[finite])
-            fields.screened[members[finite]] = np.where(
+            statistics.screened[members[finite]] = np.where(
                 policy.plannable(estimated, estimated_cosine), estimated, np.inf)
 
-    def escalate_group(self, members: np.ndarray, result: kernels.GroupSent, stats: np.ndarray,
-                       grads: list[torch.Tensor], owns: list[torch.Tensor | None], payloads: dict[int, Any],
+    def escalate_group(self, members: np.ndarray, result: kernels.PackResult, stats: np.ndarray,
+                       grads: list[torch.Tensor], intos: list[torch.Tensor | None], payloads: dict[int, Any],
                        repack: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         """3. Send, batched: record the members whose exact statistics (``stats``, of what the pass sent at
         ``result.chosen``) pass the screen; send the non-finite ones as ``nonfinite`` says (their ``payloads``
@@ -397,8 +397,8 @@ class Sender:
         residuals from what they sent, packs each at its action, one read back, and returns the exact
         statistics), in each member's ``send_order``, until every one passes (the lossless action always does):
         the rounds of :func:`escalation_rounds`."""
-        policy, fields = self.policy, self.fields
-        assert fields is not None and self.allocation is not None
+        policy, statistics = self.policy, self.statistics
+        assert statistics is not None and self.allocation is not None
         finite, chosen = result.finite, result.chosen
         allocated = self.allocation.choice[members]
         screening = policy.allocates_from_statistics
@@ -412,7 +412,7 @@ class Sender:
         for k in np.flatnonzero(~accepted).tolist():
             index = int(members[k])
             if not finite[k]:
-                payloads[index] = self.send_nonfinite(index, grads[k], owns[k])
+                payloads[index] = self.send_nonfinite(index, grads[k], intos[k])
                 continue
             ok = (policy.screen(*distortion_cosine(result.screen_stats[k])) if screening
                   else np.ones(len(self.menu), dtype=bool))
@@ -420,7 +420,7 @@ class Sender:
         tried = {k: 0 for k in orders}          # the position in its order of the action each row last failed
         for r in escalation_rounds(orders, repack, lambda a, d, c: policy.sent_passes(a, d, c, ACCEPT_MARGIN)):
             for k in r.rows.tolist():
-                fields.screened[int(members[k]), orders[k][tried[k]]] = math.inf
+                statistics.screened[int(members[k]), orders[k][tried[k]]] = math.inf
                 tried[k] += 1
             passed = r.passed
             self.record_sent(members[r.rows[passed]], r.actions[passed], r.distortion[passed], r.cosine[passed],

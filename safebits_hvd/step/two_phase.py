@@ -61,7 +61,7 @@ class TwoPhasePath(CollectivePath):
         self.step_begun = -1
         self._registered: dict[int, torch.Tensor] = {}           # the step's gradients, until the step closes
         self._payloads: dict[int, list[torch.Tensor]] = {}       # the step's first-hop payloads, by tensor
-        self._sent: tuple[int, dict[int, list[torch.Tensor]]] = (-1, {})   # (step, its payloads) once closed
+        self._closed: tuple[int, dict[int, list[torch.Tensor]]] = (-1, {})   # (step, its payloads) once closed
         self._pending: tuple[int, Any, np.ndarray, int] | None = None   # (step, alltoall handle, allocation, seed)
         self._done: tuple[int, list[torch.Tensor]] | None = None        # (step, reduced sum of every tensor)
         self.second_hop_bytes = (-1, 0)        # (step, link bytes of this rank's second hop)
@@ -135,8 +135,8 @@ class TwoPhasePath(CollectivePath):
         return self._pending[0] if self._pending is not None else None
 
     # ------------------------------------------------------------------ the first hop
-    def register(self, index: int, gradient: torch.Tensor, own: torch.Tensor | None) -> int | None:
-        """Keep tensor ``index``'s flat gradient until the step closes (``own`` is not used: the sum comes from the
+    def register(self, index: int, gradient: torch.Tensor, into: torch.Tensor | None) -> int | None:
+        """Keep tensor ``index``'s flat gradient until the step closes (``into`` is not used: the sum comes from the
         second hop)."""
         self._registered[index] = gradient
         return None
@@ -156,14 +156,14 @@ class TwoPhasePath(CollectivePath):
 
     def payload(self, index: int, step: int) -> torch.Tensor:
         """This rank's first-hop payloads of tensor ``index`` at ``step``, back to back, once the step closed."""
-        held, payloads = self._sent
+        held, payloads = self._closed
         if held != step or index not in payloads:
             raise RuntimeError(f"the two-phase payloads of {self.names[index]!r} at step {step} are sent when the "
                                f"step closes and held until the next one begins")
         return torch.cat(payloads[index])
 
     def encode(self, index: int, g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
-               own: torch.Tensor | None) -> tuple[Any, np.ndarray]:
+               into: torch.Tensor | None) -> tuple[Any, np.ndarray]:
         """One payload per segment; the statistics of all of ``q`` are the segments' sums added in segment order."""
         payloads, stats = [], []
         for segment, (start, stop) in enumerate(self.segments[index]):
@@ -202,7 +202,7 @@ class TwoPhasePath(CollectivePath):
                                                [sum(p.numel() for p in piece) for piece in pieces])
         transports.launch(self.transport)         # the step's first hop moves now, wherever its transport queues
         self._pending = (step, handle, allocation.copy(), seed)
-        self._sent = (step, self._payloads)
+        self._closed = (step, self._payloads)
         self._payloads = {}
 
     # ------------------------------------------------------------------ the second hop
@@ -277,7 +277,7 @@ class TwoPhasePath(CollectivePath):
                                                                                              strict=True)]
         keys = np.array([collectives.segment_key(stream_key(seed, step, i), ranks + 1) for i in range(tensors)],
                         dtype=np.int64)
-        sent = kernels.send_group(kernels.GroupSend(rows, totals, residuals, [None] * tensors, [None] * tensors,
+        sent = kernels.pack_group(kernels.PackRequest(rows, totals, residuals, [None] * tensors, [None] * tensors,
                                                     keys, allocation, True, False, False, policy.rule), tables)
         distortion, cosine = distortion_cosine(sent.stats)
         payloads: list[torch.Tensor] = []
@@ -301,7 +301,7 @@ class TwoPhasePath(CollectivePath):
         def repack(escalating: np.ndarray, actions: np.ndarray) -> np.ndarray:
             for index in escalating.tolist():
                 kernels.decode_add(payloads[index], residuals[index], name=self.names[index])      # e <- e + q
-            retry = kernels.send_group(kernels.GroupSend(
+            retry = kernels.pack_group(kernels.PackRequest(
                 rows[escalating], [None] * len(escalating), [residuals[i] for i in escalating.tolist()],
                 [None] * len(escalating), [None] * len(escalating), keys[escalating], actions, False, False, False,
                 policy.rule), tables)
@@ -337,7 +337,7 @@ def _send_first_hop(sender: Sender, members: np.ndarray, grads: list[torch.Tenso
     ranks = len(segments[int(members[0])])
     keys = stream_keys(sender.seed, sender.step, members)
     request = sender.group_request(members, grads, residuals, samples, [None] * m, keys, kernels.GroupOutput.SCREEN)
-    result = kernels.send_group(request, sender.tables)
+    result = kernels.pack_group(request, sender.tables)
     sender.take_screen(members, result)
     payloads: dict[int, Any] = {}
     segment_keys = np.array([[collectives.segment_key(int(key), r) for r in range(ranks)] for key in keys],
@@ -347,7 +347,7 @@ def _send_first_hop(sender: Sender, members: np.ndarray, grads: list[torch.Tenso
         # Segment r of every row, for r = 0, 1, ...: the statistics are then added in segment order.
         slots = [(k, r) for r in range(ranks) for k in rows.tolist()]
         bounds = [segments[int(members[k])][r] for k, r in slots]
-        sent = kernels.send_group(kernels.GroupSend(
+        sent = kernels.pack_group(kernels.PackRequest(
             np.array([int(members[k]) * ranks + r for k, r in slots], dtype=np.int64),
             [grads[k][a:b] if first else None for (k, _), (a, b) in zip(slots, bounds, strict=True)],
             [residuals[k][a:b] for (k, _), (a, b) in zip(slots, bounds, strict=True)], [None] * len(slots),

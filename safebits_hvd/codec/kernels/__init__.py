@@ -30,7 +30,7 @@ import torch
 from .. import host, wire
 from ..actions import Action, Menu
 from . import reference
-from .groups import Gathered, GroupOutput, GroupSend, GroupSent, GroupTables, ScreenRule
+from .groups import Gathered, GroupOutput, GroupTables, PackRequest, PackResult, ScreenRule
 from .tensors import TensorList
 
 __all__ = ["STAT_COLUMNS", "Gathered", "GroupOutput", "GroupSend", "GroupSent", "GroupTables", "ScreenRule",
@@ -81,8 +81,9 @@ def backend_name(device: torch.device | str = "cpu") -> str:
 @contextlib.contextmanager
 def use_backend(backend: Any) -> Iterator[None]:
     """Inside the block, ``backend`` serves tensors on every device: a module or object with this package's
-    backend functions and a ``NAME`` (``"c"``, ``"reference"`` or ``"cuda"``), as ``cpu``, ``reference`` and
-    ``cuda`` are. The counting tests run the CUDA backend's orchestration on CPU tensors this way."""
+    backend functions, a ``NAME`` (``"c"``, ``"reference"`` or ``"cuda"``) and what it can do (``PACKS_GROUPS``,
+    ``ON_HOST``, ``TAKES_ADDRESSES``), as ``cpu``, ``reference`` and ``cuda`` have. The counting tests run the CUDA
+    backend's orchestration on CPU tensors this way."""
     global _override
     previous, _override = _override, backend
     try:
@@ -155,12 +156,12 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, key: int,
                      payload: torch.Tensor | None = None,
-                     sent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused packing pass: ``v = g + e``; the packed payload of ``q = Q_action(v)``; ``e = v - q`` (in place);
-    and ``q`` itself into ``sent`` when given.
+    and ``q`` itself into ``into`` when given.
 
     ``e`` and the statistics are bitwise those of :func:`quantize_ef` on the same inputs, and decoding the payload
-    gives bitwise its ``out`` (and ``sent``): a rank that needs its own ``q`` (to start the sum over ranks) gets it
+    gives bitwise its ``out`` (and ``into``): a rank that needs its own ``q`` (to start the sum over ranks) gets it
     here instead of decoding its own payload again.
 
     Args:
@@ -180,9 +181,9 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, ke
     _check("e", e)
     if g is not None:
         _check("g", g, e)
-    if sent is not None:
-        _check("sent", sent, e)
-        if sent.numel() and sent.data_ptr() == e.data_ptr():
+    if into is not None:
+        _check("sent", into, e)
+        if into.numel() and into.data_ptr() == e.data_ptr():
             raise ValueError("sent must not be e (the residual is written in the same pass)")
     if not isinstance(action, Action):
         raise TypeError(f"action must be a safebits_hvd.codec.actions.Action, got {type(action).__name__}")
@@ -200,7 +201,7 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, action: Action, ke
     # The header through the seam: on a GPU a pageable copy would wait for the device.
     head = np.frombuffer(wire.pack_header(header), dtype=np.int64)
     payload[:wire.HEADER_BYTES].copy_(host.upload(payload.device, {"header": head})["header"].view(torch.uint8))
-    stats = _backend(e.device).quantize_pack_ef(g, e, payload, action, int(key), sent)
+    stats = _backend(e.device).quantize_pack_ef(g, e, payload, action, int(key), into)
     return payload, stats
 
 
@@ -260,24 +261,24 @@ def decode(payload: torch.Tensor, *, name: str = "tensor", out: torch.Tensor | N
 # every member of a gathered group. The C backend runs each as one multi-tensor call (group.c); the others loop
 # over their per-tensor kernels, with the same results.
 
-def send_group(request: GroupSend, tables: GroupTables) -> GroupSent:
+def pack_group(request: PackRequest, tables: GroupTables) -> PackResult:
     """Send every member of a group in one pass: NaN/Inf check, screen, the choice of the first action to try,
-    and the packing pass (``v = g + e``, payload of ``q``, ``e <- v - q``, ``q`` into ``sents``), each member
+    and the packing pass (``v = g + e``, payload of ``q``, ``e <- v - q``, ``q`` into ``intos``), each member
     bitwise as :func:`screen` and :func:`quantize_pack_ef` (:func:`quantize_ef` for ``GroupOutput.VALUES``) would.
     The results are read back once."""
-    if request.output == GroupOutput.VALUES and any(s is None for s in request.sents):
+    if request.output == GroupOutput.VALUES and any(s is None for s in request.intos):
         raise ValueError("send_group: GroupOutput.VALUES writes q into every member's sents tensor; one is None")
     device = request.residuals[0].device if request.residuals else torch.device("cpu")
     backend = _backend(device)
-    if backend.NAME == "reference":
-        return _send_group_loop(request, tables, device)
-    if backend.NAME == "c":
+    if not backend.PACKS_GROUPS:
+        return _pack_group_loop(request, tables, device)
+    if backend.ON_HOST:
         host.count()        # the read a device backend makes (the CUDA one counts its own, host.to_host)
-    return backend.send_group(request, tables)
+    return backend.pack_group(request, tables)
 
 
-def _send_group_loop(request: GroupSend, tables: GroupTables, device: torch.device) -> GroupSent:
-    """:func:`send_group` through the per-tensor kernels (the reference backend)."""
+def _pack_group_loop(request: PackRequest, tables: GroupTables, device: torch.device) -> PackResult:
+    """:func:`pack_group` through the per-tensor kernels (the reference backend)."""
     m, nact = len(request.members), tables.actions
     finite = np.ones(m, dtype=bool)
     screen_stats = np.zeros((m, nact, 4))
@@ -296,19 +297,19 @@ def _send_group_loop(request: GroupSend, tables: GroupTables, device: torch.devi
                                                           tables.cost_order[index:index + 1], tables.lossless)[0]
         if request.output == GroupOutput.SCREEN:
             continue
-        action, key, sent = tables.menu[int(chosen[k])], int(request.keys[k]), request.sents[k]
+        action, key, into = tables.menu[int(chosen[k])], int(request.keys[k]), request.intos[k]
         if request.output == GroupOutput.VALUES:
-            assert sent is not None
-            member_stats = quantize_ef(g, e, sent, action, key)
+            assert into is not None
+            member_stats = quantize_ef(g, e, into, action, key)
         else:
-            payload, member_stats = quantize_pack_ef(g, e, action, key, sent=sent)
+            payload, member_stats = quantize_pack_ef(g, e, action, key, into=into)
             payloads.append(payload)
         stats[k] = host.to_host(member_stats)
     sizes = [0 if c < 0 or request.output != GroupOutput.PAYLOAD else int(tables.payload_bytes[i, c])
              for i, c in zip(request.members, chosen, strict=True)]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     buffer = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=device)
-    return GroupSent(buffer, finite, screen_stats, chosen, offsets, stats)
+    return PackResult(buffer, finite, screen_stats, chosen, offsets, stats)
 
 
 def decode_group(payloads: list[list[torch.Tensor]] | Gathered, actions: np.ndarray, outs: list[torch.Tensor],
@@ -327,13 +328,13 @@ def decode_group(payloads: list[list[torch.Tensor]] | Gathered, actions: np.ndar
     backend = _backend(outs[0].device)
     flat: Any = None
     if isinstance(payloads, Gathered):
-        if backend.NAME == "c":       # the C call takes addresses: no view made per payload
+        if backend.TAKES_ADDRESSES:       # no view made per payload
             flat = payloads.buffer.data_ptr() + payloads.offsets.reshape(-1).astype(np.int64)
         else:
             payloads = payloads.payloads(sizes.reshape(len(outs), ranks))
     if flat is None:
         flat = [p for member in payloads for p in member]
-    if backend.NAME != "reference":      # cuda: same arguments, its top-k read back counted there
+    if backend.PACKS_GROUPS:      # cuda: same arguments, its top-k read back counted there
         body_bytes = sizes - wire.HEADER_BYTES
         bad = backend.decode_group(flat, body_bytes, actions.reshape(-1), outs, tables.numels[members], own, ranks,
                                    tables.menu, float(divisor))
@@ -360,7 +361,7 @@ def receive_group(gathered: torch.Tensor, rows: np.ndarray, expected: np.ndarray
     top-k indices); returns True, and the caller reads ``error`` when the step closes
     (:func:`raise_received_error`)."""
     backend = _backend(gathered.device)
-    if backend.NAME == "cuda":
+    if not backend.ON_HOST:
         backend.receive_group(gathered, rows, expected, outs, own, tables, float(divisor), error)
         return True
     payloads, actions = locate_payloads(gathered, rows, expected, tables, names, what)

@@ -28,12 +28,18 @@ import torch
 
 from ..actions import Action, ActionKind, Menu
 from ..wire import HEADER_BYTES, Header, WireFormatError
-from .groups import GroupOutput, GroupSent
+from .groups import GroupOutput, PackResult
 from .source import translation_unit
 from .tensors import addresses, element_counts
 
 NAME = "c"
 """The backend's name (:func:`safebits_hvd.codec.kernels.backend_name`)."""
+PACKS_GROUPS = True
+"""``pack_group`` and ``decode_group`` pass over every member of a group in one call (``group.c``)."""
+ON_HOST = True
+"""Results are host memory; ``kernels.pack_group`` counts the one read a device backend would make."""
+TAKES_ADDRESSES = True
+"""``decode_group`` takes each payload's address (no tensor view made per payload)."""
 
 HERE = Path(__file__).resolve().parent
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
@@ -116,10 +122,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sb_decode.restype = i32
     lib.sb_screen.argtypes = [p, p, i64, i64, p, i64, i32, p, p, p, p, p, u32, p, i32]
     lib.sb_screen.restype = i32
-    lib.sb_send_group.argtypes = [i32, p, p, p, p, p, p, p, p, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32,
+    lib.sb_pack_group.argtypes = [i32, p, p, p, p, p, p, p, p, i64, i32, p, p, p, p, p, p, p, p, i32, i32, i32,
                                   i32, ctypes.c_double, ctypes.c_double, p, p, p, i64, p, p, p, p, p, i32,
                                   i32]
-    lib.sb_send_group.restype = i32
+    lib.sb_pack_group.restype = i32
     lib.sb_decode_group.argtypes = [i32, i32, p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_float, i32]
     lib.sb_decode_group.restype = i32
     lib.sb_allocate.argtypes = [p, p, i64, i32, i64, p, p, p]
@@ -202,12 +208,12 @@ def quantize_ef(g: torch.Tensor | None, e: torch.Tensor, out: torch.Tensor, acti
 
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
-                     key: int, sent: torch.Tensor | None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``pack.c``'s fused packing pass into ``payload`` (header already written), and ``q`` into ``sent`` unless
+                     key: int, into: torch.Tensor | None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``pack.c``'s fused packing pass into ``payload`` (header already written), and ``q`` into ``into`` unless
     None; returns the statistics. ``lib``: another build of the kernels (:func:`build`, :func:`bind`)."""
     lib = lib or load()
     stats = torch.empty(4, dtype=torch.float64)           # the C code zeroes it
-    rc = lib.sb_quantize_pack_ef(_ptr(g), e.data_ptr(), payload.data_ptr() + HEADER_BYTES, _ptr(sent), e.numel(),
+    rc = lib.sb_quantize_pack_ef(_ptr(g), e.data_ptr(), payload.data_ptr() + HEADER_BYTES, _ptr(into), e.numel(),
                                  action.bucket_size, *_action_args(action), key & 0xFFFFFFFF, stats.data_ptr(),
                                  torch.get_num_threads())
     if rc != 0:
@@ -247,9 +253,9 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-def send_group(request: Any, tables: Any) -> Any:
-    """``group.c``'s ``sb_send_group`` over the members of ``request`` (:class:`~safebits_hvd.codec.kernels.GroupSend`);
-    returns a :class:`~safebits_hvd.codec.kernels.GroupSent`."""
+def pack_group(request: Any, tables: Any) -> Any:
+    """``group.c``'s ``sb_pack_group`` over the members of ``request``
+    (:class:`~safebits_hvd.codec.kernels.PackRequest`); returns a :class:`~safebits_hvd.codec.kernels.PackResult`."""
     lib = load()
     members = np.ascontiguousarray(request.members, dtype=np.int64)
     m, nact = len(members), tables.actions
@@ -267,10 +273,10 @@ def send_group(request: Any, tables: Any) -> Any:
     stats = np.empty((m, 4))
     tables_arguments = _tables_arguments(tables)
     # Every array must outlive the call: an address alone does not keep its array alive.
-    grads, residuals, sents = addresses(request.grads), addresses(request.residuals), addresses(request.sents)
+    grads, residuals, intos = addresses(request.grads), addresses(request.residuals), addresses(request.intos)
     sample_pointers = addresses(samples)
-    rc = lib.sb_send_group(
-        m, _address(members), _address(grads), _address(residuals), _address(sents), _address(numels),
+    rc = lib.sb_pack_group(
+        m, _address(members), _address(grads), _address(residuals), _address(intos), _address(numels),
         _address(sample_pointers), _address(nsel), _address(keys), tables.menu.bucket_size, nact,
         *tables_arguments[:5], _address(allocated), *tables_arguments[5:7], tables.lossless_index,
         int(request.check_finite), int(request.do_screen), int(request.screen_enabled), request.rule.max_distortion,
@@ -278,15 +284,15 @@ def send_group(request: Any, tables: Any) -> Any:
         _address(screen_stats), _address(chosen), _address(offsets), _address(stats), int(request.output),
         torch.get_num_threads())
     if rc == -1:
-        raise MemoryError("sb_send_group: out of memory")
+        raise MemoryError("sb_pack_group: out of memory")
     if rc != 0:
-        raise RuntimeError(f"sb_send_group failed with code {rc}")
-    return GroupSent(buffer[:int(offsets[-1])], finite.astype(bool), screen_stats, chosen.astype(np.int64),
+        raise RuntimeError(f"sb_pack_group failed with code {rc}")
+    return PackResult(buffer[:int(offsets[-1])], finite.astype(bool), screen_stats, chosen.astype(np.int64),
                      offsets, stats)
 
 
 def _tables_arguments(tables: Any) -> tuple[int, ...]:
-    """The addresses ``sb_send_group`` takes of a core's :class:`~safebits_hvd.codec.kernels.GroupTables` (the menu's
+    """The addresses ``sb_pack_group`` takes of a core's :class:`~safebits_hvd.codec.kernels.GroupTables` (the menu's
     five per-action arrays, the cost order, the lossless flags, the payload bytes and the headers), made once."""
     made = tables.backend_arguments.get("c")
     if made is None:

@@ -18,12 +18,18 @@ import torch
 from .. import host
 from ..actions import Action, ActionKind, Menu
 from ..wire import HEADER_BYTES, Header, WireFormatError
-from .groups import GroupOutput, GroupSent
+from .groups import GroupOutput, PackResult
 from .source import translation_unit
 from .tensors import TensorList, addresses
 
 NAME = "cuda"
 """The backend's name (:func:`safebits_hvd.codec.kernels.backend_name`)."""
+PACKS_GROUPS = True
+"""``pack_group``, ``decode_group`` and ``receive_group`` launch one set of kernels per group."""
+ON_HOST = False
+"""Results are device memory: reads back go through the host seam, counted here; a gathered group is located and
+decoded on the device (``receive_group``)."""
+TAKES_ADDRESSES = False
 
 THREADS = 256
 GATHER_CHUNK = 4096
@@ -183,8 +189,8 @@ def _action_args(action: Action) -> tuple:
 
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
-                     key: int, sent: torch.Tensor | None) -> torch.Tensor:
-    """The fused packing pass into ``payload`` (header written, 16-byte aligned), and ``q`` into ``sent`` unless
+                     key: int, into: torch.Tensor | None) -> torch.Tensor:
+    """The fused packing pass into ``payload`` (header written, 16-byte aligned), and ``q`` into ``into`` unless
     None; returns the statistics."""
     n = e.numel()
     if n == 0:
@@ -192,8 +198,8 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
     payload[HEADER_BYTES:].zero_()              # the kernel ORs / adds the packed codes into zeroed words
     nb = -(-n // action.bucket_size)
     part = torch.empty((nb, 4), dtype=torch.float64, device=e.device)
-    args = (_ptr(g if g is not None else e), _ptr(e), _ptr(payload), _ptr(sent if sent is not None else e),
-            np.int32(g is not None), np.int32(sent is not None), np.int64(n),
+    args = (_ptr(g if g is not None else e), _ptr(e), _ptr(payload), _ptr(into if into is not None else e),
+            np.int32(g is not None), np.int32(into is not None), np.int64(n),
             np.int32(action.bucket_size), *_action_args(action), np.uint32(key & 0xFFFFFFFF), _ptr(part))
     _launch("sb_quantize_pack_ef_kernel", nb, args, e.device)
     return _summed(part)[0]
@@ -345,8 +351,8 @@ def _plan_of(request: Any, tables: Any, members: np.ndarray, device: torch.devic
     return plan
 
 
-def send_group(request: Any, tables: Any) -> Any:
-    """:func:`safebits_hvd.codec.kernels.send_group` on the GPU: the NaN/Inf check, the screen, the choice of the first
+def pack_group(request: Any, tables: Any) -> Any:
+    """:func:`safebits_hvd.codec.kernels.pack_group` on the GPU: the NaN/Inf check, the screen, the choice of the first
     action, the layout and the packing pass of every member, one launch each with no synchronization in between,
     then ONE read back (``host.to_host``) of the verdicts, choices, offsets and statistics.
 
@@ -357,7 +363,7 @@ def send_group(request: Any, tables: Any) -> Any:
     members = np.ascontiguousarray(request.members, dtype=np.int64)
     m, nact, bucket = len(members), tables.actions, tables.menu.bucket_size
     if m == 0:
-        return GroupSent(torch.empty(0, dtype=torch.uint8, device=device), np.ones(0, dtype=bool),
+        return PackResult(torch.empty(0, dtype=torch.uint8, device=device), np.ones(0, dtype=bool),
                          np.zeros((0, nact, 4)), np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64),
                          np.zeros((0, 4)))
     plan = _plan_of(request, tables, members, device)
@@ -368,7 +374,7 @@ def send_group(request: Any, tables: Any) -> Any:
     # flags the check sets (so no launch zeroes them); the layout is the plan's, on the device since it was made.
     t = dict(plan.layout)
     t.update(host.upload(device, dict(
-        g=addresses(request.grads), sent=addresses(request.sents), key=np.asarray(request.keys, dtype=np.uint32),
+        g=addresses(request.grads), into=addresses(request.intos), key=np.asarray(request.keys, dtype=np.uint32),
         allocated=np.asarray(request.allocated), bad=np.zeros(m, dtype=np.int64))))
     # Everything read back, in one int64 tensor: chosen (-1: NaN/Inf), offsets, then the float64 sums; every word
     # is written by a kernel below, or not read (the sums of a pass that did not run are zeros on the host).
@@ -407,7 +413,7 @@ def send_group(request: Any, tables: Any) -> Any:
             if buckets:
                 part = torch.empty((buckets, 4), dtype=torch.float64, device=device)
                 launch("sb_group_pack_kernel", buckets,
-                       (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["sent"]), _ptr(t["n"]),
+                       (np.int32(m), _ptr(t["bucket_off"]), _ptr(t["g"]), _ptr(t["e"]), _ptr(t["into"]), _ptr(t["n"]),
                         _ptr(t["key"]), _ptr(r["chosen"]), _ptr(t["stage_addr"]), np.int32(bucket), *menu_args,
                         _ptr(part)))
                 launch("sb_segment_sum_kernel", m, (_ptr(part), _ptr(t["bucket_off"]), np.int64(0), np.int32(1),
@@ -421,7 +427,7 @@ def send_group(request: Any, tables: Any) -> Any:
     offsets = values["offsets"].copy() if request.output == GroupOutput.PAYLOAD else np.zeros(m + 1, dtype=np.int64)
     screen_host = values["screen"].view(np.float64).reshape(m, nact, 4) if screened else np.zeros((m, nact, 4))
     stats_host = values["stats"].view(np.float64).reshape(m, 4) if packed else np.zeros((m, 4))
-    return GroupSent(buffer[:int(offsets[-1])], chosen >= 0, screen_host, chosen, offsets, stats_host)
+    return PackResult(buffer[:int(offsets[-1])], chosen >= 0, screen_host, chosen, offsets, stats_host)
 
 
 def decode_group(bodies: list[torch.Tensor], body_bytes: np.ndarray, actions: np.ndarray, outs: list[torch.Tensor],

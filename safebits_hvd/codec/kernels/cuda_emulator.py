@@ -115,7 +115,7 @@ class EmulatedCuda:
     """A kernel backend (``kernels.use_backend``) named ``"cuda"``: ``safebits_hvd.codec.kernels.cuda``'s functions with
     their kernels emulated, on CPU tensors."""
 
-    NAME = "cuda"
+    NAME, PACKS_GROUPS, ON_HOST, TAKES_ADDRESSES = cuda.NAME, cuda.PACKS_GROUPS, cuda.ON_HOST, cuda.TAKES_ADDRESSES
 
     def __init__(self) -> None:
         self.runtime = EmulatedRuntime()

@@ -40,7 +40,7 @@ static int sb_all_finite(const float *x, sb_i64 n) {
             if (n[k] > SB_PAR_MIN && CALL(k, nthreads)) fail = 1;                             \
     } while (0)
 
-/* sb_send_group's arguments, for the per-member steps below. */
+/* sb_pack_group's arguments, for the per-member steps below. */
 typedef struct {
     const sb_i64 *member, *g, *e, *sent, *n, *samples, *nsel;
     const sb_u32 *keys;
@@ -120,7 +120,7 @@ static int sb_pack_member(const sb_send_args *s, int k, int threads) {
  * offsets and stats zero; the two-phase first hop packs each tensor's segments apart); SB_OUTPUT_PAYLOAD, as above;
  * SB_OUTPUT_VALUES, q into sent[k] (every one given) and the residual, no payload (sb_quantize_ef; offsets zero).
  * Returns 0, -1 when out of memory, -2 when the payloads would not fit `capacity` bytes. */
-int sb_send_group(int m, const sb_i64 *member, const sb_i64 *g, const sb_i64 *e, const sb_i64 *sent,
+int sb_pack_group(int m, const sb_i64 *member, const sb_i64 *g, const sb_i64 *e, const sb_i64 *sent,
                   const sb_i64 *n, const sb_i64 *samples, const sb_i64 *nsel, const sb_u32 *keys, sb_i64 bucket,
                   int nact, const int *kinds, const int *levels, const int *stochastic, const int *topks,
                   const int *trits, const int *allocated, const sb_i64 *cost_order, const unsigned char *lossless,

@@ -1,7 +1,7 @@
 """A group's send and receive as the backends take them (docs/DESIGN.md, "The batched step"): the tables that never
-change between steps (:class:`GroupTables`), the request of one send (:class:`GroupSend`, with what it writes,
-:class:`GroupOutput`, and the screen's rule it chooses by, :class:`ScreenRule`), its result (:class:`GroupSent`), and a
-gathered group's payloads (:class:`Gathered`). :func:`safebits_hvd.codec.kernels.send_group` and ``decode_group``
+change between steps (:class:`GroupTables`), the request of one send (:class:`PackRequest`, with what it writes,
+:class:`GroupOutput`, and the screen's rule it chooses by, :class:`ScreenRule`), its result (:class:`PackResult`), and a
+gathered group's payloads (:class:`Gathered`). :func:`safebits_hvd.codec.kernels.pack_group` and ``decode_group``
 dispatch them to a backend."""
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ class GroupTables:
 
 
 class GroupOutput(IntEnum):
-    """What :func:`send_group` writes after the NaN/Inf check, the screen and the choice (``group.c`` takes the same
+    """What :func:`pack_group` writes after the NaN/Inf check, the screen and the choice (``group.c`` takes the same
     numbers)."""
 
     SCREEN = 0      # nothing: no payload, no residual, no q (the two-phase first hop packs each segment apart)
-    PAYLOAD = 1     # the packed payloads, the residuals, and q into the ``sents`` given (the packed paths)
-    VALUES = 2      # q into ``sents`` (every one given) and the residuals, no payload (the dense path: Horovod or
+    PAYLOAD = 1     # the packed payloads, the residuals, and q into the ``intos`` given (the packed paths)
+    VALUES = 2      # q into ``intos`` (every one given) and the residuals, no payload (the dense path: Horovod or
                     # DDP all-reduces the values; a payload beside them would travel nowhere)
 
 
@@ -78,7 +78,7 @@ class ScreenRule(Protocol):
                          lossless: np.ndarray) -> np.ndarray: ...
 
 
-class GroupSend(NamedTuple):
+class PackRequest(NamedTuple):
     """One group's send: per member (a row of the tables), its flat float32 gradient, residual, the tensor that
     receives ``q`` (or None), the screen's sample of buckets (None: all), RNG key and allocated action; ``output``:
     what the pass writes (:class:`GroupOutput`)."""
@@ -86,7 +86,7 @@ class GroupSend(NamedTuple):
     members: np.ndarray
     grads: list[torch.Tensor]
     residuals: list[torch.Tensor]
-    sents: list[torch.Tensor | None]
+    intos: list[torch.Tensor | None]
     samples: list[torch.Tensor | None]
     keys: np.ndarray
     allocated: np.ndarray
@@ -97,8 +97,8 @@ class GroupSend(NamedTuple):
     output: GroupOutput = GroupOutput.PAYLOAD
 
 
-class GroupSent(NamedTuple):
-    """What :func:`send_group` did, per member: the payloads back to back (``offsets``: where each starts, and the
+class PackResult(NamedTuple):
+    """What :func:`pack_group` did, per member: the payloads back to back (``offsets``: where each starts, and the
     end), whether its gradient was finite (a non-finite one was not sent: chosen -1, no bytes), the screen's
     statistics ``(members, actions, 4)``, the action sent, and the exact statistics of what was sent."""
 

@@ -28,6 +28,11 @@ from ..wire import HEADER_BYTES, Header, WireFormatError
 
 NAME = "reference"
 """The backend's name (:func:`safebits_hvd.codec.kernels.backend_name`)."""
+PACKS_GROUPS = False
+"""No multi-tensor passes: ``kernels.pack_group`` and ``decode_group`` loop over the per-tensor functions."""
+ON_HOST = True
+"""Results are host memory: nothing to read back."""
+TAKES_ADDRESSES = False
 
 _SIGN_BIT = -(2**31)
 
@@ -266,7 +271,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Tensor, action: Action,
-                     key: int, sent: torch.Tensor | None = None) -> torch.Tensor:
+                     key: int, into: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of :func:`safebits_hvd.codec.kernels.quantize_pack_ef` (the header is already in ``payload``)."""
     n = e.numel()
     if n == 0:
@@ -321,8 +326,8 @@ def quantize_pack_ef(g: torch.Tensor | None, e: torch.Tensor, payload: torch.Ten
     payload[HEADER_BYTES:].copy_(body)
     qf = q.reshape(-1)[:n]
     e.copy_(v - qf)
-    if sent is not None:
-        sent.copy_(qf)
+    if into is not None:
+        into.copy_(qf)
     return _stats(torch.where(valid, q, torch.zeros((), device=q.device)), vp)
 
 
