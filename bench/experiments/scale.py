@@ -1,6 +1,6 @@
 """Bytes and communication time per step from 2 to 1,024 ranks: SafeBits' collectives against float32 and bf16 ring
 all-reduce and PowerSGD, modelled from measured inputs, the model checked against bytes measured here
-(docs/RESULTS.md, section 8.3).
+(docs/RESULTS.md, section 8.2).
 
 The model (``--model``, pure computation). A cluster of ``P`` ranks in nodes of ``G`` GPUs (``--gpus-per-node``, 8):
 inside a node the GPUs talk over NVLink (``--nvlink-gbyte``), between nodes through the node's NIC (25, 100 and

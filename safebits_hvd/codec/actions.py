@@ -85,7 +85,7 @@ LLOYD_MAX_LEVELS: dict[int, tuple[float, ...]] = {
 Gaussian density: ``python -m bench.experiments.action_frontier --lloyd-max``), in units of the bucket's scale.
 The kernels round to the nearest level: the thresholds are the midpoints (:func:`lloyd_max_thresholds`); the
 tables reach the C and CUDA code as float32 constants from here (``kernels/source.py``). Why this scale:
-docs/DESIGN.md, "Quantizers"."""
+docs/DESIGN.md, "Why LLOYD_MAX"."""
 
 LLOYD_MAX_SCALE_FACTORS: tuple[float, ...] = (1.0, math.sqrt(2.0), 2.0)
 """Candidate scales of a LLOYD_MAX bucket, as multiples of its RMS: the encoder keeps the one with the least squared

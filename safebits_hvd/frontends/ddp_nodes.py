@@ -1,5 +1,5 @@
 """The DDP hook on the hop across nodes only: the node's own ranks reduce uncompressed, SafeBits carries each node's
-sum to the other nodes (docs/DESIGN.md, "The life of one step under DDP, across nodes").
+sum to the other nodes (docs/DESIGN.md, "Across nodes only").
 
     from safebits_hvd import ddp as sbddp
     state = sbddp.AcrossNodesState(model.named_parameters(), node_size=8, budget_bits=4.4)

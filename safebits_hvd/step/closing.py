@@ -10,7 +10,7 @@
    reduced, before it chooses the next step's budget.
 
 One collective a step carries both, so that the telemetry costs no exchange of its own (docs/RESULTS.md, section
-4.4). The core (:class:`~.core.SafeBitsCore`) decides when: it closes a step after its last tensor is sent, ends it
+4.3). The core (:class:`~.core.SafeBitsCore`) decides when: it closes a step after its last tensor is sent, ends it
 at the front end's last reduced tensor of that step, and finishes it at the next begin.
 """
 
