@@ -69,9 +69,8 @@ class CollectivePath:
     paths, the reduced sums (:meth:`reduced_sums`). The core never asks which path it holds, only what it can do:
     ``packed`` (uint8 payloads through SafeBits' collectives, else float32 values through the front end's own
     allreduce), ``batched`` (tensors :meth:`register`-ed, then sent by the path in batches: a fusion group at a
-    time, or the whole step when it closes), ``sends_together`` (a front end may hand it several tensors at once,
-    :meth:`send_together`: one batched pass) and ``front_end_groups`` (each such group is also sent in one
-    collective of the path's own as soon as it is complete).
+    time, or the whole step when it closes) and ``sends_together`` (a front end may hand it several tensors at
+    once, :meth:`send_together`: one batched pass, cut by :meth:`chunks`, each started by :meth:`launch`).
     """
 
     name = ""
@@ -98,6 +97,18 @@ class CollectivePath:
 
     def abort(self) -> None:
         """Drop the step in flight (one of its collectives failed)."""
+
+    def join_world(self, transport: PayloadTransport, first_hop: Any) -> None:
+        """The ranks are known (``transport``: the first step, or the first after :meth:`leave_world`): a path cut
+        for them (the two-phase segments) prepares; ``first_hop``: the core's residuals (None without error
+        feedback)."""
+
+    def leave_world(self) -> None:
+        """The world changed (elastic training): forget what was cut for the old one."""
+
+    def add_unchanged(self, numels: np.ndarray) -> None:
+        """Tensors of these sizes go on as they are (a pass-through step): only where the front end reduces them."""
+        raise RuntimeError(f"the {self.name} path packs every tensor: none goes on unchanged")
 
     # -- batched paths: the send pass runs over many tensors at once
     def register(self, index: int, gradient: torch.Tensor, into: torch.Tensor | None) -> int | None:

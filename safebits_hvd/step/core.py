@@ -221,7 +221,6 @@ class SafeBitsCore:
             return False
         self.noise.local([values])
         rows, path = np.asarray(indices, dtype=np.int64), self.path
-        assert isinstance(path, DensePath)          # a pass-through step's
         self.sender.record_pass_through(rows)
         path.add_unchanged(self.numels[rows].astype(np.int64))
         self._mark_sent(rows, len(rows), Handle(None, self.step, path.name), start)
@@ -345,8 +344,8 @@ class SafeBitsCore:
                                                 self.closing.previous_screened, self.closing.previous_v2)
         if self.transport is None:
             self.transport = call_factory(self.transport_source)
-        if self.two_phase.configured_for is None:
-            self.two_phase.configure(self.transport, self.memory if self.error_feedback else None)
+        for path in self.paths.values():
+            path.join_world(self.transport, self.memory if self.error_feedback else None)
         self.path = self.paths[collectives.choose(self.collective_setting,
                                                   self._allocation.cost_bits / max(1, self.total_elements),
                                                   self.transport.size)]

@@ -99,6 +99,10 @@ class TwoPhasePath(CollectivePath):
             else:
                 self.ranges[name] = held
 
+    def join_world(self, transport: PayloadTransport, first_hop: ErrorFeedback | None) -> None:
+        if self.configured_for is None:
+            self.configure(transport, first_hop)
+
     def leave_world(self) -> None:
         """Forget the transport and the segments (the world changed); :meth:`configure` runs again before use."""
         self.abort()

@@ -28,4 +28,5 @@ def leave_world(core: SafeBitsCore) -> None:
                          "world; pass factories (or nothing) for elastic training")
     core.closing.leave_world()       # an exchange in flight is the old world's: dropped
     core.transport = None
-    core.two_phase.leave_world()
+    for path in core.paths.values():
+        path.leave_world()
