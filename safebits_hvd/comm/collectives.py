@@ -304,8 +304,8 @@ class AllgatherPath(PackedCodec, CollectivePath):
     """Every rank's packed payloads to every rank, one allgather per fusion group (:func:`fusion_groups`).
 
     The core registers each member's gradient as it arrives (:meth:`register`); when the group is complete it sends
-    the whole group in one batched pass (:meth:`.sending.Sender.send_group`) and hands the payloads, back to back in
-    member order, to :meth:`start`. A front end that batches itself (the DDP hook, per chunk of a bucket) makes
+    the whole group in one batched pass (:meth:`.sending.Sender.send_registered`) and hands the payloads, back to back
+    in member order, to :meth:`start`. A front end that batches itself (the DDP hook, per chunk of a bucket) makes
     its own groups for the step (:meth:`group_together`). On the receiving side the first member asked for decodes
     the whole group (:func:`.kernels.receive_group`): member ``k`` summed over the ``P`` gathered parts in rank
     order, so the sum is bitwise the same everywhere. The gathered headers are checked in one comparison against
@@ -468,7 +468,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self.start_group(group)
 
     def start_group(self, group: int) -> None:
-        """Send the group in one batched pass (:meth:`.sending.Sender.send_group`) and start its allgather."""
+        """Send the group in one batched pass (:meth:`.sending.Sender.send_registered`) and start its allgather."""
         members, registered = self.groups[group], self._registered.pop(group, {})
         buffer, offsets, member_bytes = self.sender.send_registered(members, registered)
         intos = {index: into for index, (_, into) in registered.items()}

@@ -18,7 +18,8 @@ calls a module's reduce-scatter once its gradients are ready (the last module of
 output as soon as the call returns, so each call is a whole collective of its own:
 
 1. **Send**: the module's members, one group of the step on the allgather path (one batched pass); before the
-   step's first payload moves, every rank's allocation is compared (:class:`~.frontend.AllocationCheck`).
+   step's first payload moves, every rank's allocation is compared
+   (:class:`~safebits_hvd.comm.transports.AllocationCheck`).
 2. **Gather**: one allgather of the group's payloads (sizes from the allocation, identical on every rank).
 3. **Sum**: every member decoded and summed over ranks in rank order (bitwise the same on every rank) and divided
    as FSDP's op asks (``AVG``: by the rank count; ``SUM``: not at all; FSDP divides before and after itself where

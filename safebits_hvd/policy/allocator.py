@@ -41,11 +41,11 @@ class Allocation:
         choice: action index (into the menu) per tensor, int64.
         cost_bits: modeled bits of ``choice``.
         squared_error: its total squared error (inf if it uses an inadmissible action, which never happens).
-        budget_bits_total: the budget it was asked to fit (from :class:`~.policy.BudgetPolicy`: the step's whole
+        budget_bits_total: the budget it was asked to fit (from :class:`~.budget.BudgetPolicy`: the step's whole
             budget, which its plan undershoots by the escalation reserve).
         min_cost_bits: bits of the cheapest admissible configuration.
         feasible: ``min_cost_bits <= budget_bits_total``; if False, ``choice`` is that cheapest configuration.
-        reserve_bits: bits of the budget the escalation reserve left unplanned (:class:`~.policy.BudgetPolicy`).
+        reserve_bits: bits of the budget the escalation reserve left unplanned (:class:`~.budget.BudgetPolicy`).
         guard_bits: bits the escalation guard's re-plans left unplanned beyond the reserve.
     """
 

@@ -173,7 +173,7 @@ def sent_error(distortion: np.ndarray, v2: np.ndarray, ranks: int) -> float:
 def budget_errors(policy: Any, budgets: list[float], screened: np.ndarray, v2: np.ndarray, total_elements: int,
                   ranks: int) -> dict[float, float]:
     """``ε²`` of each compressed budget in ``budgets`` (bits per parameter) had it run on these reduced screen
-    statistics: the squared error of the allocation :class:`~.policy.BudgetPolicy` would make, over ``P``."""
+    statistics: the squared error of the allocation :class:`~.budget.BudgetPolicy` would make, over ``P``."""
     return {bits: policy.allocate(bits, policy.budget_bits_total(bits, total_elements), screened,
                                   v2).squared_error / max(1, ranks)
             for bits in budgets}

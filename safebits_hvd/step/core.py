@@ -89,13 +89,14 @@ class SafeBitsCore:
     Args:
         names: parameter names (unique), in registration order; tensor *i* is ``names[i]``.
         numels: element count of each tensor.
-        policy: the per-step decisions (:class:`~.policy.BudgetPolicy`; the baselines pass a fixed one).
+        policy: the per-step decisions (:class:`~safebits_hvd.policy.budget.BudgetPolicy`; the baselines pass a
+            fixed one).
         schedule: ``step -> bits per parameter``.
         seed: seed of the counter-based stochastic-rounding RNG.
         exchange, transport: the statistics and the payload transports, or callables that make them when first
             needed (Horovod may be initialized after the front end is built).
         error_feedback: keep the residual ``e <- v - q`` per tensor (else ``e = 0`` every step).
-        nonfinite: ``"propagate"``, ``"raise"`` or ``"skip"`` (see :class:`~.compressor.SafeBits`).
+        nonfinite: ``"propagate"``, ``"raise"`` or ``"skip"`` (see :class:`~safebits_hvd.SafeBits`).
         sample_buckets: buckets per tensor the screen estimates on.
         consistency_check_every: compare allocation digests every this many steps (0: never).
         max_history, log_path: see :class:`~.telemetry.StepLog`.

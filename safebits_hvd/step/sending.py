@@ -1,12 +1,12 @@
 """Steps 2 and 3 of the life of a step (:mod:`.core`): the screen and the send, with error feedback.
 
 :class:`Sender` sends every path's tensors through one batched pass, :meth:`Sender.send_members`
-(docs/DESIGN.md, "The batched step"): a whole fusion group at a time on the allgather path (:meth:`Sender.send_group`),
-the whole step on the two-phase path (:func:`.two_phase.send_first_hop`), on the dense path a tensor (Horovod
-allreduces the values ``compress`` returns) or a DDP bucket at a time, values only (:meth:`Sender.send_values`).
-Members whose exact statistics fail the screen escalate together, a round at a time (:func:`escalation_rounds`,
-which the two-phase second hop shares): each tries the next action of its order until what it would send passes
-(the lossless action always does).
+(docs/DESIGN.md, "The batched step"): a whole fusion group at a time on the allgather path
+(:meth:`Sender.send_registered`), the whole step on the two-phase path (:func:`.two_phase.send_first_hop`), on the
+dense path a tensor (Horovod allreduces the values ``compress`` returns) or a DDP bucket at a time, values only
+(:meth:`Sender.send_values`). Members whose exact statistics fail the screen escalate together, a round at a time
+(:func:`escalation_rounds`, which the two-phase second hop shares): each tries the next action of its order until what
+it would send passes (the lossless action always does).
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ from . import reference
 from .groups import Gathered, GroupOutput, GroupTables, PackRequest, PackResult, ScreenRule
 from .tensors import TensorList
 
-__all__ = ["STAT_COLUMNS", "Gathered", "GroupOutput", "GroupSend", "GroupSent", "GroupTables", "ScreenRule",
-           "TensorList", "backend_name", "decode", "decode_add", "decode_group", "quantize_ef", "quantize_pack_ef",
-           "receive_group", "screen", "send_group"]
+__all__ = ["STAT_COLUMNS", "Gathered", "GroupOutput", "GroupTables", "PackRequest", "PackResult", "ScreenRule",
+           "TensorList", "backend_name", "decode", "decode_add", "decode_group", "pack_group", "quantize_ef",
+           "quantize_pack_ef", "receive_group", "screen"]
 
 PAYLOAD_ALIGN = 16
 """Byte alignment the kernels need of a payload (its float32 and 16-bit sections are then naturally aligned)."""
