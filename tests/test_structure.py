@@ -5,6 +5,7 @@ lines."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,14 @@ def test_the_circle_checker_finds_a_circle() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"], ["b", "c", "a", "b"],
                                                                           ["c", "a", "b", "c"]]
     assert not circles({"a": {"b"}, "b": {"c"}, "c": set()})
+
+
+def test_every_name_a_module_exports_exists() -> None:
+    """``__all__`` lists only names the module has (a rename that misses the list breaks ``import *``)."""
+    missing = []
+    for path in modules():
+        name = module_name(path)
+        dotted = PACKAGE.name if name == "__init__" else f"{PACKAGE.name}.{name}"
+        module = importlib.import_module(dotted)
+        missing += [f"{dotted}.{n}" for n in getattr(module, "__all__", []) if not hasattr(module, n)]
+    assert not missing, missing
