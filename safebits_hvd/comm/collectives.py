@@ -91,7 +91,7 @@ class CollectivePath:
 
     def add(self, index: int, sent: Any) -> Any:
         """Tensor ``index`` was sent (one tensor at a time: the dense and two-phase paths): count its bytes; returns
-        what the front end hands on (:attr:`.core.Sent.wire`)."""
+        what the front end hands on (:attr:`.core.Handle.wire`)."""
         self.wire_bytes += self.link_bytes(sent)
         return sent
 
@@ -287,7 +287,7 @@ def fusion_groups(numels: np.ndarray, max_elements: int = FUSION_ELEMENTS) -> li
 
 class PackedCodec:
     """One packed payload per tensor: the pass (:func:`encode_packed`) and its undoing (``e <- e + q``); the
-    allgather path's and the two-phase second hop's (for :func:`.sending.escalate`)."""
+    allgather path's (an escalation restores through it: :meth:`.sending.Sender.send_members`)."""
 
     menu: Menu
 

@@ -1,7 +1,7 @@
 """The framework-free core of SCGB-EF: :class:`SafeBitsCore`, one state object per set of parameters.
 
-A front end (the Horovod compressor in :mod:`.compressor`, the fixed-action baselines in :mod:`.baselines`) matches
-each gradient to a parameter index and drives the core through three calls:
+A front end (the Horovod compressor, the fixed-action baselines, the DDP and FSDP front ends:
+:mod:`safebits_hvd.frontends`) matches each gradient to a parameter index and drives the core through three calls:
 
 * :meth:`SafeBitsCore.send` (tensor *i*): quantize it for the wire, with error feedback. The first send of a step
   begins the step; the last one (every registered tensor sent once) closes it.
@@ -290,10 +290,10 @@ class SafeBitsCore:
 
     def reduced_sums(self, indices: list[int], handle: Handle, outs: list[torch.Tensor | None],
                      divisor: float = 1.0) -> list[torch.Tensor]:
-        """The sum over ranks of what every rank sent of each tensor at ``step`` on a packed path, decoded in rank
-        order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a mean), as flat
-        float32 tensors (``outs[k]`` if given: written over); waits for the collectives. On the allgather path
-        each group is decoded once, into the ``into`` tensors its members were sent with."""
+        """The sum over ranks of what every rank sent of each tensor at the ``handle``'s step on a packed path,
+        decoded in rank order (bitwise the same on every rank) and divided by ``divisor`` (the rank count, for a
+        mean), as flat float32 tensors (``outs[k]`` if given: written over); waits for the collectives. On the
+        allgather path each group is decoded once, into the ``into`` tensors its members were sent with."""
         start, waited = time.perf_counter(), waited_seconds()
         totals = self.paths[handle.collective].reduced_sums(indices, handle.step, outs, divisor)
         self.noise.reduced(totals)

@@ -43,12 +43,13 @@ class EscalationRound(NamedTuple):
 
 
 def escalation_rounds(orders: dict[int, list[int]], repack: Callable[[np.ndarray, np.ndarray], np.ndarray],
-                      passes: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]) -> Iterator[EscalationRound]:
+                      policy: BudgetPolicy) -> Iterator[EscalationRound]:
     """3. Send, the escalation: every row of ``orders`` sent its order's first action, whose exact statistics
     failed; each round repacks all those still failing at the next action of their orders (``repack(rows,
-    actions)``: restore each row's residual from what it sent, pack it again, return the exact statistics), until
-    every one ``passes`` (the last action of each order, the lossless one, always does). Both hops of every path
-    escalate here: the first in :meth:`Sender.escalate_group`, the two-phase second in ``TwoPhasePath``."""
+    actions)``: restore each row's residual from what it sent, pack it again (:func:`packed_again`), return the
+    exact statistics), until every one passes the ``policy``'s screen on what it sends (the last action of each
+    order, the lossless one, always does). Both hops of every path escalate here: the first in
+    :meth:`Sender.escalate_group`, the two-phase second in ``TwoPhasePath``."""
     escalating, attempt = list(orders), 0
     while escalating:
         attempt += 1
@@ -56,9 +57,19 @@ def escalation_rounds(orders: dict[int, list[int]], repack: Callable[[np.ndarray
         actions = np.array([orders[k][attempt] for k in escalating], dtype=np.int64)
         stats = repack(rows, actions)
         distortion, cosine = distortion_cosine(stats)
-        passed = passes(actions, distortion, cosine)
+        passed = policy.sent_passes(actions, distortion, cosine, ACCEPT_MARGIN)
         yield EscalationRound(rows, actions, stats, distortion, cosine, passed)
         escalating = [k for j, k in enumerate(escalating) if not passed[j]]
+
+
+def packed_again(members: np.ndarray, residuals: list[torch.Tensor], intos: list[torch.Tensor | None],
+                 keys: np.ndarray, actions: np.ndarray, policy: BudgetPolicy, tables: kernels.GroupTables,
+                 output: kernels.GroupOutput = kernels.GroupOutput.PAYLOAD) -> kernels.PackResult:
+    """``members`` (rows of ``tables``) packed again at ``actions`` from their residuals alone, which hold ``v``
+    again after an escalation's restore: no gradient, no NaN/Inf check, no screen; one batched pass."""
+    n = len(members)
+    return kernels.pack_group(kernels.PackRequest(members, [None] * n, residuals, intos, [None] * n, keys, actions,
+                                                  False, False, False, policy.rule, output), tables)
 
 
 def holds_nonfinite(g: torch.Tensor) -> bool:
@@ -355,9 +366,8 @@ class Sender:
                                     else result.buffer[result.offsets[k]:result.offsets[k + 1]])
                 self.path.restore(index, sent, residuals[k], self.names[index], int(sent_at[k]))     # e <- e + q
             sent_at[rows] = actions
-            retry = kernels.pack_group(kernels.PackRequest(
-                members[rows], [None] * len(rows), [residuals[k] for k in rows], [intos[k] for k in rows],
-                [None] * len(rows), keys[rows], actions, False, False, False, policy.rule, output), self.tables)
+            retry = packed_again(members[rows], [residuals[k] for k in rows], [intos[k] for k in rows], keys[rows],
+                                 actions, policy, self.tables, output)
             for j, k in enumerate(rows.tolist()):
                 index = int(members[k])
                 payloads[index] = intos[k] if values else retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
@@ -418,7 +428,7 @@ class Sender:
                   else np.ones(len(self.menu), dtype=bool))
             orders[k] = policy.send_order(index, int(allocated[k]), ok)
         tried = {k: 0 for k in orders}          # the position in its order of the action each row last failed
-        for r in escalation_rounds(orders, repack, lambda a, d, c: policy.sent_passes(a, d, c, ACCEPT_MARGIN)):
+        for r in escalation_rounds(orders, repack, policy):
             for k in r.rows.tolist():
                 statistics.screened[int(members[k]), orders[k][tried[k]]] = math.inf
                 tried[k] += 1

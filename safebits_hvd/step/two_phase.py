@@ -28,9 +28,9 @@ from ..comm import collectives, transports
 from ..comm.collectives import CollectivePath, packed_zeros
 from ..comm.transports import PayloadTransport
 from ..policy.budget import BudgetPolicy
-from ..policy.screen import ACCEPT_MARGIN, distortion_cosine
+from ..policy.screen import distortion_cosine
 from .memory import ErrorFeedback
-from .sending import Sender, escalation_rounds
+from .sending import Sender, escalation_rounds, packed_again
 
 
 class TwoPhasePath(CollectivePath):
@@ -305,15 +305,13 @@ class TwoPhasePath(CollectivePath):
         def repack(escalating: np.ndarray, actions: np.ndarray) -> np.ndarray:
             for index in escalating.tolist():
                 kernels.decode_add(payloads[index], residuals[index], name=self.names[index])      # e <- e + q
-            retry = kernels.pack_group(kernels.PackRequest(
-                rows[escalating], [None] * len(escalating), [residuals[i] for i in escalating.tolist()],
-                [None] * len(escalating), [None] * len(escalating), keys[escalating], actions, False, False, False,
-                policy.rule), tables)
+            retry = packed_again(rows[escalating], [residuals[i] for i in escalating.tolist()],
+                                 [None] * len(escalating), keys[escalating], actions, policy, tables)
             for j, index in enumerate(escalating.tolist()):
                 payloads[index] = retry.buffer[retry.offsets[j]:retry.offsets[j + 1]]
             return retry.stats
 
-        for _ in escalation_rounds(orders, repack, lambda a, d, c: policy.sent_passes(a, d, c, ACCEPT_MARGIN)):
+        for _ in escalation_rounds(orders, repack, policy):
             pass                # nothing to record: a sum's statistics are not the step's (its first hop's are)
         return payloads
 
