@@ -9,8 +9,10 @@ row, right divisor); one ``StepRecord`` per step with the digest identical on ev
 sync send nothing and the next one reduces the accumulated gradients; FSDP's ``reduce_dtype=bfloat16`` with SafeBits'
 residuals in bfloat16 (half their bytes); the hop across replicas only (``replicate_group=``: at np 4, shards of 2 ranks
 and 2 replicas; at np 2, 2 replicas of unsharded modules), each rank's shard against the exact mean over the replicas; a
-checkpoint round trip; and clear errors for a model never sharded, ``budget_bits="auto"``, a gradient divide factor and
-native HSDP.
+checkpoint round trip; ``budget_bits=32`` passing through FSDP's own reduce-scatter (bitwise its output, every step);
+``budget_bits="auto"``, whose gradient noise, measured on each rank's shard only, is that of the whole mean; and clear
+errors for a model never sharded, ``"auto"`` across replicas, a gradient divide factor and native HSDP. The sharded
+scenarios run on the reduce-scatter path (each row to its owner), the hop across replicas on the allgather path.
 """
 
 import os
@@ -50,16 +52,21 @@ class ExactBeside:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.norms: list[tuple[float, float]] = []
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> None:
+        local = float(input_tensor.double().square().sum())       # before SafeBits decodes into the buffer
         exact = torch.empty_like(output_tensor, dtype=torch.float32)
         dist.reduce_scatter_tensor(exact, input_tensor.float().clone(), op=op, group=group)
         self.inner(output_tensor, input_tensor, group, op)
         self.pairs.append((exact, output_tensor.float().clone()))
+        self.last = self.pairs[-1]
+        # ||g||² of this rank's whole buffer and ||mean||² of the shard it got: the noise meter's two sums
+        self.norms.append((local, float(self.last[1].double().square().sum())))
 
 
 def full_params_digest(model: nn.Module) -> list[float]:
@@ -90,7 +97,7 @@ class ExactAcross:
 
 
 def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False,
-          residual_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+          residual_dtype: torch.dtype = torch.float32, budget_bits: Any = 4.4) -> dict[str, Any]:
     if replicas:      # the hop across replicas only: shard inside pairs of ranks (or not at all on 2), replicate across
         world = dist.get_world_size()
         shard = 2 if world >= 4 else 1
@@ -104,7 +111,7 @@ def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False,
             module.module.set_all_reduce_hook(wrappers[-1])
     else:
         model = sharded_model(reduce_dtype)
-        state = sbfsdp.compress(model, budget_bits=4.4, residual_dtype=residual_dtype)
+        state = sbfsdp.compress(model, budget_bits=budget_bits, residual_dtype=residual_dtype)
         wrappers = []
         for module in state.modules:
             wrappers.append(ExactBeside(sbfsdp.SafeBitsReduceScatter(state, module)))
@@ -124,7 +131,16 @@ def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False,
         failures += step_failures(step, pairs, "this rank's shard is", str(full_params_digest(model)))
     check(not failures, "; ".join(failures[:3]))
     record = state.last_step
-    check(record is not None and record.collective == "allgather", f"no allgather record: {record}")
+    # Sharded, each row goes to its owner alone (the reduce-scatter path); across replicas every replica needs it.
+    # 32 bits (or auto's choice of them) pass through FSDP's own reduce-scatter: the dense path.
+    collective = "allgather" if replicas else "reduce_scatter"
+    allowed = {4.4: (collective,), 32.0: ("dense",), "auto": (collective, "dense")}[budget_bits]
+    check(record is not None and record.collective in allowed, f"no {allowed} record: {record}")
+    if budget_bits == 32.0:        # passing through: FSDP's own reduce-scatter, bitwise, every step
+        passed = sum(r.pass_through and r.collective == "dense" for r in state.history)
+        check(passed == STEPS and all(torch.equal(*w.last) for w in wrappers), f"{passed} of {STEPS} passed through")
+    if budget_bits == "auto":
+        check_noise(state, [w.norms for w in wrappers])
     # One core per shard position: its records are alike on the ranks that hold that shard (every rank, unsharded).
     position = state.rank if replicas else 0
     records = TorchRanks.allgather_object((position, [(r.step, r.allocation_digest) for r in state.history]))
@@ -133,11 +149,31 @@ def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False,
     check(sum(losses[-3:]) < sum(losses[:3]), f"the loss did not fall: {losses}")
     # Error feedback covers this rank's full local gradient: every member's residual, in the dtype asked for.
     size = torch.empty(0, dtype=residual_dtype).element_size()
-    check(state.memory.nbytes == size * state.core.total_elements
+    compressed = not state.history[-1].pass_through       # a step passing through sends the residuals and drops them
+    check(state.memory.nbytes == compressed * size * state.core.total_elements
           and all(e.dtype == residual_dtype for e in state.memory.residuals.values()),
           f"residuals take {state.memory.nbytes} bytes for {state.core.total_elements} elements")
     return {"collective": record.collective, "ratio": round(record.modeled_compression_ratio, 2),
-            "loss": (round(losses[0], 3), round(losses[-1], 3)), "members": len(state.names)}
+            "loss": (round(losses[0], 3), round(losses[-1], 3)), "members": len(state.names),
+            "wire_bytes": record.wire_bytes}
+
+
+def check_noise(state: Any, norms: list[list[tuple[float, float]]]) -> None:
+    """``auto``'s gradient noise, which each rank measures on its shard of the mean only, is that of the whole
+    mean: ``(M - G) / (P - 1)``, ``M`` the midrange of the ranks' ``||g||²``, ``G`` the sum over ranks of their
+    shards' ``||mean||²`` less the step's compression error (0 where it passed through)."""
+    ranks, steps = dist.get_world_size(), len(norms[0])
+    mine = [(sum(n[s][0] for n in norms), sum(n[s][1] for n in norms)) for s in range(steps)]
+    every = TorchRanks.allgather_object(mine)
+    errors = {r.step: r.compression_error for r in state.history}
+    measured = [r for r in state.history if r.noise_step >= 0]
+    check(measured, "no step's noise was measured")
+    for record in measured:
+        local = [every[r][record.noise_step][0] for r in range(ranks)]
+        reduced = sum(every[r][record.noise_step][1] for r in range(ranks)) - errors[record.noise_step]
+        expected = max(0.0, 0.5 * (max(local) + min(local)) - max(0.0, reduced)) / (ranks - 1)
+        check(abs(record.gradient_noise - expected) <= 1e-4 * expected,
+              f"step {record.noise_step}: noise {record.gradient_noise}, the shards' sums give {expected}")
 
 
 def no_sync() -> str:
@@ -175,11 +211,13 @@ def errors() -> str:
         raise AssertionError("an unsharded model was accepted")
     except ValueError as exc:
         check("fully_shard" in str(exc), str(exc))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
     try:
-        sbfsdp.compress(sharded_model(), budget_bits="auto")
-        raise AssertionError("budget_bits='auto' was accepted")
+        sbfsdp.compress(sharded_model(mesh=mesh["shard"]), budget_bits="auto",
+                        replicate_group=mesh["replicate"].get_group())
+        raise AssertionError("budget_bits='auto' across replicas was accepted")
     except ValueError as exc:
-        check("auto" in str(exc), str(exc))
+        check("auto" in str(exc) and "replicate_group" in str(exc), str(exc))
     if dist.get_world_size() >= 4:
         try:
             sbfsdp.compress(sharded_model(mesh=init_device_mesh("cpu", (2, dist.get_world_size() // 2),
@@ -203,6 +241,7 @@ def errors() -> str:
 
 SCENARIOS = {"train": train, "bf16": lambda: train(torch.bfloat16, residual_dtype=torch.bfloat16),
              "replicas": lambda: train(replicas=True),
+             "pass_through": lambda: train(budget_bits=32.0), "auto": lambda: train(budget_bits="auto"),
              "no_sync": no_sync, "checkpoint": checkpoint, "errors": errors}
 
 

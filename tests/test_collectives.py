@@ -15,6 +15,8 @@ import torch
 import safebits_hvd as sb
 from safebits_hvd.codec import host, kernels, wire
 from safebits_hvd.comm import collectives
+from safebits_hvd.comm.exchange import LocalExchange
+from safebits_hvd.comm.transports import LocalTransport
 from safebits_hvd.frontends.horovod import op_factor
 from safebits_hvd.step import two_phase
 
@@ -450,3 +452,89 @@ def test_payloads_are_located_whichever_members_escalated_on_whichever_rank(esca
         kernels.locate_payloads(gathered[:int(offsets[59, 1]) + 4], rows, expected, tables, names, "group 0")
     with pytest.raises(wire.WireFormatError, match="group 0: 5 bytes after 120 payloads"):
         kernels.locate_payloads(torch.cat([gathered, gathered[:5]]), rows, expected, tables, names, "group 0")
+
+
+def rows_core(names: list[str], numels: np.ndarray, exchange: Any, transport: Any,
+              owners: np.ndarray | None = None) -> Any:
+    """A core over ``names`` at 3 bits, as the FSDP front end builds one: on the reduce-scatter path with
+    ``owners``, else the allgather path."""
+    from safebits_hvd.frontends.shared import build_core_over
+
+    extra = {"collective": "reduce_scatter", "owners": owners} if owners is not None else {"collective": "allgather"}
+    return build_core_over(names, numels, 3.0, 0.5, 0.7, sb.DEFAULT_MENU, 0, None, sample_buckets=16,
+                           consistency_check_every=1, nonfinite="propagate", screen=True, name="rows",
+                           max_history=10, timeout=60.0, exchange=exchange, transport=transport, fusion_bytes=0,
+                           **extra)
+
+
+def sharded_step(collective: str, ranks: int, steps: int = 3) -> list[dict[str, Any]]:
+    """Per rank, a core over 5 tensors per rank's row (as the FSDP front end's members), each row owned by its
+    rank: every step one group of every row, in owner order; the sums this rank gets of its own row, and what the
+    records say."""
+    sizes = [700, 3, 1500, 64, 257]
+    names = [f"t{j}#row{r}" for r in range(ranks) for j in range(len(sizes))]
+    numels = np.array(sizes * ranks, dtype=np.int64)
+    owners = np.repeat(np.arange(ranks), len(sizes))
+
+    def body(rank: int, exchange: Any, transport: Any) -> dict[str, Any]:
+        core = rows_core(names, numels, exchange, transport, owners if collective == "reduce_scatter" else None)
+        gen = torch.Generator().manual_seed(7 + rank)
+        sums = []
+        for _ in range(steps):
+            grads = [torch.randn(int(n), generator=gen) for n in numels]
+            handle = core.begin(collectives.Grouping(0, "rows", "test"))
+            core.send_group(list(range(len(names))), grads, [g.clone() for g in grads], close=False)
+            core.close()
+            mine = [i for i in range(len(names)) if owners[i] == rank]
+            sums.append([t.clone() for t in core.reduced_sums(mine, handle, [None] * len(mine), divisor=ranks)])
+            core.end(handle.step)
+            core.finish()
+        return {"sums": sums, "core": core}
+
+    return run_ranks(ranks, body)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_reduce_scatter_gives_each_owner_the_allgather_sums_bitwise(ranks: int) -> None:
+    """The reduce-scatter path (FSDP's rows): each rank gets bitwise the sums the allgather path gives of the rows
+    it owns, and its payloads cross the link to their owner only: ``(P - 1) / P`` of the allgather's bytes at
+    the same actions."""
+    scattered, gathered = sharded_step("reduce_scatter", ranks), sharded_step("allgather", ranks)
+    for rank in range(ranks):
+        for step in range(3):
+            for a, b in zip(scattered[rank]["sums"][step], gathered[rank]["sums"][step], strict=True):
+                assert bitwise(a, b)
+        rs, ag = scattered[rank]["core"].log.history[-1], gathered[rank]["core"].log.history[-1]
+        assert (rs.collective, ag.collective) == ("reduce_scatter", "allgather")
+        assert rs.allocation_digest == ag.allocation_digest
+        # Equal actions everywhere (no escalation at 3 bits here): the bytes are each rank's payloads once, (P-1)/P.
+        assert not rs.escalations and not ag.escalations
+        assert rs.wire_bytes * (ranks - 1) == pytest.approx(ag.wire_bytes * (ranks - 1) / ranks, rel=0.05)
+
+
+def test_reduce_scatter_refuses_what_it_cannot_do() -> None:
+    """Only the owner gets a tensor's sum; a group must be in owner order; the path needs its owners; 32 bits pass
+    through the front end's own reduce-scatter."""
+    with pytest.raises(ValueError, match="receives only the tensors it owns"):
+        def body(rank: int, exchange: Any, transport: Any) -> None:
+            core = rows_core(["a", "b"], np.array([600, 600]), exchange, transport, np.array([0, 1]))
+            handle = core.begin(collectives.Grouping(0, "rows", "test"))
+            core.send_group([0, 1], [torch.ones(600), torch.ones(600)], [None, None], close=False)
+            core.close()
+            core.reduced_sums([1 - rank], handle, [None], divisor=2)
+        run_ranks(2, body)
+    with pytest.raises(RuntimeError, match="in owner order"):
+        def unordered(rank: int, exchange: Any, transport: Any) -> None:
+            core = rows_core(["a", "b"], np.array([600, 600]), exchange, transport, np.array([1, 0]))
+            core.begin(collectives.Grouping(0, "rows", "test"))
+            core.send_group([0, 1], [torch.ones(600), torch.ones(600)], [None, None], close=False)
+        run_ranks(2, unordered)
+    with pytest.raises(ValueError, match="reduce_scatter"):
+        from safebits_hvd.frontends.shared import build_core_over
+
+        build_core_over(["a"], np.array([10]), 3.0, 0.5, 0.7, sb.DEFAULT_MENU, 0, None, sample_buckets=16,
+                        consistency_check_every=1, nonfinite="propagate", screen=True, name="rows", max_history=10,
+                        collective="reduce_scatter", timeout=60.0, exchange=LocalExchange(),
+                        transport=LocalTransport())     # no owners
+    assert collectives.choose("reduce_scatter", 32.0, 4) == "dense"
+    assert collectives.choose("reduce_scatter", 4.4, 4) == "reduce_scatter"

@@ -10,7 +10,8 @@ the parameters included, the same in every row) and, for SafeBits, the last loss
 batches: what compression changed).
 
 Rows: ``fsdp`` (FSDP's reduce-scatter in float32), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=bfloat16)``:
-FSDP's own compression of the reduce-scatter), ``safebits@B`` (``sbfsdp.compress(model, budget_bits=B)``; with
+FSDP's own compression of the reduce-scatter), ``safebits@B`` (``sbfsdp.compress(model, budget_bits=B)``, ``B`` a
+number of bits or ``auto``; with
 ``+bf16-residual``, ``residual_dtype=torch.bfloat16``). Gloo has
 no reduce-scatter of its own: torch runs FSDP's as an all-reduce, twice the bytes NCCL's ring moves. A row ending in
 ``+a2a`` (``fsdp+a2a``, ``fsdp-bf16+a2a``) reduce-scatters through :class:`AllToAllReduceScatter` instead: one
@@ -87,7 +88,8 @@ def shard(model: Any, blocks: list[Any], row: str, reshard_after_forward: bool =
     fully_shard(model, mesh=on, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if row.startswith(("safebits@", "hsdp-safebits@")):
         replicate = mesh["replicate"].get_group() if row.startswith("hsdp") else None
-        return sbfsdp.compress(model, budget_bits=float(row.split("@", 1)[1]), name=name,
+        bits = row.split("@", 1)[1]
+        return sbfsdp.compress(model, budget_bits=bits if bits == "auto" else float(bits), name=name,
                                replicate_group=replicate, residual_dtype=residual)
     if base not in ("fsdp", "fsdp-bf16", "hsdp") or residual != torch.float32:
         raise SystemExit(f"unknown row {row!r}: fsdp, fsdp-bf16 (+a2a), safebits@B (+bf16-residual), hsdp or "

@@ -31,9 +31,11 @@ at the budget, or the float32 pass-through where that is faster.
 
 The check (``--measure --ranks 2 4 8``): one ``torchrun`` launch per rank count in a network namespace (its own
 loopback, no limit). An MLP trains a few steps under DDP's default hook, SafeBits' hook on the allgather path and on
-the two-phase path; rank 0 reads the loopback's sent bytes around the timed steps. Each is compared with the model's
-bytes for that path: SafeBits' ``StepRecord.wire_bytes`` summed over ranks (each rank's payloads times the traffic
-factors above) and DDP's ``2 (P - 1) / P`` times the gradient per rank.
+the two-phase path, and sharded by FSDP2 with SafeBits' reduce-scatter (``sharded``; one parameter all-gather a
+step); rank 0 reads the loopback's sent bytes around the timed steps. Each is compared with the model's bytes for
+that path: SafeBits' ``StepRecord.wire_bytes`` summed over ranks (each rank's payloads times the traffic factors
+above; ``sharded``: plus FSDP's all-gathers, ``(P - 1) / P`` of the padded float32 parameters a rank) and DDP's
+``2 (P - 1) / P`` times the gradient per rank.
 
 Usage::
 
@@ -62,7 +64,7 @@ POWERSGD_RANK = 4
 PATHS = ("fp32 ring", "bf16 ring", "PowerSGD r4", "allgather", "two-phase", "hierarchical", "sharded",
          "sharded, by node", "bf16 reduce-scatter")
 SAFEBITS_PATHS = ("allgather", "two-phase", "hierarchical", "sharded", "sharded, by node")
-MEASURE_CASES = ("ddp", "allgather", "two_phase")
+MEASURE_CASES = ("ddp", "allgather", "two_phase", "sharded")
 MLP_WIDTH, MLP_LAYERS = 512, 4
 
 
@@ -286,10 +288,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
+    from torch.distributed.fsdp import fully_shard
 
     from bench.protocol import read_tx_bytes
     from bench.suites.step_timing import make_model
     from safebits_hvd import ddp as sbddp
+    from safebits_hvd import fsdp as sbfsdp
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -297,9 +301,20 @@ def worker(args: argparse.Namespace) -> None:
     results = []
     for case in MEASURE_CASES:
         torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(make_model(MLP_WIDTH, MLP_LAYERS))
-        state = None
-        if case != "ddp":
+        state: Any = None
+        gathered = 0.0          # FSDP's parameter all-gathers: (P - 1) / P of the padded float32 parameters a rank
+        if case == "sharded":
+            model = make_model(MLP_WIDTH, MLP_LAYERS)
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, reshard_after_forward=False)       # one all-gather a step
+            fully_shard(model, reshard_after_forward=False)
+            state = sbfsdp.compress(model, budget_bits=BUDGET_BITS, name="scale.sharded")
+            padded = sum(ranks * m.row for m in state.modules)
+            gathered = args.steps * ranks * (ranks - 1) / ranks * padded * 4
+        else:
+            model = nn.parallel.DistributedDataParallel(make_model(MLP_WIDTH, MLP_LAYERS))
+        if case not in ("ddp", "sharded"):
             state = sbddp.SafeBitsState(model.named_parameters(), budget_bits=BUDGET_BITS, collective=case,
                                         name=f"scale.{case}")
             model.register_comm_hook(state, sbddp.safebits_hook)
@@ -326,8 +341,9 @@ def worker(args: argparse.Namespace) -> None:
         else:
             wire = torch.tensor([float(sum(r.wire_bytes for r in state.history[-args.steps:]))], dtype=torch.float64)
             dist.all_reduce(wire)
-            modelled = float(wire)
-            assert all(r.collective == case for r in state.history[-args.steps:])
+            modelled = float(wire) + gathered
+            path = "reduce_scatter" if case == "sharded" else case
+            assert all(r.collective == path for r in state.history[-args.steps:])
         results.append({"ranks": ranks, "case": case, "parameters": parameters, "steps": args.steps,
                         "measured_bytes": sent, "modelled_bytes": modelled})
         dist.barrier()

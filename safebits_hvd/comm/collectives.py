@@ -37,11 +37,13 @@ from ..codec.rng import stream_key
 from . import transports
 from .transports import LocalTransport, PayloadTransport
 
-COLLECTIVES = ("auto", "allgather", "two_phase", "dense")
+COLLECTIVES = ("auto", "allgather", "two_phase", "reduce_scatter", "dense")
 
 
 def choose(collective: str, bits_per_parameter: float, world_size: int) -> str:
     """The collective of a step: ``collective`` unless it is ``"auto"`` (see the module docstring)."""
+    if collective == "reduce_scatter":      # a sharded front end's: its 32 bits pass through its own reduce-scatter
+        return "dense" if world_size <= 1 or bits_per_parameter >= 32.0 else collective
     if collective != "auto":
         return collective
     if world_size <= 1 or bits_per_parameter >= 32.0:
@@ -185,16 +187,18 @@ class CollectivePath:
 
 class DensePath(CollectivePath):
     """The dequantized float32 values through the front end's allreduce (Horovod's, or DDP's bucket all_reduce):
-    ``2 (P - 1) / P`` of them on a ring. ``bytes_per_element``: what the front end puts on the wire (4: float32)."""
+    ``2 (P - 1) / P`` of them on a ring. ``bytes_per_element``: what the front end puts on the wire (4: float32);
+    ``hops``: 2 for a ring allreduce, 1 for a sharded front end's reduce-scatter (its first hop)."""
 
     name = "dense"
     packed = False
     sends_together = True
 
-    def __init__(self, menu: Menu, cheapest: np.ndarray, sender: Any, bytes_per_element: int = 4) -> None:
+    def __init__(self, menu: Menu, cheapest: np.ndarray, sender: Any, bytes_per_element: int = 4,
+                 hops: int = 2) -> None:
         super().__init__(menu, cheapest)
         self.sender = sender              # the core's sending.Sender
-        self.bytes_per_element = bytes_per_element
+        self.bytes_per_element, self.hops = bytes_per_element, hops
 
     def send_together(self, members: list[int], gradients: list[torch.Tensor],
                       intos: list[torch.Tensor | None]) -> None:
@@ -232,9 +236,10 @@ class DensePath(CollectivePath):
         return self._ring_bytes(sent.numel())
 
     def _ring_bytes(self, numel: Any) -> Any:
-        """What a ring allreduce of ``numel`` values (an int, or an array of them) costs one rank on the link."""
+        """What a ring allreduce (or its reduce-scatter) of ``numel`` values (an int, or an array of them) costs one
+        rank on the link."""
         ranks = self.transport.size
-        return (2 * numel * self.bytes_per_element * (ranks - 1)) // ranks
+        return (self.hops * numel * self.bytes_per_element * (ranks - 1)) // ranks
 
 
 # ---------------------------------------------------------------------------------------------- fused allgather
@@ -379,11 +384,7 @@ class AllgatherPath(PackedCodec, CollectivePath):
         self._intos: dict[int, torch.Tensor] = {}
         # group -> (divisor, member index -> reduced sum, the gathered buffer)
         self._decoded: dict[int, tuple[float, dict[int, torch.Tensor], torch.Tensor]] = {}
-        # What the device decoded without a read back, checked when the step closes (_check_received): its
-        # verdicts (kernels.receive_group's error, two int32 per group) and, for the error message, the group.
-        self._verdicts: list[torch.Tensor] = []
-        self._unverified: list[int] = []
-        self._marker: tuple[torch.Tensor, int, str] | None = None     # expect_at_close
+        self._verdicts = ReceiveVerdicts()        # what the device decoded, checked at the step's end
         self._check.drop()
 
     def begin(self, step: int, transport: PayloadTransport) -> None:
@@ -486,13 +487,17 @@ class AllgatherPath(PackedCodec, CollectivePath):
         ``offsets[k]:offsets[k + 1]``); ``expected``: the members' allocated actions (the same on every rank);
         ``member_bytes``: the bytes of the members' payloads that were sent (not of the zeros standing in for the
         missing ones), which the link carries to every other rank."""
-        self.wire_bytes += member_bytes * (self.transport.size - 1)
         self._buffers[group] = (buffer, offsets)
         self._expected[group] = np.asarray(expected, dtype=np.int64)
         self._intos.update((index, into) for index, into in intos.items() if into is not None)
+        self._handles[group] = self._start_collective(group, buffer, offsets, member_bytes)
+
+    def _start_collective(self, group: int, buffer: torch.Tensor, offsets: np.ndarray, member_bytes: int) -> Any:
+        """The group's collective started (its bytes on the link counted); returns its handle."""
+        self.wire_bytes += member_bytes * (self.transport.size - 1)
         # Named by the group's first tensor: a group of one tensor is named by that tensor (disjoint groups: unique).
         first = self.groups[group][0]
-        self._handles[group] = self.transport.start_allgather(f"{self.collective_name}.payload.{first}", buffer)
+        return self.transport.start_allgather(f"{self.collective_name}.payload.{first}", buffer)
 
     def payload(self, index: int, step: int) -> torch.Tensor:
         """This rank's packed payload of tensor ``index`` at ``step``, once its group has been sent: when its last
@@ -534,9 +539,9 @@ class AllgatherPath(PackedCodec, CollectivePath):
             decoded_divisor, sums, gathered = decoded
             total = sums[index]
             if divisor != decoded_divisor:       # another op than the group's first member's: decode them again
-                again = [torch.empty_like(sums[i]) for i in self._members[group].tolist()]
-                self._receive(group, gathered, again, np.full(len(again), -1, dtype=np.int64), divisor)
-                total = again[int(self.member_of[index])]
+                again = {i: torch.empty_like(t) for i, t in sums.items()}
+                self._receive(group, gathered, list(again.values()), np.full(len(again), -1, dtype=np.int64), divisor)
+                total = again[index]
             totals.append(total if out is None or out is total else out.copy_(total))
         return totals
 
@@ -544,9 +549,9 @@ class AllgatherPath(PackedCodec, CollectivePath):
         """Wait for the group's allgather and decode every member's sum over ranks (see :meth:`reduced_sums`)."""
         if group not in self._handles:
             raise RuntimeError(f"the group of {self.names[self.groups[group][0]]!r} was not sent at step {self.step}")
-        gathered = self.transport.wait(self._handles.pop(group))
+        gathered = self._wait(group)
         me = self.transport.rank
-        members = self._members[group]
+        members = self._receivers(group)
         outs, own_rank = [], np.full(len(members), -1, dtype=np.int64)
         for k, member in enumerate(members.tolist()):
             target = self._intos.get(member)
@@ -564,40 +569,71 @@ class AllgatherPath(PackedCodec, CollectivePath):
         verdict = torch.full((2,), kernels.NO_ERROR, dtype=torch.int32, device=gathered.device)
         if kernels.receive_group(gathered, rows, self._expected[group], outs, own_rank, self.tables, names, what,
                                  divisor, verdict):
-            self._verdicts.append(verdict)
-            self._unverified.append(group)
+            self._verdicts.add(verdict, group)
         if not self._handles and not self._registered:      # the step's last group: every sum is made
             self._check_received()
 
+    def _wait(self, group: int) -> torch.Tensor:
+        """What the group's collective brought: every rank's payloads of the members this rank decodes, in rank
+        order."""
+        return self.transport.wait(self._handles.pop(group))
+
+    def _receivers(self, group: int) -> np.ndarray:
+        """The group's members this rank decodes: all of them here."""
+        return self._members[group]
+
     def _received_as(self, group: int) -> tuple[np.ndarray, list[str], str]:
-        """The gathered buffer's table rows ``[member, rank]``, the members' names, and what it is, for errors."""
-        members = self._members[group]
+        """The received buffer's table rows ``[member, rank]``, the members' names, and what it is, for errors."""
+        members = self._receivers(group)
         return (np.repeat(members[:, None], self.transport.size, axis=1), [self.names[i] for i in members.tolist()],
                 f"{self.collective_name} group {group} step {self.step}")
 
     def expect_at_close(self, value: torch.Tensor, bits: int, what: str) -> None:
-        self._marker = (value, bits, what)       # checked by _check_received, in its one read back
+        self._verdicts.marker = (value, bits, what)       # checked by _check_received, in its one read back
 
     def _check_received(self) -> None:
         """Once the step's last group is decoded: the verdicts of every group decoded on the device (and the value
         of :meth:`expect_at_close`), read back at once; a group that was not what it should be raises
         :class:`~.wire.WireFormatError` naming the tensor and rank, as the host would have when decoding it."""
-        if not self._verdicts and self._marker is None:
-            return
-        checked = list(self._verdicts)
-        if self._marker is not None:
-            checked.append(self._marker[0].reshape(1).view(torch.int32))
+        group = self._verdicts.failed_group()
+        if group is not None:
+            rows, names, what = self._received_as(group[0])
+            kernels.raise_received_error(group[1], self._decoded[group[0]][2], rows, self._expected[group[0]],
+                                         self.tables, names, what)
+
+
+class ReceiveVerdicts:
+    """What a step decoded on the device without a read back (:func:`.kernels.receive_group`), checked in one read
+    back once its last group is decoded: each group's verdict (two int32) and a front end's value
+    (:meth:`CollectivePath.expect_at_close`: ``marker``)."""
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        self.verdicts: list[torch.Tensor] = []
+        self.groups: list[int] = []
+        self.marker: tuple[torch.Tensor, int, str] | None = None
+
+    def add(self, verdict: torch.Tensor, group: int) -> None:
+        self.verdicts.append(verdict)
+        self.groups.append(group)
+
+    def failed_group(self) -> tuple[int, np.ndarray] | None:
+        """Every verdict and the marker read back at once, and forgotten: ``ValueError`` for a marker of other bits;
+        the first group found wrong, with its verdict, or None."""
+        if not self.verdicts and self.marker is None:
+            return None
+        checked = list(self.verdicts)
+        if self.marker is not None:
+            checked.append(self.marker[0].reshape(1).view(torch.int32))
         values = host.to_host(torch.cat(checked))
-        unverified, marker = self._unverified, self._marker
-        self._verdicts, self._unverified, self._marker = [], [], None
+        groups, marker = self.groups, self.marker
+        self.forget()
         if marker is not None and int(values[-1]) != marker[1]:
             raise ValueError(marker[2])
-        for k, group in enumerate(unverified):
-            verdict = values[2 * k:2 * k + 2]
-            if (verdict != kernels.NO_ERROR).any():
-                rows, names, what = self._received_as(group)
-                kernels.raise_received_error(verdict, self._decoded[group][2], rows, self._expected[group],
-                                             self.tables, names, what)
+        return next(((group, values[2 * k:2 * k + 2]) for k, group in enumerate(groups)
+                     if (values[2 * k:2 * k + 2] != kernels.NO_ERROR).any()), None)
 
 
 def chunk_bounds(sizes: list[int], chunk_bytes: int) -> list[tuple[int, int]]:

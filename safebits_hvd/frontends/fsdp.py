@@ -17,27 +17,31 @@ with its own action, screen and error-feedback residual: the residuals cover thi
 calls a module's reduce-scatter once its gradients are ready (the last module of the forward first) and reads the
 output as soon as the call returns, so each call is a whole collective of its own:
 
-1. **Send**: the module's members, one group of the step on the allgather path (one batched pass); before the
-   step's first payload moves, every rank's allocation is compared
+1. **Send**: the module's members, one group of the step on the reduce-scatter path, each owned by the rank of its
+   row (one batched pass); before the step's first payload moves, every rank's allocation is compared
    (:class:`~safebits_hvd.comm.transports.AllocationCheck`).
-2. **Gather**: one allgather of the group's payloads (sizes from the allocation, identical on every rank).
-3. **Sum**: every member decoded and summed over ranks in rank order (bitwise the same on every rank) and divided
-   as FSDP's op asks (``AVG``: by the rank count; ``SUM``: not at all; FSDP divides before and after itself where
-   it uses ``SUM``); this rank's row is FSDP's output.
+2. **Scatter**: one alltoall sends row ``r``'s payloads to rank ``r``
+   (:class:`~safebits_hvd.comm.reduce_scatter.ReduceScatterPath`).
+3. **Sum**: this rank's row decoded and summed over ranks in rank order and divided as FSDP's op asks (``AVG``: by
+   the rank count; ``SUM``: not at all; FSDP divides before and after itself where it uses ``SUM``): FSDP's
+   output.
 4. **Close**: after the step's last module the core ends the step: its statistics exchange runs during the
    optimizer step and the next forward, as under DDP.
+
+``budget_bits=32``, and ``"auto"`` where compression does not pay, pass through: FSDP's own reduce-scatter runs on the
+values (a residual of earlier steps added once; ``StepRecord.pass_through``).
 
 **The inter-node hop only** (HSDP): shard each module over the GPUs of a node (``fully_shard(m,
 mesh=mesh["shard"])``, a 1-D mesh: FSDP's own reduce-scatter stays inside the node) and pass the group across nodes,
 ``sbfsdp.compress(model, replicate_group=mesh["replicate"].get_group())``: SafeBits then all-reduces each module's
 shard across the replicas (FSDP's all-reduce hook, run after its reduce-scatter), one member per parameter's row
-of this rank's shard, the same steps 1-4 over the replicate group (``AVG``: by its size). FSDP's native HSDP (a 2-D
-mesh given to ``fully_shard``) runs its own all-reduce before any hook: refused.
+of this rank's shard, the same steps 1-4 over the replicate group on the allgather path (every replica needs the
+whole shard; ``AVG``: by its size; ``budget_bits`` a number or a schedule). FSDP's native HSDP (a 2-D mesh given to
+``fully_shard``) runs its own all-reduce before any hook: refused.
 
 Steps without gradient synchronization (``set_requires_gradient_sync(False)``) call no reduce-scatter: nothing is
-sent, FSDP accumulates. The allgather moves every rank's payloads to every rank, ``(P - 1)`` payloads a rank:
-below FSDP's float32 reduce-scatter, ``(P - 1) / P`` gradients, while ``b < 32 / P`` bits (docs/RESULTS.md 8.2 for
-the forms that scale further).
+sent, FSDP accumulates. A rank sends and receives ``(P - 1) / P`` of its payloads, as FSDP's own reduce-scatter
+moves ``(P - 1) / P`` of the gradient: ``b / 32`` of its bytes at any rank count (docs/RESULTS.md 8.2).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import torch.distributed as dist
 from ..codec.actions import DEFAULT_MENU, Menu
 from ..comm.exchange import DEFAULT_TIMEOUT
 from ..comm.transports import over_process_group
-from ..step.core import Grouping
+from ..step.core import Grouping, Handle
 from .shared import CoreView, build_core_over
 
 try:
@@ -91,6 +95,11 @@ class ShardedModule:
     def indices(self) -> list[int]:
         """The core indices of the module's members, row by row."""
         return list(range(self.first, self.first + len(self.rows) * len(self.names)))
+
+    def indices_of(self, row: int) -> list[int]:
+        """The core indices of row ``row``'s members."""
+        first = self.first + self.rows.index(row) * len(self.names)
+        return list(range(first, first + len(self.names)))
 
 
 def _row_numel(size: torch.Size, ranks: int) -> int:
@@ -143,15 +152,15 @@ class FSDPState(CoreView):
     ``load_state_dict`` as on the other front ends (each rank saves its own residuals)."""
 
     def __init__(self, model: torch.nn.Module, process_group: Any, replicate_group: Any,
-                 budget_bits: float | Callable[[int], float],
+                 budget_bits: float | str | Callable[[int], float],
                  max_distortion: float, min_cosine: float, menu: Menu | Iterable[str], seed: int,
                  log_path: str | os.PathLike[str] | None, *, sample_buckets: int, consistency_check_every: int,
                  nonfinite: str, screen: bool, name: str, max_history: int, timeout: float | None,
                  residual_dtype: torch.dtype) -> None:
-        if isinstance(budget_bits, str):
-            raise ValueError(f"budget_bits={budget_bits!r}: the FSDP front end takes a number of bits or a schedule; "
-                             f"'auto' (which passes through on a fast link) needs a float32 reduce-scatter path it "
-                             f"does not have yet")
+        if isinstance(budget_bits, str) and replicate_group is not None:
+            raise ValueError(f"budget_bits={budget_bits!r}: across replicas (replicate_group=) the FSDP front end "
+                             f"takes a number of bits or a schedule; 'auto' needs a pass-through all-reduce it does "
+                             f"not have yet")
         self.process_group, self.replicate_group = process_group, replicate_group
         self.ranks = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -162,12 +171,19 @@ class FSDPState(CoreView):
         self.modules = sharded_modules(model, self.ranks, rows)
         names = [f"{n}#row{r}" for m in self.modules for r in m.rows for n in m.names]
         numels = np.array([k for m in self.modules for _ in m.rows for k in m.row_numels], dtype=np.int64)
+        # Sharded: each row's members go to the rank that owns the row (the reduce-scatter path); across replicas
+        # every replica needs the whole shard (allgather).
+        owners = np.array([r for m in self.modules for r in m.rows for _ in m.names], dtype=np.int64)
         links = over_process_group(self.group)
         self.core = build_core_over(
             names, numels, budget_bits, max_distortion, min_cosine, menu, seed, log_path,
             sample_buckets=sample_buckets, consistency_check_every=consistency_check_every, nonfinite=nonfinite,
-            screen=screen, name=name, max_history=max_history, collective="allgather", timeout=timeout,
-            exchange=links.exchange, transport=links.transport, fusion_bytes=0, residual_dtype=residual_dtype)
+            screen=screen, name=name, max_history=max_history, timeout=timeout, exchange=links.exchange,
+            transport=links.transport, fusion_bytes=0, residual_dtype=residual_dtype,
+            **({"collective": "allgather"} if replicate_group is not None else
+               {"collective": "reduce_scatter", "owners": owners}))
+        if replicate_group is None:           # each rank gets back its shard of the mean: ||mean||^2 sums them
+            self.core.noise.sum_over_shards = partial(_summed, group=self.group)
         self.names = self.core.names
 
     def reduce_scatter(self, module: ShardedModule, output: torch.Tensor, values: torch.Tensor, op: Any) -> None:
@@ -185,9 +201,9 @@ class FSDPState(CoreView):
                 f"the reduce-scatter of {module.names[0]!r}... holds {values.numel()} elements for {self.ranks} rows "
                 f"of {module.row}: SafeBits' FSDP reduce-scatter needs a gradient for every parameter of each FSDP "
                 f"module every step (a parameter without one is left out of FSDP's buffer)")
-        totals = self._reduce(module, values, divisor)
-        mine = totals[self.rank * len(module.names):(self.rank + 1) * len(module.names)]
-        output.reshape(-1).copy_(torch.cat([t.reshape(-1) for t in mine]))
+        totals = self._reduce(module, values, divisor, output, op)
+        if totals is not None:
+            output.reshape(-1).copy_(torch.cat([t.reshape(-1) for t in totals]))
 
     def all_reduce(self, module: ShardedModule, shard: torch.Tensor) -> None:
         """Steps 1-4 for this rank's shard of one module across the replicas (FSDP's all-reduce hook): the mean
@@ -197,28 +213,55 @@ class FSDPState(CoreView):
                              f"shard of {module.row}: SafeBits needs a gradient for every parameter of each FSDP "
                              f"module every step")
         totals = self._reduce(module, shard, float(self.group_size))
+        assert totals is not None
         if not (shard.dtype == torch.float32 and shard.is_contiguous()):
             shard.reshape(-1).copy_(torch.cat([t.reshape(-1) for t in totals]))
 
-    def _reduce(self, module: ShardedModule, values: torch.Tensor, divisor: float) -> list[torch.Tensor]:
+    def _reduce(self, module: ShardedModule, values: torch.Tensor, divisor: float, output: torch.Tensor | None = None,
+                op: Any = None) -> list[torch.Tensor] | None:
         """Steps 1-4 over ``values`` (the module's rows this rank sends, back to back): the sums over
-        :attr:`group`, divided by ``divisor``; in place where ``values`` is contiguous float32."""
+        :attr:`group` of this rank's row, divided by ``divisor``; in place where ``values`` is contiguous float32.
+        A pass-through step (``budget_bits`` of 32, or ``"auto"`` where compression does not pay) runs FSDP's own
+        reduce-scatter with ``op`` into ``output`` instead, of the values (a residual of earlier steps added once),
+        and returns None."""
         core = self.core
         handle = core.begin(Grouping(0, "the FSDP modules' layout", "safebits_hvd.fsdp.compress"))
         # 1. Send (and 2): every member of the module; a contiguous float32 buffer is decoded back in place.
         indices = module.indices
         in_place = values.dtype == torch.float32 and values.is_contiguous()
+        if not handle.packed:
+            assert output is not None, "only a sharded state passes through"
+            if not (in_place and core.pass_through_unchanged(indices, values)):
+                work = values.reshape(-1) if in_place else values.reshape(-1).float()
+                pieces = list(work.split(list(module.row_numels) * len(module.rows)))
+                core.send_group(indices, pieces, pieces, close=False)
+                values = work if in_place else work.to(values.dtype)
+            core.close()
+            # Waited as FSDP waits for its own (the process group's timeout): Gloo completes it only in wait().
+            dist.reduce_scatter_tensor(output, values.reshape(-1), op=op, group=self.group)
+            core.noise.reduced([output.reshape(-1)])
+            return self._end(handle, None)
         pieces = list(values.reshape(-1).split(list(module.row_numels) * len(module.rows)))
         intos = pieces if in_place else [None] * len(pieces)
-        # 2. Gather: the sizes at the allocated actions are the same on every rank, so nothing waits to launch.
+        # 2. Gather or scatter: the sizes at the allocated actions are the same on every rank, so nothing waits.
         core.send_group(indices, pieces, intos, close=False)
         core.close()
-        # 3. Sum, in rank order.
-        totals = core.reduced_sums(indices, handle, intos, divisor=divisor)
-        # 4. Close: the step's last module ends it.
-        if not core.in_step:
-            core.end(handle.step)
+        # 3. Sum, in rank order: this rank's row.
+        mine = module.indices_of(self.rank) if self.replicate_group is None else indices
+        first = indices.index(mine[0])
+        return self._end(handle, core.reduced_sums(mine, handle, intos[first:first + len(mine)], divisor=divisor))
+
+    def _end(self, handle: Handle, totals: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """4. Close: the step's last module ends it."""
+        if not self.core.in_step:
+            self.core.end(handle.step)
         return totals
+
+
+def _summed(value: torch.Tensor, group: Any) -> torch.Tensor:
+    """``value`` summed over ``group`` (a shard's ||mean||^2, for the noise meter)."""
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
 
 
 class SafeBitsReduceScatter(ReduceScatter):
@@ -240,7 +283,8 @@ class SafeBitsReduceScatter(ReduceScatter):
         return None
 
 
-def compress(model: torch.nn.Module, budget_bits: float | Callable[[int], float] = 4.4, max_distortion: float = 0.5,
+def compress(model: torch.nn.Module, budget_bits: float | str | Callable[[int], float] = 4.4,
+             max_distortion: float = 0.5,
              min_cosine: float = 0.7, menu: Menu | Iterable[str] = DEFAULT_MENU, seed: int = 0,
              log_path: str | os.PathLike[str] | None = None, *, sample_buckets: int = 16,
              consistency_check_every: int = 1, nonfinite: str = "propagate", screen: bool = True,
@@ -248,7 +292,8 @@ def compress(model: torch.nn.Module, budget_bits: float | Callable[[int], float]
              replicate_group: Any = None, residual_dtype: torch.dtype = torch.float32) -> FSDPState:
     """Install SafeBits as the reduce-scatter of every FSDP module of ``model`` (after ``fully_shard``); returns the
     model's :class:`FSDPState`. Options as :class:`~safebits_hvd.SafeBits` (``budget_bits``: a number of bits per
-    parameter or a schedule). Call on every rank of the model's mesh, after ``torch.distributed`` is initialized.
+    parameter, ``"auto"`` or a schedule; with ``replicate_group`` not ``"auto"``). Call on every rank of the
+    model's mesh, after ``torch.distributed`` is initialized.
     ``replicate_group``: compress only the hop across replicas (see the module docstring; the model sharded on a
     1-D mesh within each replica); None: compress FSDP's reduce-scatter. Native HSDP (a 2-D mesh) is refused.
     ``residual_dtype=torch.bfloat16`` stores the residuals, which cover this rank's full local gradient

@@ -127,9 +127,11 @@ def build_core_over(names: list[str], numels: np.ndarray, budget_bits: float | C
                     timeout: float | None,
                     exchange: StatisticsExchange | Callable[[float | None], StatisticsExchange],
                     transport: PayloadTransport | Callable[[float | None], PayloadTransport],
-                    fusion_bytes: int | None = None, residual_dtype: torch.dtype = torch.float32) -> SafeBitsCore:
+                    fusion_bytes: int | None = None, residual_dtype: torch.dtype = torch.float32,
+                    owners: np.ndarray | None = None) -> SafeBitsCore:
     """:func:`build_core` over tensors given by name and size (a front end whose members are not parameters: the
-    FSDP front end's rows of a parameter's reduce-scatter buffer)."""
+    FSDP front end's rows of a parameter's reduce-scatter buffer); ``owners``: each one's owner rank, for
+    ``collective="reduce_scatter"``."""
     schedule = as_schedule(budget_bits)
     if isinstance(schedule, Constant):
         schedule(0)    # a constant is checked now
@@ -155,7 +157,7 @@ def build_core_over(names: list[str], numels: np.ndarray, budget_bits: float | C
         consistency_check_every=check_count("consistency_check_every", consistency_check_every, 0),
         max_history=check_count("max_history", max_history, 0), log_path=log_path, collective=collective,
         transport=transport if isinstance(transport, PayloadTransport) else (lambda: transport(timeout)),
-        name=name, fusion_bytes=fusion_bytes, residual_dtype=residual_dtype)
+        name=name, fusion_bytes=fusion_bytes, residual_dtype=residual_dtype, owners=owners)
     return core
 
 

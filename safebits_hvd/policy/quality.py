@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -74,6 +75,11 @@ class NoiseMeter:
         self._local: list[torch.Tensor] = []             # ||g||² of each gradient handed over (0-d, on its device)
         self._reduced: list[torch.Tensor] = []           # the reduced gradients themselves, read at the step's end
         self._copy: tuple[int, host.HostCopy] | None = None     # a measured step's sums, on their way to the host
+        # A sharded front end's SUM over ranks: each rank gets back only its shard of the mean, whose ||.||² add up
+        # to ||ḡ||² (run at every measured step's end on every rank, whatever it holds). Its shards are views of
+        # its buffers: kept to the step's end they would hold every module's unsharded gradient, so their norms are
+        # taken as they come back.
+        self.sum_over_shards: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def begin(self, step: int) -> None:
         """Step ``step`` begins: measured if it is one of every :data:`NOISE_EVERY`."""
@@ -97,8 +103,13 @@ class NoiseMeter:
     def reduced(self, tensors: list[torch.Tensor]) -> None:
         """Reduced gradients as the front end gets them back (their mean over ranks): kept, and read at the step's
         end, when every one is there (one pass over all of them)."""
-        if self.measuring:
+        if not self.measuring:
+            return
+        if self.sum_over_shards is None:
             self._reduced.extend(t for t in tensors if t.numel())
+        elif any(t.numel() for t in tensors):      # a sharded front end's: measured now (see __init__)
+            self._reduced.append(torch.stack(torch._foreach_norm([t for t in tensors if t.numel()])).double()
+                                 .square().sum())
 
     def publish(self) -> tuple[int, np.ndarray] | None:
         """The end of a step: a measured step's sums start for the host; returns the last measured step's, with its
@@ -107,13 +118,18 @@ class NoiseMeter:
         if self._copy is not None:
             step, copy = self._copy
             previous, self._copy = (step, host.arrived(copy)), None
-        if self.measuring and self._local and self._reduced:
-            norms = torch._foreach_norm(self._reduced)
-            sums = torch.stack([torch.stack(self._local).double().sum(),
-                                torch.stack(norms).double().square().sum()])
-            self._copy = (self._step, host.copy_to_host(sums))
-            if sums.device.type == "cuda":
-                host.launched(10)    # the stacks, casts and sums, the norms, the copy
+        if self.measuring and (self._reduced or self.sum_over_shards is not None):
+            device = (self._local or self._reduced)[0].device if self._local or self._reduced else None
+            if self.sum_over_shards is not None:      # the shards' ||ḡ_r||², each taken when it came back
+                reduced = self.sum_over_shards(torch.stack(self._reduced).sum() if self._reduced else
+                                               torch.zeros((), dtype=torch.float64, device=device))
+            else:
+                reduced = torch.stack(torch._foreach_norm(self._reduced)).double().square().sum()
+            if self._local:
+                sums = torch.stack([torch.stack(self._local).double().sum(), reduced])
+                self._copy = (self._step, host.copy_to_host(sums))
+                if sums.device.type == "cuda":
+                    host.launched(10)    # the stacks, casts and sums, the norms, the copy
         self.measuring, self._local, self._reduced = False, [], []
         return previous
 

@@ -48,11 +48,11 @@ import numpy as np
 import torch
 
 from ..codec import kernels
-from ..codec.actions import Menu
 from ..comm import collectives
 from ..comm.clock import StepClock
 from ..comm.collectives import AllgatherPath, CollectivePath, DensePath, Grouping
 from ..comm.exchange import StatisticsExchange, allocation_digest, digest_words, waited_seconds
+from ..comm.reduce_scatter import ReduceScatterPath
 from ..comm.statistics import StatisticsLayout, StepStatistics
 from ..comm.transports import PayloadTransport, make_transport
 from ..policy.allocator import Allocation
@@ -100,7 +100,8 @@ class SafeBitsCore:
         sample_buckets: buckets per tensor the screen estimates on.
         consistency_check_every: compare allocation digests every this many steps (0: never).
         max_history, log_path: see :class:`~.telemetry.StepLog`.
-        collective: ``"auto"``, ``"allgather"``, ``"two_phase"`` or ``"dense"`` (:mod:`.collectives`).
+        collective: ``"auto"``, ``"allgather"``, ``"two_phase"``, ``"dense"`` (:mod:`.collectives`), or
+            ``"reduce_scatter"`` with ``owners``, each tensor's owner rank (:mod:`.reduce_scatter`).
         dense_wire_bytes: bytes per element the front end puts on the wire on the dense path (4: float32).
         name: prefix of the payload collectives' names (distinct per object).
         fusion_bytes: float32 gradient bytes per allgather fusion group (:func:`.collectives.fusion_groups`);
@@ -115,19 +116,15 @@ class SafeBitsCore:
                  max_history: int = 10000, log_path: str | os.PathLike[str] | None = None, collective: str = "dense",
                  transport: PayloadTransport | Callable[[], PayloadTransport] = make_transport,
                  dense_wire_bytes: int = 4, name: str = "safebits", fusion_bytes: int | None = None,
-                 residual_dtype: torch.dtype = torch.float32) -> None:
+                 residual_dtype: torch.dtype = torch.float32, owners: np.ndarray | None = None) -> None:
         # -- what is being compressed, and how decisions are made
-        self.names = names
-        self.numels = numels
-        self.total_elements = int(numels.sum())
+        self.names, self.numels, self.total_elements = names, numels, int(numels.sum())
         self._numels: list[int] = numels.tolist()      # as Python ints (a NumPy scalar per send costs time)
-        self.policy = policy
-        self.menu: Menu = policy.menu
-        self.schedule = schedule
-        self.seed = seed
-        self.error_feedback = error_feedback
-        if collective not in collectives.COLLECTIVES:
-            raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
+        self.policy, self.menu = policy, policy.menu
+        self.schedule, self.seed, self.error_feedback = schedule, seed, error_feedback
+        if collective not in collectives.COLLECTIVES or (collective == "reduce_scatter") != (owners is not None):
+            raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, 'reduce_scatter' with owners "
+                             f"(and only it), got {collective!r}")
         self.collective_setting = collective
         self.transport_source = transport
         self.transport: PayloadTransport | None = transport if isinstance(transport, PayloadTransport) else None
@@ -144,9 +141,12 @@ class SafeBitsCore:
                              sample_buckets=sample_buckets, tables=tables)
         self.two_phase = TwoPhasePath(names, numels, policy, name, self.sender)
         self.allgather = AllgatherPath(names, numels, tables, cheapest, self.sender, name, fusion_bytes)
-        self.path: CollectivePath = DensePath(policy.menu, cheapest, self.sender, dense_wire_bytes)
+        self.path: CollectivePath = DensePath(policy.menu, cheapest, self.sender, dense_wire_bytes,
+                                              hops=1 if owners is not None else 2)    # FSDP's own: a reduce-scatter
         self.paths: dict[str, CollectivePath] = {"dense": self.path, "allgather": self.allgather,
                                                  "two_phase": self.two_phase}
+        if owners is not None:
+            self.paths["reduce_scatter"] = ReduceScatterPath(names, numels, tables, cheapest, self.sender, name, owners)
         self.step = 0                                  # index of the next step to begin
 
         # -- the step in progress
