@@ -9,10 +9,11 @@ row, right divisor); one ``StepRecord`` per step with the digest identical on ev
 sync send nothing and the next one reduces the accumulated gradients; FSDP's ``reduce_dtype=bfloat16`` with SafeBits'
 residuals in bfloat16 (half their bytes); the hop across replicas only (``replicate_group=``: at np 4, shards of 2 ranks
 and 2 replicas; at np 2, 2 replicas of unsharded modules), each rank's shard against the exact mean over the replicas; a
-checkpoint round trip; ``budget_bits=32`` passing through FSDP's own reduce-scatter (bitwise its output, every step);
-``budget_bits="auto"``, whose gradient noise, measured on each rank's shard only, is that of the whole mean; and clear
-errors for a model never sharded, ``"auto"`` across replicas, a gradient divide factor and native HSDP. The sharded
-scenarios run on the reduce-scatter path (each row to its owner), the hop across replicas on the allgather path.
+checkpoint round trip; ``budget_bits=32`` passing through FSDP's own reduce-scatter (bitwise its output every step in
+float32; in bf16 too, its bf16 reduce); ``budget_bits="auto"``, whose gradient noise, measured on each rank's shard
+only, is that of the whole mean; and clear errors for a model never sharded, ``"auto"`` across replicas, a gradient
+divide factor and native HSDP. The sharded scenarios run on the reduce-scatter path (each row to its owner), the hop
+across replicas on the allgather path.
 """
 
 import os
@@ -138,7 +139,8 @@ def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False,
     check(record is not None and record.collective in allowed, f"no {allowed} record: {record}")
     if budget_bits == 32.0:        # passing through: FSDP's own reduce-scatter, bitwise, every step
         passed = sum(r.pass_through and r.collective == "dense" for r in state.history)
-        check(passed == STEPS and all(torch.equal(*w.last) for w in wrappers), f"{passed} of {STEPS} passed through")
+        bitwise = reduce_dtype is not None or all(torch.equal(*w.last) for w in wrappers)    # bf16: in bf16
+        check(passed == STEPS and bitwise, f"{passed} of {STEPS} passed through")
     if budget_bits == "auto":
         check_noise(state, [w.norms for w in wrappers])
     # One core per shard position: its records are alike on the ranks that hold that shard (every rank, unsharded).
@@ -241,7 +243,9 @@ def errors() -> str:
 
 SCENARIOS = {"train": train, "bf16": lambda: train(torch.bfloat16, residual_dtype=torch.bfloat16),
              "replicas": lambda: train(replicas=True),
-             "pass_through": lambda: train(budget_bits=32.0), "auto": lambda: train(budget_bits="auto"),
+             "pass_through": lambda: train(budget_bits=32.0),
+             "bf16_pass_through": lambda: train(torch.bfloat16, budget_bits=32.0),
+             "auto": lambda: train(budget_bits="auto"),
              "no_sync": no_sync, "checkpoint": checkpoint, "errors": errors}
 
 

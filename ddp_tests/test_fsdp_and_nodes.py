@@ -16,17 +16,18 @@ from safebits_hvd.frontends import launch
 
 HERE = Path(__file__).resolve().parent
 # worker, its scenario count, and the members its train scenario reports at 2 and 4 ranks
-WORKERS = {"fsdp": ("fsdp_worker.py", 8, {2: 12, 4: 24}), "nodes": ("nodes_worker.py", 2, {2: 6, 4: 1})}
+WORKERS = {"fsdp": ("fsdp_worker.py", 9, {2: 12, 4: 24}), "nodes": ("nodes_worker.py", 2, {2: 6, 4: 1})}
 
 
 @pytest.mark.parametrize("ranks", [2, 4], ids=["np2", "np4"])
 @pytest.mark.parametrize("worker", sorted(WORKERS))
 def test_scenarios(worker: str, ranks: int) -> None:
-    """Every scenario passes on every rank. FSDP2: the loss falls, replicas hold equal parameters, each rank's shard
-    is the mean over ranks within the compression's error, one record a step, the residuals' bytes, accumulation
-    steps send nothing, FSDP's bf16 reduce dtype with bfloat16 residuals, the hop across replicas only, 32 bits
-    passing through FSDP's own reduce-scatter, ``auto`` and its noise, the checkpoint round trip and the errors. Across nodes: equal parameters, every bucket the mean over all ranks within
-    the compression's error, records alike per place in the node, the errors."""
+    """Every scenario passes on every rank. FSDP2: the loss falls, replicas hold equal parameters, each rank's shard is
+    the mean over ranks within the compression's error, one record a step, the residuals' bytes, accumulation steps send
+    nothing, FSDP's bf16 reduce dtype with bfloat16 residuals, the hop across replicas only, 32 bits passing through
+    FSDP's own reduce-scatter, ``auto`` and its noise, the checkpoint round trip and the errors. Across nodes: equal
+    parameters, every bucket the mean over all ranks within the compression's error, records alike per place in the
+    node, the errors."""
     script, scenarios, members = WORKERS[worker]
     try:
         output = launch.torchrun(ranks, HERE / script, timeout=150, env={"OMP_NUM_THREADS": "1"})

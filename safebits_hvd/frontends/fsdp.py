@@ -231,7 +231,7 @@ class FSDPState(CoreView):
         in_place = values.dtype == torch.float32 and values.is_contiguous()
         if not handle.packed:
             assert output is not None, "only a sharded state passes through"
-            if not (in_place and core.pass_through_unchanged(indices, values)):
+            if not core.pass_through_unchanged(indices, values):        # a residual to add, or values to check
                 work = values.reshape(-1) if in_place else values.reshape(-1).float()
                 pieces = list(work.split(list(module.row_numels) * len(module.rows)))
                 core.send_group(indices, pieces, pieces, close=False)
