@@ -16,7 +16,7 @@ from safebits_hvd.frontends import launch
 
 HERE = Path(__file__).resolve().parent
 # worker, its scenario count, and the members its train scenario reports at 2 and 4 ranks
-WORKERS = {"fsdp": ("fsdp_worker.py", 9, {2: 12, 4: 24}), "nodes": ("nodes_worker.py", 2, {2: 6, 4: 1})}
+WORKERS = {"fsdp": ("fsdp_worker.py", 10, {2: 12, 4: 24}), "nodes": ("nodes_worker.py", 2, {2: 6, 4: 1})}
 
 
 @pytest.mark.parametrize("ranks", [2, 4], ids=["np2", "np4"])

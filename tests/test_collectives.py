@@ -538,3 +538,31 @@ def test_reduce_scatter_refuses_what_it_cannot_do() -> None:
                         transport=LocalTransport())     # no owners
     assert collectives.choose("reduce_scatter", 32.0, 4) == "dense"
     assert collectives.choose("reduce_scatter", 4.4, 4) == "reduce_scatter"
+
+
+@pytest.mark.parametrize("extra", [-5, 0, 7], ids=["shorter", "as_allocated", "escalated"])
+def test_torch_alltoall_at_expected_sizes_reads_nothing_before_the_payloads_move(extra: int) -> None:
+    """``torch.distributed``'s alltoall given the bytes every rank expects (the reduce-scatter path's allocated
+    sizes): no read back before it launches; a split longer than expected sends its rest in a second alltoall, a
+    shorter one is padded; what arrives is the buffer itself (one rank on Gloo). Without expected sizes, the splits
+    are exchanged first: one read before anything moves."""
+    import torch.distributed as dist
+
+    from safebits_hvd.comm import transports
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        transport = transports.TorchDistributedTransport(timeout=30.0)
+        buffer = (torch.arange(40 + extra) % 251).to(torch.uint8)
+        for expected, reads_at_launch in (([40], 0), (None, 1)):
+            with host.counting() as launched:
+                handle = transport.start_alltoall("t", buffer, [buffer.numel()])
+                transports.launch(transport, expected)
+            received, splits = transport.wait(handle)
+            assert launched.traffic.reads == reads_at_launch
+            assert torch.equal(received, buffer) and splits.tolist() == [buffer.numel()]
+        transport.start_alltoall("t", buffer, [buffer.numel()])
+        with pytest.raises(ValueError, match="one queued"):
+            transports.launch(transport, 40)          # an allgather's expected bytes for an alltoall
+    finally:
+        dist.destroy_process_group()

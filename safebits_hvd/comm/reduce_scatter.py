@@ -44,9 +44,13 @@ class ReduceScatterPath(AllgatherPath):
         raise RuntimeError("the reduce-scatter path counts its bytes by owner when a group starts")
 
     def launch(self, members: list[int] | np.ndarray) -> None:
-        """Start the group's alltoall once the step's check is done (each rank learns what it receives then)."""
+        """Start the group's alltoall once the step's check is done, at the bytes its allocated actions take per
+        owner (the same on every rank: no size exchange; only an escalated rest waits for the wait)."""
         self._check.finish()
-        transports.launch(self.transport)
+        rows = np.asarray(members, dtype=np.int64)
+        per_owner = np.bincount(self.owners[rows], weights=self.allocated_payload_bytes(rows),
+                                minlength=self.transport.size)
+        transports.launch(self.transport, [int(b) for b in per_owner])
 
     def _start_collective(self, group: int, buffer: torch.Tensor, offsets: np.ndarray, member_bytes: int) -> Any:
         """The group's alltoall: the payloads of rank ``r``'s members (members in owner order) to rank ``r``."""

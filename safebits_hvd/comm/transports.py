@@ -166,7 +166,14 @@ class _QueuedAllgather:
 
 
 class _QueuedAlltoall:
-    """One alltoall queued by :class:`TorchDistributedTransport` until its next flush."""
+    """One alltoall queued by :class:`TorchDistributedTransport` until its next flush.
+
+    ``all_to_all_single`` needs the sizes each rank receives. With ``expected`` (per destination ``d``, the bytes
+    every rank expects to send ``d``: the same list on every rank) nothing waits at launch: each split carries this
+    rank's split lengths (one int64 per destination) and its first ``expected[d]`` bytes, zero-padded; at
+    :meth:`complete` one read of the lengths tells every rank every split's length, and the rests of longer splits
+    (a rank escalated) move in a second alltoall that every rank starts alike. Without it, every rank's splits are
+    exchanged first (blocking), then the payloads."""
 
     def __init__(self, name: str, buffer: torch.Tensor, splits: list[int]) -> None:
         self.names = [name]
@@ -174,25 +181,66 @@ class _QueuedAlltoall:
         self.splits = splits
         self.launched = False
         self.work: Any = None
+        self.expected: list[int] | None = None
         self.received = torch.empty(0, dtype=torch.uint8)
         self.received_splits: list[int] = []
 
-    def launch(self, transport: TorchDistributedTransport, expected: int | None) -> None:
-        # all_to_all_single needs the sizes this rank receives: every rank's splits first (small).
+    def launch(self, transport: TorchDistributedTransport, expected: list[int] | None) -> None:
         self.launched = True
-        device = transport.device
-        splits = host.upload(device, {"splits": np.array(self.splits, dtype=np.int64)})["splits"]
-        matrix = transport.gather_now(splits, f"the splits of {self.names[0]!r}")
-        self.received_splits = [int(v) for v in matrix[:, transport.rank]]
-        self.received = torch.empty(sum(self.received_splits), dtype=torch.uint8, device=device)
-        self.work = transport.dist.all_to_all_single(self.received, self.buffer.to(device), self.received_splits,
-                                                     self.splits, group=transport.process_group, async_op=True)
+        device, ranks = transport.device, transport.size
+        buffer = self.buffer.to(device)
+        if expected is None:       # every rank's splits first (small, blocking)
+            splits = host.upload(device, {"splits": np.array(self.splits, dtype=np.int64)})["splits"]
+            matrix = transport.gather_now(splits, f"the splits of {self.names[0]!r}")
+            self.received_splits = [int(v) for v in matrix[:, transport.rank]]
+            self.received = torch.empty(sum(self.received_splits), dtype=torch.uint8, device=device)
+            self.work = transport.dist.all_to_all_single(self.received, buffer, self.received_splits, self.splits,
+                                                         group=transport.process_group, async_op=True)
+            return
+        if len(expected) != ranks:
+            raise ValueError(f"an alltoall's expected sizes are one per rank ({ranks}), got {len(expected)}")
+        self.expected = [int(e) for e in expected]
+        lengths = host.upload(device, {"lengths": np.array(self.splits, dtype=np.int64)})["lengths"].view(torch.uint8)
+        starts = np.concatenate([[0], np.cumsum(self.splits)]).astype(np.int64)
+        send = [8 * ranks + e for e in self.expected]
+        mine = torch.zeros(sum(send), dtype=torch.uint8, device=device)
+        rests, at = [], 0
+        for d, e in enumerate(self.expected):
+            head = min(self.splits[d], e)
+            mine[at:at + 8 * ranks] = lengths
+            mine[at + 8 * ranks:at + 8 * ranks + head] = buffer[int(starts[d]):int(starts[d]) + head]
+            rests.append(buffer[int(starts[d]) + head:int(starts[d + 1])])
+            at += send[d]
+        self._rests = rests
+        self.received = torch.empty(ranks * send[transport.rank], dtype=torch.uint8, device=device)
+        self.work = transport.dist.all_to_all_single(self.received, mine, [send[transport.rank]] * ranks, send,
+                                                     group=transport.process_group, async_op=True)
 
     def complete(self, transport: TorchDistributedTransport, what: str) -> None:
-        if self.work is not None:
-            wait_bounded(self.work.is_completed, transport.timeout, what)
-            self.work.wait()                        # raises the collective's own error, if any
-            self.work = None
+        if self.work is None:
+            return
+        wait_bounded(self.work.is_completed, transport.timeout, what)
+        self.work.wait()                        # raises the collective's own error, if any
+        self.work = None
+        if self.expected is None:
+            return
+        ranks, me, expected = transport.size, transport.rank, self.expected
+        parts = self.received.view(ranks, -1)
+        lengths = host.to_host(parts[:, :8 * ranks].contiguous()).view(np.int64)     # [source, destination]
+        rests = np.maximum(lengths - np.array(expected, dtype=np.int64)[None, :], 0)
+        heads = [parts[s, 8 * ranks:8 * ranks + int(lengths[s, me] - rests[s, me])] for s in range(ranks)]
+        if rests.any():      # every rank read the same lengths: every rank starts this second alltoall
+            out = torch.empty(int(rests[:, me].sum()), dtype=torch.uint8, device=transport.device)
+            work = transport.dist.all_to_all_single(out, torch.cat(self._rests), rests[:, me].tolist(),
+                                                    rests[me].tolist(), group=transport.process_group,
+                                                    async_op=True)
+            wait_bounded(work.is_completed, transport.timeout, what)
+            work.wait()
+            tails = out.split(rests[:, me].tolist())
+            heads = [torch.cat([h, t]) for h, t in zip(heads, tails, strict=True)]
+        self._rests = []
+        self.received_splits = lengths[:, me].tolist()
+        self.received = torch.cat(heads)
 
     def result(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.received, torch.tensor(self.received_splits, dtype=torch.int32)
@@ -233,14 +281,18 @@ class TorchDistributedTransport:
         self._queue.append(operation)
         return operation, 0
 
-    def flush(self, expected_bytes: int | None = None) -> None:
-        """Launch every queued collective, in the order queued. ``expected_bytes``: what the queued allgathers'
-        payloads should total on every rank (the same number on every rank), when exactly one batch is queued."""
+    def flush(self, expected_bytes: int | list[int] | None = None) -> None:
+        """Launch every queued collective, in the order queued. ``expected_bytes``, when exactly one is queued: what
+        a batch of allgathers' payloads should total on every rank, or what every rank should send each rank in an
+        alltoall (the same on every rank)."""
         queue, self._queue = self._queue, []
-        if expected_bytes is not None and len(queue) != 1:
-            raise ValueError(f"flush(expected_bytes) needs exactly one queued batch of allgathers, not {len(queue)}")
+        if expected_bytes is not None:
+            wanted = _QueuedAlltoall if isinstance(expected_bytes, list) else _QueuedAllgather
+            if len(queue) != 1 or not isinstance(queue[0], wanted):
+                raise ValueError(f"flush(expected_bytes) needs exactly one queued {wanted.__name__[7:].lower()}, "
+                                 f"not {[type(q).__name__ for q in queue]}")
         for operation in queue:
-            operation.launch(self, expected_bytes)
+            operation.launch(self, expected_bytes)  # type: ignore[arg-type]
 
     def wait(self, handle: Any) -> Any:
         operation, position = handle
@@ -266,10 +318,10 @@ class TorchDistributedTransport:
         return self.finish_gather(self.start_gather(values), what)
 
 
-def launch(transport: PayloadTransport, expected_bytes: int | None = None) -> None:
+def launch(transport: PayloadTransport, expected_bytes: int | list[int] | None = None) -> None:
     """Start the collectives ``transport`` holds back: :class:`TorchDistributedTransport` queues them until a flush
-    (``expected_bytes``: what one queued batch of allgathers totals on every rank); every other transport started
-    them already."""
+    (``expected_bytes``: what one queued batch of allgathers totals on every rank, or per rank what one queued
+    alltoall sends it from every rank); every other transport started them already."""
     if isinstance(transport, TorchDistributedTransport):
         transport.flush(expected_bytes)
 
