@@ -595,11 +595,12 @@ class AllgatherPath(PackedCodec, CollectivePath):
         """Once the step's last group is decoded: the verdicts of every group decoded on the device (and the value
         of :meth:`expect_at_close`), read back at once; a group that was not what it should be raises
         :class:`~.wire.WireFormatError` naming the tensor and rank, as the host would have when decoding it."""
-        group = self._verdicts.failed_group()
-        if group is not None:
-            rows, names, what = self._received_as(group[0])
-            kernels.raise_received_error(group[1], self._decoded[group[0]][2], rows, self._expected[group[0]],
-                                         self.tables, names, what)
+        failed = self._verdicts.failed_group()
+        if failed is not None:
+            group, verdict = failed
+            rows, names, what = self._received_as(group)
+            kernels.raise_received_error(verdict, self._decoded[group][2], rows, self._expected[group], self.tables,
+                                         names, what)
 
 
 class ReceiveVerdicts:

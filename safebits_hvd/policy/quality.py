@@ -73,7 +73,7 @@ class NoiseMeter:
         self.measuring = False                           # the step in progress is measured
         self._step = -1
         self._local: list[torch.Tensor] = []             # ||g||² of each gradient handed over (0-d, on its device)
-        self._reduced: list[torch.Tensor] = []           # the reduced gradients themselves, read at the step's end
+        self._reduced: list[torch.Tensor] = []           # the reduced gradients, read at the end (sharded: ||.||²)
         self._copy: tuple[int, host.HostCopy] | None = None     # a measured step's sums, on their way to the host
         # A sharded front end's SUM over ranks: each rank gets back only its shard of the mean, whose ||.||² add up
         # to ||ḡ||² (run at every measured step's end on every rank, whatever it holds). Its shards are views of
