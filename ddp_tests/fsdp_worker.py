@@ -13,7 +13,7 @@ checkpoint round trip; ``budget_bits=32`` passing through FSDP's own reduce-scat
 float32; in bf16 too, its bf16 reduce); ``budget_bits="auto"``, whose gradient noise, measured on each rank's shard
 only, is that of the whole mean; and clear errors for a model never sharded, ``"auto"`` across replicas, a gradient
 divide factor and native HSDP. The sharded scenarios run on the reduce-scatter path (each row to its owner), the hop
-across replicas on the allgather path.
+across replicas on the allgather path; each one's wire bytes are the model's (where no rank escalated).
 """
 
 import os
@@ -153,6 +153,8 @@ def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False,
     records = TorchRanks.allgather_object((position, [(r.step, r.allocation_digest) for r in state.history]))
     check(all(r == q for p, r in records for p2, q in records if p == p2), "records differ across ranks")
     check(len(state.history) == STEPS, f"{len(state.history)} records for {STEPS} steps")
+    if not record.escalations:      # the record's actions are every rank's costliest: this rank's where none escalated
+        check_wire_bytes(state, record)
     check(sum(losses[-3:]) < sum(losses[:3]), f"the loss did not fall: {losses}")
     # Error feedback covers this rank's full local gradient: every member's residual, in the dtype asked for.
     size = torch.empty(0, dtype=residual_dtype).element_size()
@@ -163,6 +165,23 @@ def train(reduce_dtype: torch.dtype | None = None, replicas: bool = False,
     return {"collective": record.collective, "ratio": round(record.modeled_compression_ratio, 2),
             "loss": (round(losses[0], 3), round(losses[-1], 3)), "members": len(state.names),
             "wire_bytes": record.wire_bytes}
+
+
+def check_wire_bytes(state: Any, record: Any) -> None:
+    """The record's wire bytes are the model's: on the reduce-scatter path the payloads of the rows other ranks own,
+    each once; on the allgather path (across replicas) every payload to every other replica; passing through, FSDP's
+    reduce-scatter of the float32 buffer, ``(P - 1) / P`` of it."""
+    if record.collective == "dense":
+        expected = 4 * state.core.total_elements * (state.ranks - 1) // state.ranks
+    else:
+        tables, menu = state.core.paths[record.collective].tables, state.core.menu.names
+        sent = [int(tables.payload_bytes[i, menu.index(record.actions[name])]) for i, name in enumerate(state.names)]
+        if record.collective == "reduce_scatter":
+            owners = state.core.paths["reduce_scatter"].owners
+            expected = sum(b for b, owner in zip(sent, owners, strict=True) if owner != state.rank)
+        else:
+            expected = (state.group_size - 1) * sum(sent)
+    check(record.wire_bytes == expected, f"{record.collective}: {record.wire_bytes} wire bytes, the model {expected}")
 
 
 def check_noise(state: Any, norms: list[list[tuple[float, float]]]) -> None:
