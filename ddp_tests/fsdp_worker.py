@@ -12,8 +12,9 @@ and 2 replicas; at np 2, 2 replicas of unsharded modules), each rank's shard aga
 checkpoint round trip; ``budget_bits=32`` passing through FSDP's own reduce-scatter (bitwise its output every step in
 float32; in bf16 too, its bf16 reduce); ``budget_bits="auto"``, whose gradient noise, measured on each rank's shard
 only, is that of the whole mean; and clear errors for a model never sharded, ``"auto"`` across replicas, a gradient
-divide factor and native HSDP. The sharded scenarios run on the reduce-scatter path (each row to its owner), the hop
-across replicas on the allgather path; each one's wire bytes are the model's (where no rank escalated).
+divide factor, native HSDP and ranks that allocate differently. The sharded scenarios run on the reduce-scatter path
+(each row to its owner), the hop across replicas on the allgather path; each one's wire bytes are the model's (where no
+rank escalated).
 """
 
 import os
@@ -262,6 +263,15 @@ def errors() -> str:
         raise AssertionError("a gradient divide factor was accepted")
     except ValueError as exc:
         check("AVG and SUM" in str(exc), str(exc))
+    # Ranks that allocate differently are stopped before the alltoall (whose sizes come from the allocation).
+    model = sharded_model()
+    sbfsdp.compress(model, budget_bits=2.0 if dist.get_rank() == 1 else 4.4, timeout=30)
+    x, y = batch(0)
+    try:
+        nn.functional.cross_entropy(model(x), y).backward()
+        raise AssertionError("ranks that allocate differently were not stopped")
+    except Exception as exc:        # whatever it is, it must say why, on every rank
+        check("disagree" in str(exc), f"{type(exc).__name__}: {exc}")
     return "clear errors"
 
 
