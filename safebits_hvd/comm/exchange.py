@@ -73,6 +73,13 @@ def wait_bounded(done: Any, timeout: float | None, what: str) -> None:
         _waited_seconds += time.perf_counter() - start
 
 
+def wait_work(work: Any, timeout: float | None, what: str) -> None:
+    """A ``torch.distributed`` collective's ``Work``: :func:`wait_bounded` on it, then its own ``wait()``, which
+    raises the collective's own error, if any."""
+    wait_bounded(work.is_completed, timeout, what)
+    work.wait()
+
+
 def _wait(done: Any, timeout: float | None, what: str, start: float) -> None:
     pause = 0.0
     while not done():
@@ -249,8 +256,7 @@ class TorchDistributedExchange(_RankExchange):
 
     def _complete(self, handle: tuple[Any, torch.Tensor, np.ndarray]) -> None:
         work, tensor, values = handle
-        wait_bounded(work.is_completed, self.timeout, "SafeBits' statistics exchange (torch.distributed)")
-        work.wait()                               # raises the collective's own error, if any
+        wait_work(work, self.timeout, "SafeBits' statistics exchange (torch.distributed)")
         if self.device.type != "cpu":
             np.copyto(values, host.to_host(tensor))
 

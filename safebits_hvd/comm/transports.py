@@ -23,6 +23,7 @@ from .exchange import (
     horovod_if_initialized,
     torch_distributed_group,
     wait_bounded,
+    wait_work,
 )
 
 
@@ -135,8 +136,7 @@ class _QueuedAllgather:
         """Wait for the batch (and move the rests, if any rank has one); afterwards :meth:`result` works."""
         if self.work is None:
             return
-        wait_bounded(self.work.is_completed, transport.timeout, what)
-        self.work.wait()                            # raises the collective's own error, if any
+        wait_work(self.work, transport.timeout, what)
         self.work = None
         if self.expected is not None:
             count, expected = len(self.names), self.expected
@@ -151,8 +151,7 @@ class _QueuedAllgather:
                 mine[:self._rest.numel()] = self._rest
                 pieces = [torch.empty_like(mine) for _ in range(transport.size)]
                 work = transport.dist.all_gather(pieces, mine, group=transport.process_group, async_op=True)
-                wait_bounded(work.is_completed, transport.timeout, what)
-                work.wait()
+                wait_work(work, transport.timeout, what)
                 heads = [torch.cat([h, p[:int(rest)]]) for h, p, rest in zip(heads, pieces, rests, strict=True)]
             self.received = heads
             self._rest = torch.empty(0, dtype=torch.uint8)
@@ -219,8 +218,7 @@ class _QueuedAlltoall:
     def complete(self, transport: TorchDistributedTransport, what: str) -> None:
         if self.work is None:
             return
-        wait_bounded(self.work.is_completed, transport.timeout, what)
-        self.work.wait()                        # raises the collective's own error, if any
+        wait_work(self.work, transport.timeout, what)
         self.work = None
         if self.expected is None:
             return
@@ -234,8 +232,7 @@ class _QueuedAlltoall:
             work = transport.dist.all_to_all_single(out, torch.cat(self._rests), rests[:, me].tolist(),
                                                     rests[me].tolist(), group=transport.process_group,
                                                     async_op=True)
-            wait_bounded(work.is_completed, transport.timeout, what)
-            work.wait()
+            wait_work(work, transport.timeout, what)
             tails = out.split(rests[:, me].tolist())
             heads = [torch.cat([h, t]) for h, t in zip(heads, tails, strict=True)]
         self._rests = []
@@ -309,8 +306,7 @@ class TorchDistributedTransport:
     def finish_gather(self, handle: Any, what: str) -> np.ndarray:
         """The values of :meth:`start_gather`, stacked in rank order, on the host (a bounded wait, one read)."""
         pieces, work = handle
-        wait_bounded(work.is_completed, self.timeout, f"SafeBits' exchange of {what} (torch.distributed)")
-        work.wait()
+        wait_work(work, self.timeout, f"SafeBits' exchange of {what} (torch.distributed)")
         return host.to_host(torch.stack(pieces))
 
     def gather_now(self, values: torch.Tensor, what: str) -> np.ndarray:

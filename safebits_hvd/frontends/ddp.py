@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec.actions import DEFAULT_MENU, Menu
-from ..comm.exchange import DEFAULT_TIMEOUT, StatisticsExchange, wait_bounded
+from ..comm.exchange import DEFAULT_TIMEOUT, StatisticsExchange, wait_work
 from ..comm.transports import PayloadTransport, over_process_group
 from ..step.core import Grouping, Handle
 from .shared import CoreView, build_core, check_transports, refuse_unsent
@@ -217,8 +217,7 @@ class SafeBitsState(CoreView):
         for bucket in pending:
             if not handle.packed:
                 if bucket.work is not None:
-                    wait_bounded(bucket.work.is_completed, self.timeout, "the DDP bucket's all_reduce")
-                    bucket.work.wait()
+                    wait_work(bucket.work, self.timeout, "the DDP bucket's all_reduce")
                     bucket.buffer.div_(ranks)
                 core.noise.reduced([bucket.buffer])
                 continue
