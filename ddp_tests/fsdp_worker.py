@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from scenario_runner import TorchRanks, check, run_torch_worker, step_failures
 
 from safebits_hvd import fsdp as sbfsdp
+from safebits_hvd.codec import wire
 from safebits_hvd.frontends.launch import exit_without_finalization
 
 WIDTH, CLASSES, STEPS = 48, 5, 8
@@ -175,10 +176,11 @@ def check_wire_bytes(state: Any, record: Any) -> None:
     if record.collective == "dense":
         expected = 4 * state.core.total_elements * (state.ranks - 1) // state.ranks
     else:
-        tables, menu = state.core.paths[record.collective].tables, state.core.menu.names
-        sent = [int(tables.payload_bytes[i, menu.index(record.actions[name])]) for i, name in enumerate(state.names)]
-        if record.collective == "reduce_scatter":
-            owners = state.core.paths["reduce_scatter"].owners
+        actions = {action.name: action for action in state.core.menu}
+        sent = [wire.payload_nbytes(actions[record.actions[name]], int(n))
+                for name, n in zip(state.names, state.core.numels, strict=True)]
+        if record.collective == "reduce_scatter":      # members are named <parameter>#row<owner>
+            owners = [int(name.rsplit("#row", 1)[1]) for name in state.names]
             expected = sum(b for b, owner in zip(sent, owners, strict=True) if owner != state.rank)
         else:
             expected = (state.group_size - 1) * sum(sent)
