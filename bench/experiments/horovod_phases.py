@@ -4,8 +4,11 @@ Two ranks under ``horovodrun --gloo`` in a network namespace whose loopback ``tc
 one thread each, bound to their own cores; the compressors' training steps interleaved in one launch, as
 ``bench.link --interleave`` runs them. Per compressor, the median over the timed steps (rank 0) of: forward;
 backward, during which Horovod calls ``compress`` in each gradient's hook; the optimizer step, whose
-``synchronize()`` calls ``decompress`` (waiting for the collectives) before the update; the whole step; and the
-seconds spent inside ``compress`` and inside ``decompress``, summed over the step's tensors (SafeBits rows only).
+``synchronize()`` calls ``decompress`` (waiting for the collectives) before the update; the whole step; the
+seconds spent inside ``compress`` and inside ``decompress``, summed over the step's tensors (SafeBits rows only); and
+the CPU time of the step on the training thread and on the rank's other threads (Horovod's background thread and its
+Gloo threads). Each rank has one core, so where the two CPU columns add up to the step, the core was never idle:
+the step is bound by CPU, not by the link.
 
 Compressors: ``bench.specs`` names (``none``, ``fp16``, ``safebits@4.4`` ...); ``--fusion-bytes B ...`` adds a
 SafeBits 4.4-bit row per size B (``fusion_bytes=B``; 0: each tensor alone), to compare fusion group sizes in one
@@ -26,7 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 WORKER_FLAG = "--worker"
-PHASES = ("forward", "backward", "optimizer step", "step", "in compress", "in decompress")
+PHASES = ("forward", "backward", "optimizer step", "step", "in compress", "in decompress", "CPU, training thread",
+          "CPU, other threads")
 
 
 class Timed:
@@ -104,6 +108,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def step(model: Any = model, opt: Any = opt, gen: Any = gen) -> list[float]:
             compress.take(), decompress.take()
+            cpu0, thread0 = time.process_time(), time.thread_time()
             t0 = time.perf_counter()
             opt.zero_grad()
             loss = work.loss(model, gen)
@@ -112,7 +117,9 @@ def worker(args: argparse.Namespace) -> None:
             t2 = time.perf_counter()
             opt.step()
             t3 = time.perf_counter()
-            return [t1 - t0, t2 - t1, t3 - t2, t3 - t0, compress.take(), decompress.take()]
+            thread = time.thread_time() - thread0                # the process's CPU time counts every thread
+            return [t1 - t0, t2 - t1, t3 - t2, t3 - t0, compress.take(), decompress.take(), thread,
+                    time.process_time() - cpu0 - thread]
 
         cases.append((row, step))
     times: dict[str, list[list[float]]] = {row: [] for row, _ in cases}
