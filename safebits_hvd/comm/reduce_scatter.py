@@ -69,10 +69,10 @@ class ReduceScatterPath(AllgatherPath):
     def reduced_sums(self, indices: list[int], step: int, outs: list[torch.Tensor | None],
                      divisor: float) -> list[torch.Tensor]:
         """As the allgather path's, for the tensors this rank owns (only they are received here)."""
-        foreign = [self.names[i] for i in indices if int(self.owners[i]) != self.transport.rank]
+        foreign = [i for i in indices if int(self.owners[i]) != self.transport.rank]
         if foreign:
             raise ValueError(f"rank {self.transport.rank} receives only the tensors it owns on the reduce-scatter "
-                             f"path; {foreign[0]!r} is rank {int(self.owners[self.names.index(foreign[0])])}'s")
+                             f"path; {self.names[foreign[0]]!r} is rank {int(self.owners[foreign[0]])}'s")
         return super().reduced_sums(indices, step, outs, divisor)
 
     def _wait(self, group: int) -> torch.Tensor:

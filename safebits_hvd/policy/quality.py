@@ -108,8 +108,7 @@ class NoiseMeter:
         if self.sum_over_shards is None:
             self._reduced.extend(t for t in tensors if t.numel())
         elif any(t.numel() for t in tensors):      # a sharded front end's: measured now (see __init__)
-            self._reduced.append(torch.stack(torch._foreach_norm([t for t in tensors if t.numel()])).double()
-                                 .square().sum())
+            self._reduced.append(squared_norm([t for t in tensors if t.numel()]))
 
     def publish(self) -> tuple[int, np.ndarray] | None:
         """The end of a step: a measured step's sums start for the host; returns the last measured step's, with its
@@ -119,12 +118,12 @@ class NoiseMeter:
             step, copy = self._copy
             previous, self._copy = (step, host.arrived(copy)), None
         if self.measuring and (self._reduced or self.sum_over_shards is not None):
-            device = (self._local or self._reduced)[0].device if self._local or self._reduced else None
             if self.sum_over_shards is not None:      # the shards' ||ḡ_r||², each taken when it came back
+                device = self._local[0].device if self._local else None
                 reduced = self.sum_over_shards(torch.stack(self._reduced).sum() if self._reduced else
                                                torch.zeros((), dtype=torch.float64, device=device))
             else:
-                reduced = torch.stack(torch._foreach_norm(self._reduced)).double().square().sum()
+                reduced = squared_norm(self._reduced)
             if self._local:
                 sums = torch.stack([torch.stack(self._local).double().sum(), reduced])
                 self._copy = (self._step, host.copy_to_host(sums))
@@ -177,6 +176,11 @@ def sampling_noise(reduced: np.ndarray, ranks: int, compression_error: float) ->
     local = 0.5 * (largest + smallest)
     mean_norm2 = max(0.0, mean_norm2 - (compression_error if math.isfinite(compression_error) else 0.0))
     return Noise(local, mean_norm2, max(0.0, local - mean_norm2) / (ranks - 1))
+
+
+def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the tensors' ``||t||²``, in float64 (each norm taken in its tensor's dtype): a 0-d tensor."""
+    return torch.stack(torch._foreach_norm(tensors)).double().square().sum()
 
 
 def sent_error(distortion: np.ndarray, v2: np.ndarray, ranks: int) -> float:
