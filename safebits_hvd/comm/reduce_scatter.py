@@ -52,6 +52,12 @@ class ReduceScatterPath(AllgatherPath):
                                 minlength=self.transport.size)
         transports.launch(self.transport, [int(b) for b in per_owner])
 
+    def start(self, group: int, buffer: torch.Tensor, offsets: np.ndarray, expected: np.ndarray,
+              intos: dict[int, torch.Tensor | None], member_bytes: int) -> None:
+        """As the allgather path's, keeping the allocated actions of the members this rank receives (its own)."""
+        owned = self.owners[self._members[group]] == self.transport.rank
+        super().start(group, buffer, offsets, np.asarray(expected)[owned], intos, member_bytes)
+
     def _start_collective(self, group: int, buffer: torch.Tensor, offsets: np.ndarray, member_bytes: int) -> Any:
         """The group's alltoall: the payloads of rank ``r``'s members (members in owner order) to rank ``r``."""
         owners = self.owners[self._members[group]]
@@ -62,7 +68,6 @@ class ReduceScatterPath(AllgatherPath):
         splits = (np.asarray(offsets)[cuts[1:]] - np.asarray(offsets)[cuts[:-1]]).tolist()
         me = self.transport.rank
         self.wire_bytes += sum(size for rank, size in enumerate(splits) if rank != me)
-        self._expected[group] = self._expected[group][owners == me]         # of the members this rank receives
         return self.transport.start_alltoall(f"{self.collective_name}.scatter.{self.groups[group][0]}", buffer,
                                              splits)
 

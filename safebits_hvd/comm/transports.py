@@ -181,6 +181,7 @@ class _QueuedAlltoall:
         self.launched = False
         self.work: Any = None
         self.expected: list[int] | None = None
+        self._rests: list[torch.Tensor] = []     # with expected: what of each split did not fit its expected bytes
         self.received = torch.empty(0, dtype=torch.uint8)
         self.received_splits: list[int] = []
 
